@@ -1,0 +1,224 @@
+"""The running batch of a causal LM, and the step that grows it by one token.
+
+The whole state of a batch is one :class:`CausalLMBatch`: the tokens to feed next, the
+attention mask over every cached position, the position ids, the KV cache, and the
+:class:`~djl_stream.sequence.GenerationSequence` of each row. :func:`generate_token` is the
+only function that runs the model: it takes a batch and returns what each row produced and
+the batch for the next step, with finished rows already removed. Rows of different lengths
+are left-padded; the mask hides the padding and the position ids count real tokens only,
+so every row computes what it would compute alone.
+
+:meth:`CausalLMBatch.filter` drops rows (finished or abandoned requests) and the padding
+columns no remaining row needs; :meth:`CausalLMBatch.concatenate` merges batches, which is
+how a newly prefilled request joins a running batch (continuous batching).
+
+Example::
+
+    batch = CausalLMBatch.from_sequences(sequences, pad_token_id=tokenizer.pad_token_id,
+                                         device=model.device)
+    while batch is not None:
+        generations, batch = generate_token(model, batch)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import weakref
+from typing import Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from transformers import DynamicCache
+
+from . import kv_cache
+from .sampling import choose_next_tokens
+from .sequence import Generation, GenerationSequence
+
+
+@dataclasses.dataclass
+class CausalLMBatch:
+    """Everything a decode step needs; see the module docstring.
+
+    Before the first step (prefill) ``input_ids`` holds the left-padded prompts and
+    ``past_key_values`` is empty; after it, ``input_ids`` is ``(batch, 1)``: the last chosen
+    token of each row. ``attention_mask`` always covers the cache plus ``input_ids``.
+    """
+
+    sequences: List[GenerationSequence]
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    past_key_values: DynamicCache
+
+    @property
+    def request_ids(self) -> List[Hashable]:
+        return [seq.request_id for seq in self.sequences]
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def prefilled(self) -> bool:
+        return kv_cache.seq_length(self.past_key_values) > 0
+
+    @classmethod
+    def from_sequences(
+        cls,
+        sequences: Sequence[GenerationSequence],
+        *,
+        pad_token_id: int,
+        device: torch.device | str,
+    ) -> "CausalLMBatch":
+        """A batch ready for prefill: prompts left-padded to the longest one."""
+        if not sequences:
+            raise ValueError("a batch needs at least one sequence")
+        width = max(len(seq.prompt_ids) for seq in sequences)
+        input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for row, seq in enumerate(sequences):
+            n = len(seq.prompt_ids)
+            if n == 0:
+                raise ValueError(f"sequence {seq.request_id!r} has an empty prompt")
+            input_ids[row, width - n :] = torch.tensor(seq.prompt_ids, dtype=torch.long)
+            attention_mask[row, width - n :] = 1
+        # Positions count real tokens only, so a padded row sees the positions it would
+        # see alone; padding positions are clamped to 0 and masked out anyway.
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        return cls(
+            sequences=list(sequences),
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            position_ids=position_ids.to(device),
+            past_key_values=DynamicCache(),
+        )
+
+    def filter(self, request_ids: Iterable[Hashable]) -> Optional["CausalLMBatch"]:
+        """This batch restricted to ``request_ids`` (in their current order), or None.
+
+        Freed rows leave the KV cache at once, and so do the leading columns that were
+        padding for every row that stays.
+        """
+        keep = set(request_ids)
+        rows = [i for i, seq in enumerate(self.sequences) if seq.request_id in keep]
+        if not rows:
+            return None
+        if len(rows) == len(self.sequences):
+            return self
+        device = self.attention_mask.device
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        kv_cache.select_rows(self.past_key_values, index)
+        attention_mask = self.attention_mask.index_select(0, index)
+        input_ids = self.input_ids.index_select(0, index)
+        position_ids = self.position_ids.index_select(0, index)
+        unused = _leading_unused_columns(attention_mask)
+        if unused:
+            attention_mask = attention_mask[:, unused:]
+            if self.prefilled:
+                kv_cache.trim_left(self.past_key_values, unused)
+            else:
+                input_ids = input_ids[:, unused:]
+                position_ids = position_ids[:, unused:]
+        return CausalLMBatch(
+            sequences=[self.sequences[i] for i in rows],
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=self.past_key_values,
+        )
+
+    @classmethod
+    def concatenate(cls, batches: Sequence["CausalLMBatch"]) -> "CausalLMBatch":
+        """One batch holding every row of ``batches`` (all prefilled), in order.
+
+        Shorter caches are padded on the left to the longest one; their mask hides the
+        new columns.
+        """
+        batches = [b for b in batches if b is not None]
+        if len(batches) == 1:
+            return batches[0]
+        if not all(b.prefilled for b in batches):
+            raise ValueError("only prefilled batches can be concatenated")
+        past = max(kv_cache.seq_length(b.past_key_values) for b in batches)
+        masks = []
+        for b in batches:
+            missing = past - kv_cache.seq_length(b.past_key_values)
+            kv_cache.pad_left(b.past_key_values, missing)
+            masks.append(torch.nn.functional.pad(b.attention_mask, (missing, 0), value=0))
+        return cls(
+            sequences=[seq for b in batches for seq in b.sequences],
+            input_ids=torch.cat([b.input_ids for b in batches], dim=0),
+            attention_mask=torch.cat(masks, dim=0),
+            position_ids=torch.cat([b.position_ids for b in batches], dim=0),
+            past_key_values=kv_cache.concatenate_rows([b.past_key_values for b in batches]),
+        )
+
+
+def _leading_unused_columns(attention_mask: torch.Tensor) -> int:
+    """How many leading columns are padding in every row. The last column (the token
+    being fed) is real in every row, so this never reaches the end."""
+    used = attention_mask.any(dim=0)
+    return int(used.int().argmax().item())
+
+
+def generate_token(
+    model, batch: CausalLMBatch
+) -> Tuple[List[Generation], Optional[CausalLMBatch]]:
+    """Run one forward pass: prefill for a new batch, one decode step otherwise.
+
+    Returns each row's :class:`Generation` and the batch for the next step (None when every
+    row finished). Only the last position's logits are computed (``logits_to_keep=1``), so
+    a long prompt does not pay for a vocabulary projection of every prompt token.
+    """
+    with torch.inference_mode():
+        outputs = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            past_key_values=batch.past_key_values,
+            use_cache=True,
+            **_last_logits_only(model),
+        )
+        logits = outputs.logits[:, -1, :]
+        tokens = choose_next_tokens(
+            [seq.chooser for seq in batch.sequences],
+            logits,
+            [seq.all_ids for seq in batch.sequences],
+        )
+    generations = [seq.append(token) for seq, token in zip(batch.sequences, tokens)]
+    device = batch.attention_mask.device
+    next_batch = CausalLMBatch(
+        sequences=batch.sequences,
+        input_ids=torch.tensor(tokens, dtype=torch.long, device=device).unsqueeze(1),
+        attention_mask=torch.cat(
+            [batch.attention_mask, batch.attention_mask.new_ones((len(batch), 1))], dim=1
+        ),
+        position_ids=batch.position_ids[:, -1:] + 1,
+        past_key_values=outputs.past_key_values,
+    )
+    if not any(g.finished for g in generations):
+        return generations, next_batch
+    alive = [seq.request_id for seq in batch.sequences if not seq.finished]
+    return generations, next_batch.filter(alive)
+
+
+_LOGITS_KWARG: "weakref.WeakKeyDictionary[object, Dict[str, int]]" = weakref.WeakKeyDictionary()
+
+
+def _last_logits_only(model) -> Dict[str, int]:
+    """``{"logits_to_keep": 1}`` where the model's forward accepts it (older
+    transformers named it ``num_logits_to_keep``), else nothing."""
+    try:
+        return _LOGITS_KWARG[model]
+    except (KeyError, TypeError):
+        pass
+    params = inspect.signature(model.forward).parameters
+    kwargs: Dict[str, int] = {}
+    for name in ("logits_to_keep", "num_logits_to_keep"):
+        if name in params:
+            kwargs = {name: 1}
+            break
+    try:
+        _LOGITS_KWARG[model] = kwargs
+    except TypeError:
+        pass
+    return kwargs

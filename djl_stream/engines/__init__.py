@@ -1,0 +1,1 @@
+"""Stream engines. Each module here registers one engine in :class:`StreamingUtils`."""

@@ -1,0 +1,132 @@
+"""The "Accelerate" engine: transformers models on GPU or CPU (placed by accelerate).
+
+The stream generator keeps one KV cache for all prompts (never re-running a prompt per
+token), batches prompts of different lengths with left padding, and yields each decode
+iteration's new text per prompt as soon as the step is done.
+
+Example::
+
+    gen = StreamingUtils.get_stream_generator("Accelerate")
+    for pieces in gen(model, tokenizer, ["The capital of France is"], max_new_tokens=8):
+        print(pieces[0], end="", flush=True)
+"""
+
+from __future__ import annotations
+
+from typing import Any, FrozenSet, Iterator, List, Optional, Sequence
+
+import torch
+
+from ..batch import CausalLMBatch, generate_token
+from ..sampling import TokenChooser
+from ..sequence import GenerationSequence
+from ..streaming_utils import register_engine
+
+DEFAULT_MAX_NEW_TOKENS = 50
+_CHOOSER_PARAMETERS = (
+    "do_sample", "temperature", "top_k", "top_p", "typical_p",
+    "repetition_penalty", "manual_seed",
+)
+_PARAMETERS = frozenset(_CHOOSER_PARAMETERS + ("max_new_tokens", "stop"))
+
+
+def model_input_device(model) -> torch.device:
+    """Where input tensors must go: the device of the input embeddings (with an
+    accelerate ``device_map`` the model spans several devices)."""
+    try:
+        return model.get_input_embeddings().weight.device
+    except AttributeError:
+        return next(model.parameters()).device
+
+
+def eos_token_ids(model, tokenizer) -> FrozenSet[int]:
+    """Every id that ends a sequence: the generation config's (one or several, e.g.
+    SmolLM2's ``<|im_end|>``) and the tokenizer's."""
+    ids = set()
+    config = getattr(model, "generation_config", None)
+    configured = getattr(config, "eos_token_id", None)
+    if configured is None:
+        configured = getattr(model.config, "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured:
+        ids.update(int(i) for i in configured)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def pad_token_id(tokenizer, eos_ids: FrozenSet[int]) -> int:
+    """Any id works for padding (the mask hides it); prefer the tokenizer's own."""
+    if getattr(tokenizer, "pad_token_id", None) is not None:
+        return int(tokenizer.pad_token_id)
+    return min(eos_ids) if eos_ids else 0
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str]) -> List[List[int]]:
+    """Token ids of each prompt, with the special tokens the model expects (e.g. BOS)."""
+    return [list(ids) for ids in tokenizer(list(prompts))["input_ids"]]
+
+
+def build_sequences(
+    model,
+    tokenizer,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    request_ids: Optional[Sequence[Any]] = None,
+    **parameters: Any,
+) -> List[GenerationSequence]:
+    """One :class:`GenerationSequence` per prompt, all with the same ``parameters``."""
+    unknown = set(parameters) - _PARAMETERS
+    if unknown:
+        raise ValueError(
+            f"unknown generation parameter(s) {sorted(unknown)}; known: {sorted(_PARAMETERS)}"
+        )
+    device = model_input_device(model)
+    eos_ids = eos_token_ids(model, tokenizer)
+    stop = parameters.get("stop") or ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    chooser_kwargs = {k: v for k, v in parameters.items() if k in _CHOOSER_PARAMETERS and v is not None}
+    max_new_tokens = parameters.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
+    request_ids = list(range(len(prompt_ids))) if request_ids is None else list(request_ids)
+    return [
+        GenerationSequence(
+            request_id,
+            ids,
+            tokenizer,
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=eos_ids,
+            stop=tuple(stop),
+            chooser=TokenChooser(device=device, **chooser_kwargs),
+        )
+        for request_id, ids in zip(request_ids, prompt_ids)
+    ]
+
+
+@register_engine("Accelerate")
+def accelerate_stream_generator(
+    model, tokenizer, inputs: List[str], **parameters: Any
+) -> Iterator[List[str]]:
+    """Stream the continuation of every prompt in ``inputs``, one list per decode step.
+
+    ``parameters``: ``max_new_tokens`` (default 50), ``do_sample``, ``temperature``,
+    ``top_k``, ``top_p``, ``typical_p``, ``repetition_penalty``, ``manual_seed``, ``stop``.
+    Each list has one entry per prompt: the text that step released for it, ``""`` when
+    it released none (an incomplete character, a possible stop string, or already done).
+    Closing the iterator (a client that left) drops the batch and its cache at once.
+    """
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    sequences = build_sequences(model, tokenizer, encode_prompts(tokenizer, inputs), **parameters)
+    batch: Optional[CausalLMBatch] = CausalLMBatch.from_sequences(
+        sequences,
+        pad_token_id=pad_token_id(tokenizer, sequences[0].eos_token_ids),
+        device=model_input_device(model),
+    )
+    while batch is not None:
+        generations, batch = generate_token(model, batch)
+        pieces = [""] * len(sequences)
+        for generation in generations:
+            pieces[generation.request_id] = generation.text
+        yield pieces

@@ -1,0 +1,117 @@
+"""Loading a model and its tokenizer from :class:`~djl_stream.properties.ModelProperties`.
+
+On a GPU machine the model goes to the GPU djl assigned (``device_id``), or is spread over
+``tensor_parallel_degree`` GPUs with accelerate's ``device_map="balanced"`` and an equal
+``max_memory`` budget on each; on CPU it stays on the CPU. ``dtype=auto`` means half
+precision on GPU (bf16 where the model was trained in it) and fp32 on CPU, where half
+precision is slow.
+
+Example::
+
+    props = ModelProperties.from_init_properties({"model_dir": "model"})
+    model, tokenizer = load_model_and_tokenizer(props)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Dict, Tuple
+
+from .properties import ModelProperties
+
+logger = logging.getLogger(__name__)
+
+
+class ModelLoadError(RuntimeError):
+    """The weights or tokenizer could not be loaded; the message says where from and why."""
+
+
+def torch_dtype(props: ModelProperties, on_gpu: bool):
+    import torch
+
+    if props.dtype == "fp32":
+        return torch.float32
+    if props.dtype == "fp16":
+        return torch.float16
+    if props.dtype == "bf16":
+        return torch.bfloat16
+    if not on_gpu:
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def placement(props: ModelProperties) -> Dict[str, Any]:
+    """``from_pretrained`` keyword arguments that place the model: nothing on CPU, one
+    GPU for a degree of 1, a balanced ``device_map`` over N GPUs otherwise."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    available = torch.cuda.device_count()
+    degree = props.tensor_parallel_degree or available
+    if degree > available:
+        raise ModelLoadError(
+            f"option.tensor_parallel_degree is {degree} but only {available} GPU(s) are visible"
+        )
+    if degree == 1:
+        return {"device_map": {"": max(props.device_id, 0)}}
+    first = max(props.device_id, 0)
+    gpus = list(range(first, first + degree)) if first + degree <= available else list(range(degree))
+    # An equal budget per GPU (the smallest free memory, less headroom for activations and
+    # the KV cache) makes accelerate spread the layers evenly instead of filling GPU 0.
+    budget = min(torch.cuda.mem_get_info(i)[0] for i in gpus)
+    budget_gib = max(int(budget * 0.85) // 2**20, 1)
+    return {
+        "device_map": "balanced",
+        "max_memory": {i: f"{budget_gib}MiB" for i in gpus},
+    }
+
+
+def _is_local(location: str) -> bool:
+    return Path(location).exists()
+
+
+def load_model_and_tokenizer(props: ModelProperties) -> Tuple[Any, Any]:
+    """Load ``props.weights_location()`` as a causal LM and its tokenizer, in eval mode.
+
+    A hub id that cannot be fetched (no network, no such model, gated) raises
+    :class:`ModelLoadError` that says what was tried and what to do instead.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    location = props.weights_location()
+    local = _is_local(location)
+    if not props.model_id and not (Path(location) / "config.json").is_file():
+        raise ModelLoadError(
+            f"no model in {location}: set option.model_id to a local path or hub id, or "
+            "put a Hugging Face model folder (config.json, weights, tokenizer) there"
+            " (for the embedded default: djl-stream embed MODEL_DIR)"
+        )
+    on_gpu = torch.cuda.is_available()
+    kwargs = dict(
+        dtype=torch_dtype(props, on_gpu),
+        trust_remote_code=props.trust_remote_code,
+        **placement(props),
+    )
+    logger.info("loading %s (%s) with %s", location, "local" if local else "hub", kwargs)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            location, trust_remote_code=props.trust_remote_code
+        )
+        model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+    except OSError as error:
+        if local:
+            raise ModelLoadError(f"could not load the model in {location}: {error}") from error
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        raise ModelLoadError(
+            f"could not load option.model_id={location!r}: it is not a local path, and "
+            f"fetching it from the Hugging Face hub failed{' (HF_HUB_OFFLINE=1)' if offline else ''}"
+            f" ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
+            "Check the id and network access, or download the weights into the model "
+            "directory and leave option.model_id unset."
+        ) from error
+    model.eval()
+    return model, tokenizer

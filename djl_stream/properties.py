@@ -1,0 +1,234 @@
+"""Model properties: what ``serving.properties`` and ``OPTION_*`` variables configure.
+
+djl-serving hands the init call of ``handle()`` the ``option.*`` keys of
+``serving.properties`` with the ``option.`` prefix removed, plus ``model_dir``; environment
+variables ``OPTION_<KEY>`` become ``option.<key>`` (SageMaker configures containers that
+way) and ``serving.properties`` wins over them. :func:`djl_init_properties` builds exactly
+that mapping for the local server, and :meth:`ModelProperties.from_init_properties` parses
+it into one typed, validated object, so nothing downstream handles strings again.
+
+Example::
+
+    >>> props = ModelProperties.from_init_properties(
+    ...     {"model_dir": "/opt/ml/model", "dtype": "fp16", "tensor_parallel_degree": "2"})
+    >>> props.dtype, props.tensor_parallel_degree, props.default_max_new_tokens
+    ('fp16', 2, 50)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("fp32", "fp16", "bf16", "auto")
+#: Keys djl-serving itself adds to the init call; accepted and ignored here.
+DJL_KEYS = frozenset(
+    {"handler", "device_id", "entryPoint", "entrypoint", "engine", "rolling_batch",
+     "predict_timeout", "model_loading_timeout", "parallel_loading", "task"}
+)
+
+
+class PropertyError(ValueError):
+    """A property is unknown or has a value of the wrong type or range.
+
+    ``key`` names the property as the user wrote it (``option.dtype``), so the message can
+    be acted on without reading code.
+    """
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+def suggest_property(key: str) -> str:
+    """``"; did you mean option.dtype?"`` for a near-miss such as ``dtpye``, else ``""``."""
+    close = difflib.get_close_matches(key, sorted(ModelProperties.known_keys()), n=1)
+    return f"; did you mean option.{close[0]}?" if close else ""
+
+
+def _as_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise PropertyError(f"option.{key}", f"expected true or false, got {value!r}")
+
+
+def _as_int(key: str, value: Any, minimum: int = 1) -> int:
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        raise PropertyError(f"option.{key}", f"expected an integer, got {value!r}") from None
+    if number < minimum:
+        raise PropertyError(f"option.{key}", f"must be at least {minimum}, got {number}")
+    return number
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelProperties:
+    """Typed configuration of one served model.
+
+    Attributes:
+        model_dir: the model directory (djl's working directory for the worker).
+        model_id: local path (absolute, or relative to ``model_dir``) or hub id of the
+            weights; ``None`` means the weights are in ``model_dir`` itself.
+        dtype: ``fp32``, ``fp16``, ``bf16`` or ``auto`` (half precision on GPU, fp32 on CPU).
+        tensor_parallel_degree: number of GPUs to spread the model over; ``None`` means
+            ``max`` (all visible GPUs). Ignored on CPU.
+        enable_streaming: stream by default when a request does not say ``"stream"``.
+        trust_remote_code: allow model code from the hub; never settable from a request.
+        default_max_new_tokens: ``max_new_tokens`` when a request gives none.
+        max_new_tokens_limit: the largest ``max_new_tokens`` a request may ask for.
+        max_input_length: the longest prompt, in tokens, a request may send.
+        output_formatter: built-in formatter name (``jsonlines``, ``sse``) or the name of a
+            function in ``model.py``.
+        apply_chat_template: wrap each ``inputs`` prompt as one user turn of the tokenizer's
+            chat template; ``None`` (``auto``) does so when the tokenizer has a template,
+            which is what an instruct model needs. ``messages`` requests always use it.
+        engine: force a stream engine (``Accelerate``, ``transformers-neuronx``); ``None``
+            picks one from the hardware.
+        device_id: the GPU djl assigned to this worker (-1 on CPU).
+    """
+
+    model_dir: str = "."
+    model_id: Optional[str] = None
+    dtype: str = "auto"
+    tensor_parallel_degree: Optional[int] = 1
+    enable_streaming: bool = True
+    trust_remote_code: bool = False
+    default_max_new_tokens: int = 50
+    max_new_tokens_limit: int = 2048
+    max_input_length: int = 4096
+    output_formatter: str = "jsonlines"
+    apply_chat_template: Optional[bool] = None
+    engine: Optional[str] = None
+    device_id: int = -1
+    extra: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def known_keys(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
+
+    @classmethod
+    def from_init_properties(
+        cls, properties: Mapping[str, Any], *, strict: bool = False
+    ) -> "ModelProperties":
+        """Parse the init call's properties (``option.`` prefix already removed).
+
+        Known keys are typed and range-checked; a bad value raises :class:`PropertyError`.
+        Unknown keys are kept in ``extra`` and logged with the closest known name, because
+        djl-serving versions add keys of their own; with ``strict=True`` (what
+        ``djl-stream check`` uses) an unknown key raises instead, so a typo in
+        ``serving.properties`` cannot silently fall back to a default.
+        """
+        values: dict[str, Any] = {}
+        extra: dict[str, str] = {}
+        known = set(cls.known_keys())
+        for key, raw in properties.items():
+            if key in known:
+                values[key] = raw
+                continue
+            extra[key] = str(raw)
+            if key in DJL_KEYS:
+                continue
+            hint = suggest_property(key)
+            if strict:
+                raise PropertyError(f"option.{key}", f"unknown property{hint}")
+            logger.warning("ignoring unknown property option.%s%s", key, hint)
+        return cls(**_typed(values), extra=extra)
+
+    def weights_location(self) -> str:
+        """Where ``from_pretrained`` loads from: ``model_id`` (resolved against the
+        model directory when it is a relative path that exists there) or the model
+        directory itself."""
+        if not self.model_id:
+            return self.model_dir
+        local = Path(self.model_dir) / self.model_id
+        if not Path(self.model_id).is_absolute() and local.exists():
+            return str(local)
+        return self.model_id
+
+
+def _typed(values: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if key in ("enable_streaming", "trust_remote_code"):
+            out[key] = _as_bool(key, value)
+        elif key in ("default_max_new_tokens", "max_new_tokens_limit", "max_input_length"):
+            out[key] = _as_int(key, value)
+        elif key == "apply_chat_template":
+            text = str(value).strip().lower()
+            out[key] = None if text == "auto" else _as_bool(key, value)
+        elif key == "device_id":
+            out[key] = _as_int(key, value, minimum=-1)
+        elif key == "tensor_parallel_degree":
+            text = str(value).strip().lower()
+            out[key] = None if text == "max" else _as_int(key, value)
+        elif key == "dtype":
+            text = str(value).strip().lower()
+            aliases = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "half": "fp16"}
+            text = aliases.get(text, text)
+            if text not in DTYPES:
+                raise PropertyError("option.dtype", f"expected one of {', '.join(DTYPES)}, got {value!r}")
+            out[key] = text
+        elif key in ("model_id", "engine"):
+            out[key] = str(value).strip() or None
+        else:
+            out[key] = str(value)
+    if out.get("default_max_new_tokens", 50) > out.get("max_new_tokens_limit", 2048):
+        raise PropertyError(
+            "option.default_max_new_tokens",
+            f"must not exceed option.max_new_tokens_limit ({out.get('max_new_tokens_limit', 2048)})",
+        )
+    return out
+
+
+def read_serving_properties(model_dir: str | Path) -> dict[str, str]:
+    """The raw ``key=value`` pairs of ``MODEL_DIR/serving.properties`` (Java properties
+    syntax: ``#``/``!`` comments, ``=`` or ``:`` separators, surrounding blanks trimmed).
+    A missing file is an empty mapping, as in djl-serving."""
+    path = Path(model_dir) / "serving.properties"
+    pairs: dict[str, str] = {}
+    if not path.is_file():
+        return pairs
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line or line[0] in "#!":
+            continue
+        cut = min((i for i in (line.find("="), line.find(":")) if i >= 0), default=-1)
+        if cut < 0:
+            pairs[line] = ""
+            continue
+        pairs[line[:cut].strip()] = line[cut + 1 :].strip()
+    return pairs
+
+
+def djl_init_properties(
+    model_dir: str | Path, environ: Optional[Mapping[str, str]] = None
+) -> dict[str, str]:
+    """The properties djl-serving passes to the init call of ``handle()``.
+
+    ``OPTION_MAX_INPUT_LENGTH=512`` in the environment becomes ``max_input_length``;
+    ``option.*`` keys of ``serving.properties`` override environment values and lose their
+    prefix; keys without the prefix (``engine``, ``batch_size``) are framework settings and
+    are not passed. ``model_dir`` is added.
+    """
+    environ = os.environ if environ is None else environ
+    merged: dict[str, str] = {}
+    for name, value in environ.items():
+        if name.startswith("OPTION_") and len(name) > len("OPTION_"):
+            merged[name[len("OPTION_"):].lower()] = value
+    for key, value in read_serving_properties(model_dir).items():
+        if key.startswith("option."):
+            merged[key[len("option."):]] = value
+    merged["model_dir"] = str(Path(model_dir).resolve())
+    return merged
