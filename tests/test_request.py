@@ -1,0 +1,338 @@
+"""Request parsing: a JSON body becomes a GenerationRequest, or one clear 400."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from djl_stream.request import (GenerationRequest, RequestError, SamplingParameters,
+                                check_input_length, parse_json_body, parse_request)
+
+LIMIT = 2048
+
+
+def chat_template(messages: list[dict[str, str]]) -> str:
+    return "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages) + "<|assistant|>"
+
+
+def parse(body, **kwargs) -> GenerationRequest:
+    kwargs.setdefault("default_max_new_tokens", 50)
+    kwargs.setdefault("max_new_tokens_limit", LIMIT)
+    return parse_request(body, **kwargs)
+
+
+def refused(body, **kwargs) -> RequestError:
+    with pytest.raises(RequestError) as raised:
+        parse(body, **kwargs)
+    return raised.value
+
+
+def with_params(**parameters):
+    return {"inputs": "Hello", "parameters": parameters}
+
+
+# -- the happy paths --------------------------------------------------------------------
+
+
+def test_a_single_prompt_gets_the_defaults():
+    req = parse({"inputs": "Hello"})
+
+    assert req.prompts == ("Hello",)
+    assert req.batched is False
+    assert req.stream is None
+    assert req.messages is None
+    assert req.parameters == SamplingParameters(max_new_tokens=50)
+
+
+def test_a_list_of_prompts_is_a_batched_request():
+    req = parse({"inputs": ["a", "b"], "stream": True})
+
+    assert req.prompts == ("a", "b")
+    assert req.batched is True
+    assert req.stream is True
+
+
+def test_a_list_of_one_is_still_batched_so_the_answer_is_a_list():
+    assert parse({"inputs": ["a"]}).batched is True
+
+
+def test_every_parameter_is_carried_into_sampling_parameters():
+    req = parse(with_params(max_new_tokens=7, temperature=0.7, top_k=40, top_p=0.9,
+                            typical_p=0.95, repetition_penalty=1.2, do_sample=True,
+                            manual_seed=42, stop=["\n\n", "User:"]))
+
+    assert req.parameters == SamplingParameters(
+        max_new_tokens=7, temperature=0.7, top_k=40, top_p=0.9, typical_p=0.95,
+        repetition_penalty=1.2, do_sample=True, manual_seed=42, stop=("\n\n", "User:"))
+
+
+def test_sampling_settings_alone_do_not_switch_sampling_on():
+    # transformers' rule: temperature & co. only matter when do_sample is true.
+    assert parse(with_params(temperature=0.5, top_k=10)).parameters.do_sample is False
+
+
+def test_an_integer_is_a_valid_float():
+    params = parse(with_params(temperature=1, top_p=1)).parameters
+    assert params.temperature == 1.0 and isinstance(params.temperature, float)
+
+
+def test_null_means_not_given():
+    req = parse({"inputs": "x", "parameters": {"max_new_tokens": None}, "stream": None})
+    assert req.parameters.max_new_tokens == 50
+    assert parse({"inputs": "x", "parameters": None}).parameters == SamplingParameters(50)
+
+
+def test_a_single_stop_string_is_normalised_to_a_tuple():
+    assert parse(with_params(stop="###")).parameters.stop == ("###",)
+    assert parse(with_params(stop=[])).parameters.stop == ()
+
+
+def test_as_kwargs_is_ready_for_a_stream_generator():
+    params = parse(with_params(max_new_tokens=3, stop="x")).parameters
+
+    assert params.as_kwargs() == {"max_new_tokens": 3, "temperature": 1.0, "top_k": 0,
+                                  "top_p": 1.0, "typical_p": 1.0, "repetition_penalty": 1.0,
+                                  "do_sample": False, "stop": ["x"]}
+    assert SamplingParameters(1, manual_seed=0).as_kwargs()["manual_seed"] == 0
+
+
+def test_the_parsed_request_is_immutable():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        parse({"inputs": "x"}).parameters.max_new_tokens = 9  # type: ignore[misc]
+
+
+def test_utf8_prompts_survive_parsing():
+    body = parse_json_body('{"inputs": ["你好", "👋🏽 café"]}'.encode("utf-8"))
+    assert parse(body).prompts == ("你好", "👋🏽 café")
+
+
+# -- messages ---------------------------------------------------------------------------
+
+
+def test_messages_are_rendered_with_the_chat_template():
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    req = parse({"messages": messages, "parameters": {"max_new_tokens": 5}},
+                apply_chat_template=chat_template)
+
+    assert req.prompts == ("<|system|>Be brief.\n<|user|>Hi\n<|assistant|>",)
+    assert req.messages == tuple(messages)
+    assert req.batched is False
+    assert req.parameters.max_new_tokens == 5
+
+
+def test_messages_need_a_chat_template():
+    error = refused({"messages": [{"role": "user", "content": "Hi"}]})
+    assert error.field == "messages"
+    assert "chat template" in error.message
+
+
+def test_a_template_that_rejects_the_conversation_is_a_request_error():
+    def strict_template(messages):
+        raise ValueError("Conversation roles must alternate user/assistant")
+
+    error = refused({"messages": [{"role": "user", "content": "a"}]},
+                    apply_chat_template=strict_template)
+    assert error.field == "messages"
+    assert "must alternate" in error.message
+
+
+@pytest.mark.parametrize("messages, field, words", [
+    ([], "messages", "must not be empty"),
+    ("hi", "messages", "must be a list"),
+    ([{"role": "bot", "content": "x"}], "messages[0].role", "'system', 'user', 'assistant' or 'tool'"),
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": " "}],
+     "messages[1].content", "must not be empty"),
+    ([{"role": "user", "content": 3}], "messages[0].content", "must be a string"),
+    ([{"role": "user"}], "messages[0].content", "is required"),
+    ([{"role": "user", "content": "a", "name": "x"}], "messages[0].name", "not a known"),
+    (["hello"], "messages[0]", "must be an object"),
+])
+def test_bad_messages_name_the_message_and_key(messages, field, words):
+    error = refused({"messages": messages}, apply_chat_template=chat_template)
+    assert error.field == field
+    assert words in error.message
+    assert error.message.startswith(field)
+
+
+# -- the body as a whole ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body", [["Hello"], "Hello", None, 5])
+def test_a_body_that_is_not_an_object_is_refused(body):
+    error = refused(body)
+    assert error.field == "body"
+    assert "JSON object" in error.message
+
+
+def test_inputs_or_messages_is_required():
+    error = refused({"parameters": {}})
+    assert error.field == "inputs"
+    assert "required" in error.message
+
+
+def test_inputs_and_messages_together_are_refused():
+    error = refused({"inputs": "a", "messages": [{"role": "user", "content": "b"}]},
+                    apply_chat_template=chat_template)
+    assert error.field == "body"
+    assert "not both" in error.message
+
+
+def test_an_unknown_top_level_key_is_refused_with_a_suggestion():
+    error = refused({"input": "Hello"})
+    assert error.field == "input"
+    assert "did you mean inputs?" in error.message
+
+
+def test_stream_must_be_a_boolean():
+    error = refused({"inputs": "a", "stream": "true"})
+    assert error.field == "stream"
+    assert error.message == 'stream must be true or false, got "true" (a string)'
+
+
+# -- prompts ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inputs, field, words", [
+    ("", "inputs", "must not be empty"),
+    ("  \n\t", "inputs", "must not be empty or whitespace only"),
+    ([], "inputs", "must not be empty"),
+    (["ok", ""], "inputs[1]", "must not be empty"),
+    (["ok", "fine", "   "], "inputs[2]", "whitespace only"),
+    (["ok", 5], "inputs[1]", "must be a string, got 5"),
+    (5, "inputs", "must be a string or a list of strings, got 5"),
+    ({"text": "a"}, "inputs", "must be a string or a list of strings, got an object"),
+])
+def test_bad_prompts_are_refused_at_their_index(inputs, field, words):
+    error = refused({"inputs": inputs})
+    assert error.field == field
+    assert words in error.message
+
+
+# -- parameters -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("parameters, message", [
+    ({"max_new_tokens": 5000}, "parameters.max_new_tokens must be at most 2048, got 5000"),
+    ({"max_new_tokens": 0}, "parameters.max_new_tokens must be at least 1, got 0"),
+    ({"max_new_tokens": "5"}, 'parameters.max_new_tokens must be an integer, got "5" (a string)'),
+    ({"max_new_tokens": True}, "parameters.max_new_tokens must be an integer, got true"),
+    ({"max_new_tokens": 5.0}, "parameters.max_new_tokens must be an integer, got 5"),
+    ({"temperature": 0}, "parameters.temperature must be greater than 0, got 0"),
+    ({"temperature": 101}, "parameters.temperature must be at most 100, got 101"),
+    ({"temperature": False}, "parameters.temperature must be a number, got false"),
+    ({"temperature": float("inf")}, "parameters.temperature must be a finite number, got inf"),
+    ({"top_k": -1}, "parameters.top_k must be at least 0, got -1"),
+    ({"top_k": 1.5}, "parameters.top_k must be an integer, got 1.5"),
+    ({"top_p": 0}, "parameters.top_p must be greater than 0, got 0"),
+    ({"top_p": 1.01}, "parameters.top_p must be at most 1, got 1.01"),
+    ({"typical_p": -0.5}, "parameters.typical_p must be greater than 0, got -0.5"),
+    ({"typical_p": 2}, "parameters.typical_p must be at most 1, got 2"),
+    ({"repetition_penalty": 0}, "parameters.repetition_penalty must be greater than 0, got 0"),
+    ({"repetition_penalty": 10.5}, "parameters.repetition_penalty must be at most 10, got 10.5"),
+    ({"do_sample": "yes"}, 'parameters.do_sample must be true or false, got "yes" (a string)'),
+    ({"do_sample": 1}, "parameters.do_sample must be true or false, got 1"),
+    ({"manual_seed": -1}, "parameters.manual_seed must be at least 0, got -1"),
+    ({"manual_seed": 2**63}, f"parameters.manual_seed must be less than {2**63}, got {2**63}"),
+])
+def test_out_of_range_or_mistyped_parameters_name_the_field_and_the_limit(parameters, message):
+    [name] = parameters
+    error = refused(with_params(**parameters))
+
+    assert error.field == f"parameters.{name}"
+    assert error.message == message
+
+
+def test_the_max_new_tokens_limit_itself_is_allowed():
+    assert parse(with_params(max_new_tokens=LIMIT)).parameters.max_new_tokens == LIMIT
+
+
+def test_the_limit_comes_from_the_caller():
+    error = refused(with_params(max_new_tokens=200), max_new_tokens_limit=128)
+    assert error.message == "parameters.max_new_tokens must be at most 128, got 200"
+
+
+def test_the_bounds_are_inclusive_where_documented():
+    params = parse(with_params(top_p=1, typical_p=1.0, temperature=100, repetition_penalty=10,
+                               top_k=0, manual_seed=2**63 - 1)).parameters
+    assert (params.top_p, params.temperature, params.manual_seed) == (1.0, 100.0, 2**63 - 1)
+
+
+def test_an_unknown_parameter_is_refused_with_a_suggestion():
+    error = refused(with_params(max_tokens=10))
+
+    assert error.field == "parameters.max_tokens"
+    assert "not a known parameter" in error.message
+    assert "did you mean max_new_tokens?" in error.message
+
+
+def test_parameters_must_be_an_object():
+    error = refused({"inputs": "a", "parameters": [1]})
+    assert (error.field, error.message) == ("parameters", "parameters must be an object, got a list")
+
+
+@pytest.mark.parametrize("stop, field, words", [
+    ("", "parameters.stop", "must not be empty"),
+    (["a", ""], "parameters.stop[1]", "must not be empty"),
+    (["x" * 257], "parameters.stop[0]", "at most 256 characters long, got 257"),
+    (["s"] * 17, "parameters.stop", "at most 16 entries, got 17"),
+    (5, "parameters.stop", "must be a string or a list of strings"),
+    (["a", 5], "parameters.stop[1]", "must be a string"),
+])
+def test_stop_sequences_are_checked(stop, field, words):
+    error = refused(with_params(stop=stop))
+    assert error.field == field
+    assert words in error.message
+
+
+def test_only_the_first_problem_is_reported():
+    error = refused(with_params(top_k=-1, top_p=5))
+    assert error.field == "parameters.top_k"
+
+
+# -- the error body ---------------------------------------------------------------------
+
+
+def test_to_dict_is_the_400_body():
+    error = refused(with_params(max_new_tokens=5000))
+
+    assert error.to_dict() == {
+        "code": 400, "type": "RequestError", "field": "parameters.max_new_tokens",
+        "message": "parameters.max_new_tokens must be at most 2048, got 5000"}
+    assert str(error) == error.message
+
+
+# -- raw bodies -------------------------------------------------------------------------
+
+
+def test_parse_json_body_decodes_utf8_json():
+    assert parse_json_body('{"inputs": "héllo"}'.encode("utf-8")) == {"inputs": "héllo"}
+    assert parse_json_body(bytearray(b"[1]")) == [1]
+
+
+@pytest.mark.parametrize("raw", [
+    b"", b"   ", b"{", b"{'inputs': 'x'}", b'{"inputs": "x"} trailing',
+    b"\xff\xfe{}", '{"inputs": "é"}'.encode("latin-1"), b'{"t": NaN}', b"Infinity",
+])
+def test_parse_json_body_refuses_what_is_not_utf8_json(raw):
+    with pytest.raises(RequestError) as raised:
+        parse_json_body(raw)
+
+    assert raised.value.field == "body"
+    assert "not valid JSON" in raised.value.message
+
+
+# -- input length -----------------------------------------------------------------------
+
+
+def test_check_input_length_names_the_prompt_and_the_option():
+    with pytest.raises(RequestError) as raised:
+        check_input_length("inputs[0]", 5000, 4096)
+
+    assert raised.value.field == "inputs[0]"
+    assert raised.value.message == (
+        "inputs[0] is 5000 tokens long; the limit (option.max_input_length) is 4096")
+
+
+def test_check_input_length_allows_a_prompt_at_the_limit():
+    check_input_length("inputs", 4096, 4096)
