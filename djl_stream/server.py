@@ -1,0 +1,401 @@
+"""The local server: djl-serving's HTTP contract in front of one :class:`ModelWorker`.
+
+Routes, as djl-serving (and SageMaker) expose them:
+
+- ``GET /ping``: 200 ``{"status": "Healthy"}`` once the model is loaded, 503 with the
+  reason while it loads or after the load failed;
+- ``POST /invocations`` and ``POST /predictions/{model_name}``: one request to ``handle()``;
+- ``GET /models``: the management list, ``{"models": [{"modelName", "modelUrl", "status"}]}``.
+
+The server starts answering at once and loads the model in a background thread. Each
+request's ``handle()`` runs in a worker thread. A streaming ``Output`` is sent as djl's
+front end sends it: the response head is held until the first item exists (an error before
+it is a plain 424 JSON answer), then every item is its own HTTP chunk, flushed as soon as
+it is formatted; an error after that ends the stream with one error record, and a client
+that goes away stops generation (the iterator is closed). Framework errors are JSON
+``{"code", "type", "message"}``.
+
+Example::
+
+    $ djl-stream serve model/ --port 8080
+    $ curl -N localhost:8080/invocations -H 'content-type: application/json' \\
+          -d '{"inputs": "Hello", "stream": true}'
+    {"output_tokens": ["Hello"]}
+    {"output_tokens": ["!"]}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Mapping, Optional
+
+import anyio
+import anyio.to_thread
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from djl_stream.worker import (
+    READY,
+    ModelWorker,
+    encode_stream_error,
+    encode_stream_item,
+    error_status,
+    output_body,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Threads for ``handle()`` and the stream iterators' ``next()``: every open stream may
+#: hold one while it waits for its next token, so this bounds concurrent streams.
+DEFAULT_MAX_THREADS = 128
+#: Where the access-log middleware and a stream share what happened to a request.
+_LOG_KEY = "djl_stream.log"
+#: Response headers the server computes itself; a handler's value would corrupt framing.
+_FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
+_ERROR_TYPES = {
+    400: "BadRequestException",
+    404: "ResourceNotFoundException",
+    405: "MethodNotAllowedException",
+    413: "RequestEntityTooLargeException",
+    500: "InternalServerException",
+    503: "ServiceUnavailableException",
+}
+
+
+def error_response(code: int, message: str, error_type: Optional[str] = None) -> JSONResponse:
+    """A framework error the way djl-serving writes one.
+
+    >>> error_response(404, "Model not found: gpt", "ModelNotFoundException").body
+    b'{"code":404,"type":"ModelNotFoundException","message":"Model not found: gpt"}'
+    """
+    error_type = error_type or _ERROR_TYPES.get(code, "ServiceException")
+    return JSONResponse({"code": code, "type": error_type, "message": message},
+                        status_code=code)
+
+
+def handler_error_body(code: int, error: str) -> bytes:
+    """The body djl sends when ``handle()`` (or its stream, before the first item) fails.
+
+    >>> handler_error_body(424, "boom")
+    b'{"code": 424, "message": "invoke handler failure", "error": "boom"}'
+    """
+    return json.dumps({"code": code, "message": "invoke handler failure", "error": error},
+                      ensure_ascii=False).encode("utf-8")
+
+
+def output_headers(output: Any) -> list[tuple[bytes, bytes]]:
+    """``Output.properties`` as raw response headers.
+
+    Framing headers are the server's business and dropped; a value that HTTP cannot carry
+    (outside Latin-1) is dropped with a warning rather than failing the response.
+    """
+    headers: list[tuple[bytes, bytes]] = []
+    for name, value in (getattr(output, "properties", None) or {}).items():
+        name = str(name).lower()
+        if name in _FRAMING_HEADERS:
+            continue
+        try:
+            headers.append((name.encode("latin-1"), str(value).encode("latin-1")))
+        except UnicodeEncodeError:
+            logger.warning("dropping response header %s: value is not Latin-1", name)
+    return headers
+
+
+def _stream_headers(output: Any) -> list[tuple[bytes, bytes]]:
+    headers = output_headers(output)
+    if not any(name == b"content-type" for name, _ in headers):
+        # A StreamFormatter knows what it writes (jsonlines or text/event-stream).
+        content_type = getattr(output.stream_content_formatter, "content_type", None)
+        if content_type:
+            headers.append((b"content-type", content_type.encode("latin-1")))
+    return headers
+
+
+def _next_chunk(output: Any) -> Optional[bytes]:
+    """Pull and format one stream item; ``None`` once the iterator is exhausted.
+
+    Runs in a worker thread: ``next()`` blocks until the model produced the next token.
+    """
+    try:
+        item = next(output.stream_content)
+    except StopIteration:
+        return None
+    return encode_stream_item(output, item)
+
+
+@dataclasses.dataclass
+class _StreamState:
+    items: int = 0
+    exhausted: bool = False  # the iterator raised StopIteration: nothing to close
+    finishing: bool = False  # the last message is being sent: a disconnect now is normal
+    disconnected: bool = False
+
+
+class StreamingOutputResponse:
+    """ASGI response for an ``Output`` whose ``stream_content`` is set.
+
+    ``next()`` is called in a thread of ``limiter`` and each formatted item is sent as one
+    HTTP chunk at once. A task listens for ``http.disconnect`` meanwhile; when the client
+    leaves, pulling stops and the iterator's ``close()`` is called — after any ``next()``
+    in flight has returned, never at the same time. ``close()`` is likewise called when the
+    iterator failed; only an iterator that ran to its end is left alone.
+    """
+
+    def __init__(self, output: Any, limiter: Optional[anyio.CapacityLimiter] = None) -> None:
+        self.output = output
+        self.limiter = limiter
+        self.state = _StreamState()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = self.state
+        try:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(self._watch_disconnect, receive, tasks.cancel_scope)
+                try:
+                    await self._send_stream(send)
+                finally:
+                    tasks.cancel_scope.cancel()  # the watcher is no longer needed
+        finally:
+            if not state.exhausted:
+                # Shielded: the disconnect cancelled this task, but the generation behind
+                # the iterator must still be told to stop.
+                with anyio.CancelScope(shield=True):
+                    await self._close()
+            log = scope.get(_LOG_KEY)
+            if log is not None:
+                log.update(items=state.items, disconnected=state.disconnected)
+
+    async def _watch_disconnect(self, receive: Receive, stream_scope: anyio.CancelScope) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                # uvicorn also reports a disconnect once the response is complete.
+                if not self.state.finishing:
+                    self.state.disconnected = True
+                    logger.info("client disconnected; stopping the stream after %d items",
+                                self.state.items)
+                    stream_scope.cancel()
+                return
+
+    async def _pull(self) -> Optional[bytes]:
+        return await anyio.to_thread.run_sync(_next_chunk, self.output, limiter=self.limiter)
+
+    async def _send_stream(self, send: Send) -> None:
+        state = self.state
+        try:
+            chunk = await self._pull()
+        except Exception as error:
+            # Nothing was sent yet, so the failure can still be an honest status code.
+            logger.exception("the stream failed before its first item")
+            code = error_status(error)
+            body = handler_error_body(code, str(error) or type(error).__name__)
+            state.finishing = True
+            await send({"type": "http.response.start", "status": code,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await send({"type": "http.response.start", "status": int(self.output.code),
+                    "headers": _stream_headers(self.output)})
+        while chunk is not None:
+            state.items += 1
+            if chunk:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            try:
+                chunk = await self._pull()
+            except Exception as error:
+                # The status line is gone; the error travels as the stream's last record.
+                logger.exception("the stream failed after %d items", state.items)
+                chunk = encode_stream_error(self.output, str(error) or type(error).__name__)
+                state.finishing = True
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                break
+        else:
+            state.exhausted = True
+        state.finishing = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _close(self) -> None:
+        close = getattr(self.output.stream_content, "close", None)
+        if close is None:
+            return
+        try:
+            await anyio.to_thread.run_sync(close, limiter=self.limiter)
+        except Exception:
+            logger.exception("closing the stream iterator failed")
+
+
+class AccessLog:
+    """ASGI middleware: one log line per request with status, timing and size.
+
+    For streams it adds the time to the first chunk, the number of items, and whether the
+    client left early.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        seen: dict[str, Any] = {"status": None, "first": None, "bytes": 0}
+        scope[_LOG_KEY] = log = {}
+
+        async def logged_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                seen["status"] = message["status"]
+            elif message["type"] == "http.response.body" and message.get("body"):
+                if seen["first"] is None:
+                    seen["first"] = time.perf_counter() - start
+                seen["bytes"] += len(message["body"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, logged_send)
+        finally:
+            parts = [scope["method"], scope["path"], str(seen["status"] or 500),
+                     f"{time.perf_counter() - start:.3f}s", f"{seen['bytes']}B"]
+            if "items" in log:
+                first = seen["first"]
+                parts += [f"items={log['items']}",
+                          f"first_chunk={first:.3f}s" if first is not None else "first_chunk=-"]
+                if log.get("disconnected"):
+                    parts.append("client-disconnected")
+            logger.info(" ".join(parts))
+
+
+class ModelServer:
+    """The routes of one served model; :func:`create_app` wraps them in a Starlette app.
+
+    >>> server = ModelServer(ModelWorker("model/"))
+    >>> sorted(route.path for route in server.routes())
+    ['/invocations', '/models', '/ping', '/predictions/{model_name}']
+    """
+
+    def __init__(self, worker: ModelWorker, max_threads: int = DEFAULT_MAX_THREADS) -> None:
+        self.worker = worker
+        self.max_threads = max_threads
+        self.limiter: Optional[anyio.CapacityLimiter] = None
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/ping", self.ping, methods=["GET"]),
+            Route("/invocations", self.invocations, methods=["POST"]),
+            Route("/predictions/{model_name}", self.predictions, methods=["POST"]),
+            Route("/models", self.models, methods=["GET"]),
+        ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self.limiter = anyio.CapacityLimiter(self.max_threads)
+        # Starlette's own thread work (sync endpoints, file responses) shares the default.
+        default = anyio.to_thread.current_default_thread_limiter()
+        default.total_tokens = max(default.total_tokens, self.max_threads)
+        # Daemon: an interrupted start-up must not wait for a model half loaded.
+        threading.Thread(target=self.worker.load, name="model-load", daemon=True).start()
+        yield
+
+    async def ping(self, request: Request) -> Response:
+        worker = self.worker
+        if worker.status == READY:
+            return JSONResponse({"status": "Healthy"})
+        return JSONResponse({"status": "Unhealthy", "model": worker.model_name,
+                             "modelStatus": worker.status,
+                             "message": worker.not_ready_message()}, status_code=503)
+
+    async def models(self, request: Request) -> Response:
+        worker = self.worker
+        return JSONResponse({"models": [{"modelName": worker.model_name,
+                                         "modelUrl": worker.model_dir.as_uri(),
+                                         "status": worker.status}]})
+
+    async def invocations(self, request: Request) -> Response | StreamingOutputResponse:
+        return await self._predict(request)
+
+    async def predictions(self, request: Request) -> Response | StreamingOutputResponse:
+        name = request.path_params["model_name"]
+        if name != self.worker.model_name:
+            return error_response(404, f"Model not found: {name}", "ModelNotFoundException")
+        return await self._predict(request)
+
+    async def _predict(self, request: Request) -> Response | StreamingOutputResponse:
+        worker = self.worker
+        if worker.status != READY:
+            return error_response(503, worker.not_ready_message())
+        body = await request.body()
+        inp = worker.make_input(body, request.headers, request.query_params)
+        output = await anyio.to_thread.run_sync(worker.invoke, inp, limiter=self.limiter)
+        if getattr(output, "stream_content", None) is not None:
+            return StreamingOutputResponse(output, self.limiter)
+        response = Response(output_body(output), status_code=int(output.code))
+        # Replace Starlette's defaults wholesale, keeping only the computed content-length.
+        response.raw_headers = [h for h in response.raw_headers if h[0] == b"content-length"]
+        response.raw_headers += output_headers(output)
+        return response
+
+
+async def _http_error(request: Request, error: Exception) -> Response:
+    assert isinstance(error, HTTPException)
+    message = error.detail
+    if error.status_code == 404:
+        message = "Requested resource is not found, please refer to API document."
+    return error_response(error.status_code, message)
+
+
+async def _internal_error(request: Request, error: Exception) -> Response:
+    logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=error)
+    return error_response(500, f"{type(error).__name__}: {error}")
+
+
+def create_app(model_dir: str | Path, environ: Optional[Mapping[str, str]] = None, *,
+               max_threads: int = DEFAULT_MAX_THREADS) -> Starlette:
+    """The ASGI app serving ``model_dir``; loading starts when the app starts.
+
+    ``environ`` supplies ``OPTION_*`` variables (default ``os.environ``); ``max_threads``
+    bounds concurrent ``handle()`` calls and open streams. ``app.state.worker`` is the
+    :class:`ModelWorker`.
+
+    >>> app = create_app("model/")
+    >>> app.state.worker.status
+    'LOADING'
+    """
+    server = ModelServer(ModelWorker(model_dir, environ), max_threads)
+    app = Starlette(
+        routes=server.routes(),
+        lifespan=server.lifespan,
+        middleware=[Middleware(AccessLog)],
+        exception_handlers={HTTPException: _http_error, Exception: _internal_error},
+    )
+    app.state.worker = server.worker
+    return app
+
+
+def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8080,
+          log_level: str = "info") -> None:
+    """Serve ``model_dir`` with uvicorn until interrupted.
+
+    >>> serve("model/", port=8080)  # doctest: +SKIP
+    """
+    import uvicorn
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(model_dir), host=host, port=port, log_level=log_level,
+                # Our AccessLog line has timings; uvicorn's would be a second, poorer one.
+                access_log=False,
+                # Open streams must not hold a shutdown forever.
+                timeout_graceful_shutdown=5)

@@ -1,0 +1,368 @@
+"""The Python worker of djl-serving, emulated for one model directory (no HTTP here).
+
+djl-serving runs ``model.py`` in a worker process: it imports the entry point, sends one
+*init* call (an ``Input`` without content whose properties are the model options, plus
+``handler`` and ``device_id``), then turns each HTTP request into an ``Input`` and sends the
+returned ``Output`` back to the front end. :class:`ModelWorker` does the same in-process, so
+the local server (:mod:`djl_stream.server`) and the CLI run an unchanged ``model.py``
+exactly as the container would.
+
+The module also holds the worker's half of the wire: :func:`output_body` and
+:func:`encode_stream_item` turn an ``Output`` (ours or djl_python's) into bytes.
+
+Example::
+
+    >>> worker = ModelWorker("model/")            # doctest: +SKIP
+    >>> worker.load()                             # doctest: +SKIP
+    'READY'
+    >>> out = worker.invoke(worker.make_input(    # doctest: +SKIP
+    ...     b'{"inputs": "Hi", "stream": true}', {"content-type": "application/json"}, {}))
+    >>> for item in out.stream_content:           # doctest: +SKIP
+    ...     print(encode_stream_item(out, item))
+    b'{"output_tokens": ["Hello"]}\\n'
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import itertools
+import json
+import logging
+import os
+import sys
+import threading
+import types
+import uuid
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Union
+
+from djl_stream.properties import djl_init_properties
+
+logger = logging.getLogger(__name__)
+
+LOADING, READY, FAILED = "LOADING", "READY", "FAILED"
+DEFAULT_ENTRY_POINT = "model.py"
+#: djl's name for the function it calls; sent as the ``handler`` property.
+HANDLER = "handle"
+
+QueryParams = Union[Mapping[str, str], Iterable[tuple[str, str]]]
+HeaderPairs = Union[Mapping[str, str], Iterable[tuple[str, str]]]
+
+_module_counter = itertools.count()
+
+
+class WorkerNotReady(RuntimeError):
+    """:meth:`ModelWorker.invoke` was called before the model loaded, or after it failed."""
+
+
+def _pairs(items: Any) -> list[tuple[str, str]]:
+    # Starlette's Headers/QueryParams are Mappings whose multi_items() keep repeats.
+    if hasattr(items, "multi_items"):
+        return list(items.multi_items())
+    if isinstance(items, Mapping):
+        return list(items.items())
+    return list(items or ())
+
+
+def _new_input(properties: Mapping[str, str], content: Iterable[tuple[str, Any]] = ()) -> Any:
+    """An ``Input`` of the class in use (djl_python's in the container, else ours).
+
+    Filled through the ``properties`` dict and ``content.add`` that both classes share,
+    rather than a constructor only ours has.
+    """
+    from djl_stream.compat import Input
+
+    inp = Input()
+    for key, value in properties.items():
+        inp.properties[key] = value
+    for key, value in content:
+        inp.content.add(key, value)
+    return inp
+
+
+def _new_output() -> Any:
+    from djl_stream.compat import Output
+
+    return Output()
+
+
+def error_status(error: BaseException) -> int:
+    """The HTTP status djl answers a handler exception with: 507 for out-of-memory
+    (``torch.cuda.OutOfMemoryError`` and friends, recognised without importing torch),
+    else 424.
+
+    >>> error_status(MemoryError()), error_status(ValueError("bad"))
+    (507, 424)
+    """
+    if isinstance(error, MemoryError) or "OutOfMemory" in type(error).__name__:
+        return 507
+    return 424
+
+
+def _values(content: Any) -> list[tuple[Optional[str], bytes]]:
+    if content is None:
+        return []
+    if hasattr(content, "get_keys") and hasattr(content, "get_values"):
+        return list(zip(content.get_keys(), content.get_values()))
+    return list(content)
+
+
+def _to_bytes(value: Any) -> bytes:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    return (json.dumps(value, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def output_body(output: Any) -> bytes:
+    """The HTTP body of a non-streaming ``Output``, chosen as djl's front end does.
+
+    djl sends one content entry: the one named ``data`` if there is one, else the first.
+    Further entries (batched answers the front end would split) are not sent.
+
+    >>> from djl_stream.outputs import Output
+    >>> output_body(Output().add("first").add("second")), output_body(Output())
+    (b'first', b'')
+    """
+    pairs = _values(getattr(output, "content", None))
+    if not pairs:
+        return b""
+    for key, value in pairs:
+        if key == "data":
+            return _to_bytes(value)
+    return _to_bytes(pairs[0][1])
+
+
+def encode_stream_item(output: Any, item: Any) -> bytes:
+    """The bytes of one stream item: the ``Output``'s formatter, then djl's rules.
+
+    Uses ``output.format_stream_item`` when the class has it (ours); djl_python's ``Output``
+    only stores ``stream_content_formatter``, so it is applied here the same way.
+
+    >>> from djl_stream.outputs import Output
+    >>> out = Output().add_stream_content(iter([]), output_formatter=lambda p: p[0] + "\\n")
+    >>> encode_stream_item(out, ["tok"])
+    b'tok\\n'
+    """
+    if hasattr(output, "format_stream_item"):
+        return bytes(output.format_stream_item(item))
+    formatter = getattr(output, "stream_content_formatter", None)
+    return _to_bytes(formatter(item) if formatter is not None else item)
+
+
+def encode_stream_error(output: Any, message: str) -> bytes:
+    """The last chunk of a stream whose iterator failed after the first chunk.
+
+    A formatter that knows :class:`~djl_stream.formatters.StreamError` (it has
+    ``format_error``, as :class:`~djl_stream.formatters.StreamFormatter` does) renders the
+    error in the stream's own framing, e.g. an SSE ``error`` event; with any other formatter
+    the error is the JSON line ``{"error": "..."}`` — a plain formatter might turn the error
+    object into something that looks like a token.
+
+    >>> from djl_stream.outputs import Output
+    >>> encode_stream_error(Output(), "boom")
+    b'{"error": "boom"}\\n'
+    """
+    formatter = getattr(output, "stream_content_formatter", None)
+    if formatter is not None and hasattr(formatter, "format_error"):
+        from djl_stream.formatters import StreamError
+
+        try:
+            return encode_stream_item(output, StreamError(message))
+        except Exception:  # a broken formatter must not hide the original error
+            logger.exception("the output formatter failed to render a stream error")
+    return (json.dumps({"error": message}, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+class ModelWorker:
+    """One model directory served the way djl-serving's Python engine serves it.
+
+    ``environ`` (default ``os.environ``) supplies ``OPTION_*`` variables, as SageMaker sets
+    them. :meth:`load` imports the entry point and sends the init call; until it is done
+    ``status`` is ``"LOADING"``, then ``"READY"``, or ``"FAILED"`` with ``failure_reason``.
+
+    ``handle()`` is called from whatever thread calls :meth:`invoke`, concurrently when
+    requests overlap — unlike djl's one-request-at-a-time worker — because concurrent
+    streams are meant to be batched together by the handler.
+
+    >>> worker = ModelWorker("model/")            # doctest: +SKIP
+    >>> worker.load(), worker.model_name          # doctest: +SKIP
+    ('READY', 'model')
+    """
+
+    def __init__(self, model_dir: str | os.PathLike[str],
+                 environ: Optional[Mapping[str, str]] = None) -> None:
+        self.model_dir = Path(model_dir).resolve()
+        self.environ: Mapping[str, str] = os.environ if environ is None else environ
+        # Read once: serving.properties does not change under a running worker, and the
+        # server asks for the model name on every request.
+        self._properties = djl_init_properties(self.model_dir, self.environ)
+        self.status = LOADING
+        self.failure_reason: Optional[str] = None
+        self.module: Optional[types.ModuleType] = None
+        self._handle: Any = None
+        self._lock = threading.Lock()
+        self._loaded = False
+
+    # -- identity --
+
+    @property
+    def properties(self) -> dict[str, str]:
+        """The model options as the init call receives them (``option.`` prefix removed)."""
+        return dict(self._properties)
+
+    @property
+    def model_name(self) -> str:
+        """``option.model_name``, else the name of the model directory (``model`` for
+        SageMaker's ``/opt/ml/model``)."""
+        return self._properties.get("model_name") or self.model_dir.name
+
+    @property
+    def entry_point(self) -> str:
+        """``option.entryPoint`` (``OPTION_ENTRYPOINT``), default ``model.py``."""
+        props = self.properties
+        return (props.get("entryPoint") or props.get("entrypoint") or DEFAULT_ENTRY_POINT).strip()
+
+    # -- loading --
+
+    def load(self) -> str:
+        """Import the entry point and send the init call; return the new ``status``.
+
+        Only the first call does the work; concurrent callers wait for it and later calls
+        return at once. A failure is recorded, not raised: djl keeps the front end up and
+        reports the model as failed.
+        """
+        with self._lock:
+            if self._loaded:
+                return self.status
+            try:
+                self._handle = self._import_handler()
+                self._send_init()
+            except Exception as error:
+                self.failure_reason = f"{type(error).__name__}: {error}"
+                self.status = FAILED
+                logger.exception("model %s failed to load", self.model_name)
+            else:
+                self.status = READY
+                logger.info("model %s is ready", self.model_name)
+            finally:
+                self._loaded = True
+            return self.status
+
+    def _import_handler(self) -> Any:
+        entry = self.entry_point
+        path = self.model_dir / entry
+        if not path.is_file() and (self.model_dir / f"{entry}.py").is_file():
+            path = self.model_dir / f"{entry}.py"
+        # The model's own modules (helpers next to model.py) must be importable, as in djl
+        # where the model directory is the worker's working directory.
+        if str(self.model_dir) not in sys.path:
+            sys.path.insert(0, str(self.model_dir))
+        if path.is_file():
+            # A unique module name: several model directories (tests, or two workers) may
+            # each have a model.py, and they must not replace each other in sys.modules.
+            name = f"djl_stream_model_{next(_module_counter)}_{path.stem}"
+            spec = importlib.util.spec_from_file_location(name, path)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"cannot import {path}")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[name]
+                raise
+        else:
+            # Like djl, an entry point that is no file in the model directory names an
+            # installed module (djl_python.huggingface, or a package of ours).
+            try:
+                module = importlib.import_module(entry.removesuffix(".py"))
+            except ModuleNotFoundError:
+                raise FileNotFoundError(
+                    f"entry point {entry!r} is neither a file in {self.model_dir} nor an "
+                    "importable module") from None
+        handler = getattr(module, HANDLER, None)
+        if not callable(handler):
+            raise AttributeError(f"{module.__file__ or entry} defines no {HANDLER}() function")
+        self.module = module
+        return handler
+
+    def _device_id(self) -> str:
+        try:
+            import torch  # lazily: costs a second or two, and only the load needs it
+        except ImportError:
+            return "-1"
+        return "0" if torch.cuda.is_available() else "-1"
+
+    def init_input(self) -> Any:
+        """The ``Input`` of the init call: no content; the model options, ``model_dir``,
+        ``handler`` and ``device_id`` as properties."""
+        props = self.properties
+        props["handler"] = HANDLER
+        props["device_id"] = self._device_id()
+        return _new_input(props)
+
+    def _send_init(self) -> None:
+        result = self._handle(self.init_input())
+        code = getattr(result, "code", 200) if result is not None else 200
+        if code >= 400:
+            body = output_body(result).decode("utf-8", errors="replace")
+            try:
+                body = str(json.loads(body).get("error") or body)
+            except (ValueError, AttributeError):
+                pass
+            raise RuntimeError(f"init call answered {code}: {body or result.message}")
+
+    # -- requests --
+
+    def make_input(self, body: bytes, headers: HeaderPairs, query: QueryParams = ()) -> Any:
+        """The ``Input`` djl's front end builds for one HTTP request.
+
+        Headers become properties with lower-case names (repeats joined with ``, ``), the
+        body is content ``data`` — even when empty, so a handler never mistakes a request
+        for the init call — query parameters follow as further content entries, and
+        ``requestId`` is a fresh UUID.
+
+        >>> inp = ModelWorker(".").make_input(b"hi", {"X-Trace": "1"}, {"mode": "fast"})
+        >>> inp.get_property("x-trace"), inp.get_as_string(), inp.get_as_string("mode")
+        ('1', 'hi', 'fast')
+        """
+        props: dict[str, str] = {}
+        for name, value in _pairs(headers):
+            name = name.lower()
+            props[name] = f"{props[name]}, {value}" if name in props else value
+        props["requestId"] = str(uuid.uuid4())
+        content = [("data", bytes(body))]
+        content += [(key, value.encode("utf-8")) for key, value in _pairs(query)]
+        return _new_input(props, content)
+
+    def invoke(self, inp: Any) -> Any:
+        """Call ``handle(inp)`` and return an ``Output``, never raising for the handler.
+
+        An exception becomes ``Output.error(str(e), code=424)`` (507 for out-of-memory), as
+        djl answers it; ``None`` becomes an empty 200. Raises :class:`WorkerNotReady` when
+        the model is not loaded.
+        """
+        if self.status != READY:
+            raise WorkerNotReady(self.not_ready_message())
+        try:
+            result = self._handle(inp)
+        except Exception as error:
+            logger.exception("handle() failed for request %s",
+                             inp.properties.get("requestId", "?"))
+            return _new_output().error(str(error) or type(error).__name__,
+                                       code=error_status(error))
+        return _new_output() if result is None else result
+
+    def not_ready_message(self) -> str:
+        """Why requests are refused now: still loading, or the load failed (with why)."""
+        if self.status == FAILED:
+            return f"model {self.model_name} failed to load: {self.failure_reason}"
+        if self.status == LOADING:
+            return f"model {self.model_name} is loading"
+        return f"model {self.model_name} is ready"
+
+    def __repr__(self) -> str:
+        return f"ModelWorker({str(self.model_dir)!r}, status={self.status!r})"

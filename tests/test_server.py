@@ -1,0 +1,425 @@
+"""The local server's HTTP contract, against a real uvicorn process on a loopback port.
+
+The model directory is a temporary one whose ``model.py`` is a small real handler
+(``FIXTURE_MODEL`` below): it follows the djl contract, streams word lists with a pause
+between items, can be told to fail before the first item or after N items, and writes what
+happened to its stream (items produced, whether ``close()`` was called) to a JSON file in
+the model directory, so the tests can see generation stop.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+FIXTURE_MODEL = textwrap.dedent('''
+    """A djl-style handler for the server's contract tests."""
+    from __future__ import annotations
+
+    import json
+    import os
+    import threading
+    import time
+    from pathlib import Path
+
+    from djl_stream.compat import Output
+    from djl_stream.formatters import resolve_formatter
+
+    HERE = Path(__file__).parent
+
+
+    def _write(name, record):
+        path = HERE / name
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)  # readers never see half a file
+
+
+    def jsonlines(words):
+        return json.dumps({"output_tokens": words}) + "\\n"
+
+
+    class WordStream:
+        """An iterator with close(), recording what the server did with it."""
+
+        def __init__(self, words, delay, fail_after, tag):
+            self.words, self.delay, self.fail_after, self.tag = words, delay, fail_after, tag
+            self.produced = 0
+            self.closed = False
+            self.close_during_next = False
+            self.in_next = False
+            self.lock = threading.Lock()
+            self.record()
+
+        def record(self):
+            if self.tag:
+                _write(f"record-{self.tag}.json", {
+                    "produced": self.produced, "closed": self.closed,
+                    "close_during_next": self.close_during_next, "time": time.time()})
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            self.in_next = True
+            try:
+                if self.closed or self.produced >= len(self.words):
+                    raise StopIteration
+                if self.fail_after is not None and self.produced >= self.fail_after:
+                    raise RuntimeError(f"failed after {self.produced} items")
+                time.sleep(self.delay)
+                word = self.words[self.produced]
+                self.produced += 1
+                self.record()
+                return [word]
+            finally:
+                self.in_next = False
+
+        def close(self):
+            self.close_during_next = self.in_next
+            self.closed = True
+            self.record()
+
+
+    def handle(inputs):
+        if inputs.is_empty():
+            props = inputs.get_properties()
+            _write("init.json", dict(props))
+            time.sleep(float(props.get("init_delay", "0")))
+            if props.get("fail_init") == "true":
+                raise RuntimeError("weights are missing")
+            return None
+        request = inputs.get_as_json()
+        if request.get("raise"):
+            raise ValueError("handler exploded")
+        if "status" in request:
+            return Output().error(request.get("message", "bad input"), code=request["status"])
+        if request.get("echo"):
+            content = inputs.get_content()
+            return (Output().add_property("content-type", "application/json")
+                    .add_as_json({"properties": inputs.get_properties(),
+                                  "content": {k: bytes(v).decode() for k, v in
+                                              zip(content.get_keys(), content.get_values())}}))
+        if request.get("fail_before"):
+            def failing():
+                raise RuntimeError("no tokens for you")
+                yield
+            stream = failing()
+        else:
+            stream = WordStream(request.get("words", ["a", "b", "c"]),
+                                request.get("delay", 0.0), request.get("fail_after"),
+                                request.get("tag"))
+        formatter = resolve_formatter("sse") if request.get("format") == "sse" else jsonlines
+        out = Output()
+        if request.get("format") != "sse":
+            out.add_property("content-type", "application/jsonlines")
+        out.add_property("x-fixture", "yes")
+        return out.add_stream_content(stream, output_formatter=formatter)
+''')
+
+READY_TIMEOUT = 30.0
+
+
+def write_model_dir(path: Path, properties: str = "") -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "model.py").write_text(FIXTURE_MODEL)
+    (path / "serving.properties").write_text("engine=Python\n" + properties)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """``python -m djl_stream serve DIR`` as a subprocess, and an httpx client for it."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = (model_dir / "server.log").open("wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "djl_stream", "serve", str(model_dir), "--port", str(self.port)],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        self.http = httpx.Client(base_url=self.url, timeout=10.0)
+
+    def first_ping(self) -> httpx.Response:
+        """The first answer to /ping: the server is up, the model may still be loading."""
+        deadline = time.monotonic() + READY_TIMEOUT
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.logs()
+            try:
+                return self.http.get("/ping")
+            except httpx.TransportError:
+                time.sleep(0.05)
+        raise AssertionError(f"server did not start:\n{self.logs()}")
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while self.first_ping().status_code != 200:
+            assert time.monotonic() < deadline, self.logs()
+            time.sleep(0.05)
+
+    def record(self, tag: str) -> dict:
+        return json.loads((self.model_dir / f"record-{tag}.json").read_text())
+
+    def logs(self) -> str:
+        self.log.flush()
+        return (self.model_dir / "server.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        self.http.close()
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    running = Server(write_model_dir(tmp_path_factory.mktemp("fixture") / "wordmodel"))
+    try:
+        running.wait_ready()
+        yield running
+    finally:
+        running.stop()
+
+
+def lines_of(response: httpx.Response) -> list[Any]:
+    return [json.loads(line) for line in response.text.splitlines() if line]
+
+
+# -- loading --
+
+def test_ping_is_503_while_loading_then_200(tmp_path: Path) -> None:
+    running = Server(write_model_dir(tmp_path / "slow", "option.init_delay=3\n"))
+    try:
+        ping = running.first_ping()
+        assert ping.status_code == 503
+        assert ping.json()["modelStatus"] == "LOADING"
+        refused = running.http.post("/invocations", json={"words": ["x"]})
+        assert refused.status_code == 503
+        assert refused.json() == {"code": 503, "type": "ServiceUnavailableException",
+                                  "message": "model slow is loading"}
+        running.wait_ready()
+        assert running.http.get("/ping").json() == {"status": "Healthy"}
+        # The init call got the options without their prefix, plus djl's own keys.
+        init = json.loads((tmp_path / "slow" / "init.json").read_text())
+        assert init["init_delay"] == "3"
+        assert init["handler"] == "handle"
+        assert init["device_id"] in ("-1", "0")
+        assert init["model_dir"] == str((tmp_path / "slow").resolve())
+    finally:
+        running.stop()
+
+
+def test_failed_load_is_reported_by_ping_and_models(tmp_path: Path) -> None:
+    running = Server(write_model_dir(tmp_path / "broken", "option.fail_init=true\n"))
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while (ping := running.first_ping()).json()["modelStatus"] == "LOADING":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert ping.status_code == 503
+        assert "weights are missing" in ping.json()["message"]
+        assert running.http.get("/models").json()["models"][0]["status"] == "FAILED"
+        refused = running.http.post("/invocations", json={})
+        assert refused.status_code == 503
+        assert "failed to load: RuntimeError: weights are missing" in refused.json()["message"]
+    finally:
+        running.stop()
+
+
+# -- streaming --
+
+def test_each_item_is_its_own_chunk_sent_as_soon_as_it_exists(server: Server) -> None:
+    words = ["one", "two", "three", "four", "five"]
+    start = time.monotonic()
+    arrivals: list[tuple[float, bytes]] = []
+    with server.http.stream("POST", "/invocations", json={"words": words, "delay": 0.2}) as response:
+        assert response.status_code == 200
+        assert response.headers["transfer-encoding"] == "chunked"
+        assert response.headers["content-type"] == "application/jsonlines"
+        assert response.headers["x-fixture"] == "yes"
+        for chunk in response.iter_raw():
+            arrivals.append((time.monotonic() - start, chunk))
+    assert [json.loads(chunk) for _, chunk in arrivals] == [{"output_tokens": [w]} for w in words]
+    first, last = arrivals[0][0], arrivals[-1][0]
+    # Generation takes 5 x 0.2 s; the first token must not wait for the rest.
+    assert last - first >= 0.6
+    assert first < 0.6
+
+
+def test_stream_error_before_first_item_is_a_424_json_answer(server: Server) -> None:
+    response = server.http.post("/invocations", json={"fail_before": True})
+    assert response.status_code == 424
+    assert response.headers["content-type"] == "application/json"
+    assert "transfer-encoding" not in response.headers  # a plain answer, not a stream
+    assert response.json() == {"code": 424, "message": "invoke handler failure",
+                               "error": "no tokens for you"}
+
+
+def test_stream_error_after_first_item_ends_with_an_error_record(server: Server) -> None:
+    payload = {"words": ["a", "b", "c", "d"], "fail_after": 2, "tag": "fail-after"}
+    # httpx raises RemoteProtocolError on broken chunked framing, so reading the whole
+    # body also checks that the stream was closed cleanly.
+    response = server.http.post("/invocations", json=payload)
+    assert response.status_code == 200
+    assert lines_of(response) == [{"output_tokens": ["a"]}, {"output_tokens": ["b"]},
+                                  {"error": "failed after 2 items"}]
+    # The next request on the same connection still works.
+    assert server.http.get("/ping").status_code == 200
+
+
+def test_stream_error_uses_the_formatters_own_framing(server: Server) -> None:
+    payload = {"words": ["a", "b"], "fail_after": 1, "format": "sse"}
+    response = server.http.post("/invocations", json=payload)
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "text/event-stream"
+    assert response.text == ('data: {"output_tokens": ["a"]}\n\n'
+                             'event: error\ndata: {"error": "failed after 1 items"}\n\n')
+
+
+def test_client_disconnect_stops_generation(server: Server) -> None:
+    words = [f"w{i}" for i in range(200)]
+    payload = {"words": words, "delay": 0.05, "tag": "disconnect"}
+    with httpx.Client(base_url=server.url, timeout=10.0) as client:
+        with client.stream("POST", "/invocations", json=payload) as response:
+            received = 0
+            for _ in response.iter_lines():
+                received += 1
+                if received == 3:
+                    break
+    # Leaving the block closed the connection mid-stream.
+    deadline = time.monotonic() + 5.0
+    while not (record := server.record("disconnect"))["closed"]:
+        assert time.monotonic() < deadline, "the stream iterator was never closed"
+        time.sleep(0.05)
+    time.sleep(0.5)
+    final = server.record("disconnect")
+    assert final["produced"] == record["produced"], "generation went on after close()"
+    assert final["produced"] < 30, final
+    assert not final["close_during_next"], "close() must wait for the next() in flight"
+
+
+def test_ping_answers_during_a_long_generation(server: Server) -> None:
+    payload = {"words": [f"w{i}" for i in range(40)], "delay": 0.1, "tag": "long"}
+    with httpx.Client(base_url=server.url, timeout=10.0) as client:
+        with client.stream("POST", "/invocations", json=payload) as response:
+            lines = response.iter_lines()
+            next(lines)
+            start = time.monotonic()
+            ping = server.http.get("/ping")
+            elapsed = time.monotonic() - start
+            assert ping.status_code == 200
+            assert elapsed < 0.5
+            assert server.record("long")["produced"] < 40
+
+
+def test_concurrent_streams_run_together(server: Server) -> None:
+    payload = {"words": ["a", "b", "c", "d", "e"], "delay": 0.2}
+    results: list[int] = []
+
+    def one() -> None:
+        with httpx.Client(base_url=server.url, timeout=20.0) as client:
+            results.append(len(lines_of(client.post("/invocations", json=payload))))
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [5] * 8
+    assert time.monotonic() - start < 4.0  # one after another would take 8 s
+
+
+# -- non-streaming answers and errors --
+
+def test_handler_error_status_is_passed_through(server: Server) -> None:
+    response = server.http.post("/invocations", json={"status": 400, "message": "inputs is empty"})
+    assert response.status_code == 400
+    assert response.json() == {"code": 400, "message": "invoke handler failure",
+                               "error": "inputs is empty"}
+    assert server.http.post("/invocations", json={"words": ["ok"]}).status_code == 200
+
+
+def test_handler_exception_is_424(server: Server) -> None:
+    response = server.http.post("/invocations", json={"raise": True})
+    assert response.status_code == 424
+    assert response.json()["error"] == "handler exploded"
+
+
+def test_headers_and_query_parameters_reach_the_input(server: Server) -> None:
+    response = server.http.post("/invocations?mode=fast&lang=fr", json={"echo": True},
+                                headers={"X-Custom-Header": "Value"})
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "application/json"
+    seen = response.json()
+    assert seen["properties"]["x-custom-header"] == "Value"
+    assert seen["properties"]["content-type"] == "application/json"
+    assert len(seen["properties"]["requestId"]) == 36
+    assert seen["content"] == {"data": '{"echo":true}', "mode": "fast", "lang": "fr"}
+
+
+# -- routes --
+
+def test_predictions_route_by_model_name(server: Server) -> None:
+    response = server.http.post("/predictions/wordmodel", json={"words": ["hi"]})
+    assert lines_of(response) == [{"output_tokens": ["hi"]}]
+    missing = server.http.post("/predictions/gpt5", json={"words": ["hi"]})
+    assert missing.status_code == 404
+    assert missing.json() == {"code": 404, "type": "ModelNotFoundException",
+                              "message": "Model not found: gpt5"}
+
+
+def test_models_lists_the_model(server: Server) -> None:
+    listing = server.http.get("/models").json()
+    assert listing == {"models": [{"modelName": "wordmodel",
+                                   "modelUrl": server.model_dir.resolve().as_uri(),
+                                   "status": "READY"}]}
+
+
+def test_framework_errors_are_json(server: Server) -> None:
+    unknown = server.http.get("/nowhere")
+    assert unknown.status_code == 404
+    assert unknown.json()["type"] == "ResourceNotFoundException"
+    wrong_method = server.http.get("/invocations")
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["code"] == 405
+
+
+def test_one_log_line_per_request(server: Server) -> None:
+    server.http.post("/invocations", json={"words": ["x", "y"]})
+    time.sleep(0.2)
+    lines = [line for line in server.logs().splitlines() if "POST /invocations 200" in line]
+    assert lines and "items=2" in lines[-1] and "first_chunk=" in lines[-1]
+
+
+# -- the client against the real server --
+
+def test_client_stream_reads_records_and_raises_server_errors(server: Server) -> None:
+    from djl_stream.client import StreamingError, stream
+
+    url = f"{server.url}/invocations"
+    assert [r["output_tokens"][0] for r in stream(url, {"words": ["x", "y"]})] == ["x", "y"]
+    with pytest.raises(StreamingError, match="failed after 1 items"):
+        list(stream(url, {"words": ["x", "y"], "fail_after": 1}))
+    with pytest.raises(StreamingError, match="HTTP 424: no tokens for you"):
+        list(stream(url, {"fail_before": True}))

@@ -1,0 +1,237 @@
+"""ModelWorker: loading a model directory and calling its handle() as djl's worker does."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+
+from djl_stream.compat import Output
+from djl_stream.formatters import StreamError, resolve_formatter
+from djl_stream.worker import (
+    FAILED,
+    LOADING,
+    READY,
+    ModelWorker,
+    WorkerNotReady,
+    encode_stream_error,
+    encode_stream_item,
+    output_body,
+)
+
+RECORDING_MODEL = textwrap.dedent('''
+    import time
+    from pathlib import Path
+
+    from djl_stream.compat import Output
+
+    with open(Path(__file__).with_name("imports.log"), "a") as log:
+        log.write("imported\\n")
+    INIT_CALLS = []
+    REQUESTS = []
+
+
+    def handle(inputs):
+        if inputs.is_empty():
+            time.sleep(0.2)  # long enough for concurrent load() calls to overlap
+            INIT_CALLS.append(dict(inputs.get_properties()))
+            return None
+        REQUESTS.append(inputs)
+        request = inputs.get_as_json()
+        if request.get("raise") == "memory":
+            raise MemoryError("CUDA out of memory")
+        if request.get("raise"):
+            raise ValueError("bad prompt")
+        if request.get("none"):
+            return None
+        return Output().add_as_json({"echo": request})
+''')
+
+
+
+def model_dir(tmp_path: Path, name: str = "mymodel", properties: str = "",
+              source: str = RECORDING_MODEL, filename: str = "model.py") -> Path:
+    path = tmp_path / name
+    path.mkdir()
+    (path / filename).write_text(source)
+    (path / "serving.properties").write_text(properties)
+    return path
+
+
+def test_load_sends_the_init_call_as_djl_does(tmp_path: Path) -> None:
+    path = model_dir(tmp_path, properties="engine=Python\noption.dtype=fp16\n"
+                                          "option.max_input_length=100\n")
+    worker = ModelWorker(path, environ={"OPTION_MAX_INPUT_LENGTH": "7", "OPTION_TOP_K": "5",
+                                        "PATH": "/bin"})
+    assert worker.status == LOADING
+    assert worker.load() == READY
+    init = worker.module.INIT_CALLS
+    assert len(init) == 1
+    import torch
+
+    assert init[0] == {
+        "dtype": "fp16",
+        "max_input_length": "100",  # serving.properties wins over OPTION_*
+        "top_k": "5",
+        "model_dir": str(path.resolve()),
+        "handler": "handle",
+        "device_id": "0" if torch.cuda.is_available() else "-1",
+    }
+
+
+def test_load_runs_once_even_when_called_concurrently(tmp_path: Path) -> None:
+    worker = ModelWorker(model_dir(tmp_path), environ={})
+    statuses: list[str] = []
+    threads = [threading.Thread(target=lambda: statuses.append(worker.load())) for _ in range(5)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert statuses == [READY] * 5
+    assert len(worker.module.INIT_CALLS) == 1
+    assert (worker.model_dir / "imports.log").read_text() == "imported\n"
+    assert worker.load() == READY
+    assert len(worker.module.INIT_CALLS) == 1
+
+
+def test_two_model_directories_do_not_share_a_module(tmp_path: Path) -> None:
+    first = ModelWorker(model_dir(tmp_path, "first"), environ={})
+    second = ModelWorker(model_dir(tmp_path, "second"), environ={})
+    first.load(), second.load()
+    assert first.module is not second.module
+    assert Path(first.module.__file__).parent.name == "first"
+    assert Path(second.module.__file__).parent.name == "second"
+
+
+def test_modules_next_to_the_entry_point_are_importable(tmp_path: Path) -> None:
+    helper = f"helper_{uuid.uuid4().hex}"
+    source = f"import {helper}\ndef handle(inputs):\n    return None\n"
+    path = model_dir(tmp_path, source=source)
+    (path / f"{helper}.py").write_text("VALUE = 1\n")
+    assert ModelWorker(path, environ={}).load() == READY
+
+
+def test_entry_point_from_serving_properties(tmp_path: Path) -> None:
+    path = model_dir(tmp_path, filename="serve_me.py", properties="option.entryPoint=serve_me.py\n")
+    worker = ModelWorker(path, environ={})
+    assert worker.entry_point == "serve_me.py"
+    assert worker.load() == READY
+
+
+def test_model_name_is_the_option_or_the_directory_name(tmp_path: Path) -> None:
+    assert ModelWorker(model_dir(tmp_path, "llama"), environ={}).model_name == "llama"
+    named = model_dir(tmp_path, "other", properties="option.model_name=chat\n")
+    assert ModelWorker(named, environ={}).model_name == "chat"
+
+
+@pytest.mark.parametrize("source, reason", [
+    ("def handle(inputs):\n    raise RuntimeError('no weights')\n", "RuntimeError: no weights"),
+    ("def handle(inputs)\n", "SyntaxError"),
+    ("x = 1\n", "defines no handle() function"),
+    ("from djl_stream.compat import Output\n"
+     "def handle(inputs):\n    return Output().error('bad dtype', code=400)\n",
+     "init call answered 400: bad dtype"),
+])
+def test_a_failed_load_is_recorded_not_raised(tmp_path: Path, source: str, reason: str) -> None:
+    worker = ModelWorker(model_dir(tmp_path, source=source), environ={})
+    assert worker.load() == FAILED
+    assert reason in worker.failure_reason
+    with pytest.raises(WorkerNotReady, match="failed to load"):
+        worker.invoke(worker.make_input(b"{}", {}))
+
+
+def test_missing_entry_point_fails_with_a_clear_reason(tmp_path: Path) -> None:
+    path = model_dir(tmp_path, properties="option.entryPoint=nowhere.py\n")
+    worker = ModelWorker(path, environ={})
+    assert worker.load() == FAILED
+    assert "neither a file" in worker.failure_reason
+
+
+def test_make_input_shapes_a_request_as_the_front_end_does() -> None:
+    worker = ModelWorker(".", environ={})
+    inp = worker.make_input(b'{"inputs": "hi"}',
+                            {"Content-Type": "application/json", "X-Amzn-Trace": "abc"},
+                            [("mode", "fast"), ("lang", "fr")])
+    props = inp.get_properties()
+    assert props["content-type"] == "application/json"
+    assert props["x-amzn-trace"] == "abc"
+    uuid.UUID(props["requestId"])
+    assert inp.get_content().get_keys() == ["data", "mode", "lang"]
+    assert inp.get_as_json() == {"inputs": "hi"}
+    assert inp.get_as_string("lang") == "fr"
+    assert not inp.is_empty()
+
+
+def test_an_empty_body_is_not_an_init_call() -> None:
+    inp = ModelWorker(".", environ={}).make_input(b"", {})
+    assert not inp.is_empty()
+    assert inp.get_as_bytes() == b""
+
+
+def test_each_request_gets_its_own_id() -> None:
+    worker = ModelWorker(".", environ={})
+    ids = {worker.make_input(b"", {}).get_property("requestId") for _ in range(3)}
+    assert len(ids) == 3
+
+
+def test_invoke_returns_the_handlers_output(tmp_path: Path) -> None:
+    worker = ModelWorker(model_dir(tmp_path), environ={})
+    worker.load()
+    out = worker.invoke(worker.make_input(b'{"n": 1}', {"content-type": "application/json"}))
+    assert out.code == 200
+    assert json.loads(output_body(out)) == {"echo": {"n": 1}}
+
+
+@pytest.mark.parametrize("request_body, code, error", [
+    (b'{"raise": true}', 424, "bad prompt"),
+    (b'{"raise": "memory"}', 507, "CUDA out of memory"),
+])
+def test_invoke_turns_handler_exceptions_into_error_outputs(
+        tmp_path: Path, request_body: bytes, code: int, error: str) -> None:
+    worker = ModelWorker(model_dir(tmp_path), environ={})
+    worker.load()
+    out = worker.invoke(worker.make_input(request_body, {}))
+    assert out.code == code
+    assert json.loads(output_body(out)) == {"code": code, "message": "invoke handler failure",
+                                            "error": error}
+
+
+def test_invoke_turns_none_into_an_empty_200(tmp_path: Path) -> None:
+    worker = ModelWorker(model_dir(tmp_path), environ={})
+    worker.load()
+    out = worker.invoke(worker.make_input(b'{"none": true}', {}))
+    assert (out.code, output_body(out), out.stream_content) == (200, b"", None)
+
+
+def test_invoke_before_load_is_refused(tmp_path: Path) -> None:
+    worker = ModelWorker(model_dir(tmp_path), environ={})
+    with pytest.raises(WorkerNotReady, match="is loading"):
+        worker.invoke(worker.make_input(b"{}", {}))
+
+
+# -- the worker's half of the wire --
+
+def test_output_body_prefers_the_data_entry() -> None:
+    assert output_body(Output().add("first").add("the body", key="data")) == b"the body"
+    assert output_body(Output().add("first").add("second")) == b"first"
+    assert output_body(Output()) == b""
+
+
+def test_stream_items_follow_djls_encoding_rules() -> None:
+    out = Output().add_stream_content(iter([]))
+    assert encode_stream_item(out, "é") == "é".encode()
+    assert encode_stream_item(out, b"raw") == b"raw"
+    assert encode_stream_item(out, {"a": 1}) == b'{"a": 1}\n'
+
+
+def test_stream_errors_use_the_formatters_framing_when_it_has_one() -> None:
+    sse = Output().add_stream_content(iter([]), output_formatter=resolve_formatter("sse"))
+    assert encode_stream_error(sse, "boom") == b'event: error\ndata: {"error": "boom"}\n\n'
+    # A plain function would render the error object as if it were tokens.
+    plain = Output().add_stream_content(iter([]), output_formatter=lambda words: str(words))
+    assert encode_stream_error(plain, "boom") == b'{"error": "boom"}\n'
+    assert encode_stream_item(sse, StreamError("x")).startswith(b"event: error")
