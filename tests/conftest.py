@@ -1,0 +1,80 @@
+"""Shared fixtures: the real SmolLM2 tokenizer and model directory, and a tiny random Llama
+built from a config (with the real SmolLM2 tokenizer) for fast engine tests."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_DIR = REPO / "model"
+
+
+def _require_embedded_model() -> Path:
+    if not (MODEL_DIR / "config.json").is_file():
+        pytest.fail("the embedded model is missing from model/: run `make model` first")
+    return MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def embedded_model_dir() -> Path:
+    """The repository's model/ directory, holding the converted SmolLM2-135M-Instruct."""
+    return _require_embedded_model()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The real SmolLM2 tokenizer (ByteLevel BPE, eos ``<|im_end|>``)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(_require_embedded_model()))
+
+
+def build_tiny_llama(vocab_size: int, seed: int = 0):
+    """A 2-layer Llama with random weights: fast, deterministic, real transformers code."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(smollm2_tokenizer):
+    return build_tiny_llama(len(smollm2_tokenizer))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_model, smollm2_tokenizer) -> Path:
+    """A complete model directory (model.py, serving.properties, weights, tokenizer) holding
+    the tiny random Llama: the same model.py as model/, a model small enough for fast
+    server tests."""
+    directory = tmp_path_factory.mktemp("tiny-model")
+    tiny_model.save_pretrained(directory)
+    smollm2_tokenizer.save_pretrained(directory)
+    shutil.copy(MODEL_DIR / "model.py", directory / "model.py")
+    (directory / "serving.properties").write_text(
+        "engine=Python\n"
+        "option.dtype=fp32\n"
+        "option.default_max_new_tokens=16\n"
+        "option.max_new_tokens_limit=256\n"
+        "option.max_input_length=64\n"
+        # Raw completion: the random model has no use for a chat template.
+        "option.apply_chat_template=false\n"
+    )
+    return directory

@@ -1,0 +1,64 @@
+"""CausalLMBatch.filter and .concatenate: rows leave and join without changing results."""
+
+from __future__ import annotations
+
+from djl_stream import kv_cache
+from djl_stream.batch import CausalLMBatch, generate_token
+from djl_stream.engines.accelerate import build_sequences, encode_prompts
+
+PROMPTS = ["A", "One two three four five six seven eight nine ten", "Colours of the rainbow are"]
+
+
+def new_batch(model, tokenizer, prompts, request_ids, max_new_tokens):
+    sequences = build_sequences(model, tokenizer, encode_prompts(tokenizer, prompts),
+                                request_ids=request_ids, max_new_tokens=max_new_tokens)
+    return sequences, CausalLMBatch.from_sequences(sequences, pad_token_id=2, device="cpu")
+
+
+def alone(model, tokenizer, prompt, max_new_tokens):
+    (seq,), batch = new_batch(model, tokenizer, [prompt], ["x"], max_new_tokens)
+    while batch is not None:
+        _, batch = generate_token(model, batch)
+    return seq.generated_ids
+
+
+def test_a_finished_row_leaves_and_the_padding_it_needed_is_trimmed(tiny_model, smollm2_tokenizer):
+    # the long prompt finishes first; the short ones then need none of its columns
+    sequences, batch = new_batch(tiny_model, smollm2_tokenizer, PROMPTS, ["a", "b", "c"], 6)
+    sequences[1].max_new_tokens = 2
+    widths = []
+    while batch is not None:
+        _, batch = generate_token(tiny_model, batch)
+        if batch is not None:
+            widths.append((len(batch), batch.attention_mask.shape[1], kv_cache.seq_length(batch.past_key_values)))
+    long_len = len(encode_prompts(smollm2_tokenizer, [PROMPTS[1]])[0])
+    short_len = max(len(ids) for ids in encode_prompts(smollm2_tokenizer, [PROMPTS[0], PROMPTS[2]]))
+    assert widths[0] == (3, long_len + 1, long_len)
+    # after step 2 the long row left: the cache holds the longest remaining prompt plus
+    # its first token, and the mask adds the column of the token being fed
+    assert widths[1] == (2, short_len + 2, short_len + 1)
+    for seq, prompt in zip(sequences, PROMPTS):
+        assert seq.generated_ids == alone(tiny_model, smollm2_tokenizer, prompt, seq.max_new_tokens)
+
+
+def test_a_request_prefilled_later_joins_the_running_batch(tiny_model, smollm2_tokenizer):
+    running_seqs, running = new_batch(tiny_model, smollm2_tokenizer, PROMPTS[:2], ["a", "b"], 12)
+    for _ in range(4):
+        _, running = generate_token(tiny_model, running)
+    (late,), newcomer = new_batch(tiny_model, smollm2_tokenizer, [PROMPTS[2]], ["c"], 12)
+    _, newcomer = generate_token(tiny_model, newcomer)  # its prefill, as a batch of its own
+    batch = CausalLMBatch.concatenate([running, newcomer])
+    assert batch.request_ids == ["a", "b", "c"]
+    while batch is not None:
+        _, batch = generate_token(tiny_model, batch)
+    for seq, prompt in zip(running_seqs + [late], PROMPTS):
+        assert seq.generated_ids == alone(tiny_model, smollm2_tokenizer, prompt, 12)
+
+
+def test_filter_keeps_the_named_rows_only(tiny_model, smollm2_tokenizer):
+    _, batch = new_batch(tiny_model, smollm2_tokenizer, PROMPTS, ["a", "b", "c"], 8)
+    _, batch = generate_token(tiny_model, batch)
+    kept = batch.filter(["c", "a"])
+    assert kept.request_ids == ["a", "c"]
+    assert kv_cache.num_rows(kept.past_key_values) == 2
+    assert batch.filter([]) is None

@@ -1,0 +1,150 @@
+"""End to end: `djl-stream serve model/` on the embedded SmolLM2, streamed over real HTTP.
+
+The server runs as its own process on a free loopback port, exactly as `make serve` runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.embedded
+
+CAPITAL = "What is the capital of France?"
+COLOUR = "Name a primary colour."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model_dir: Path, env=None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"djl-stream-e2e-{self.port}.log", "w+")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "djl_stream", "serve", str(model_dir), "--port", str(self.port)],
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        )
+
+    def wait_ready(self, timeout=180.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                break
+            try:
+                if httpx.get(self.url + "/ping", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.log.seek(0)
+        raise AssertionError(f"server did not become ready:\n{self.log.read()[-4000:]}")
+
+    def stop(self):
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(embedded_model_dir):
+    process = ServerProcess(embedded_model_dir)
+    try:
+        yield process.wait_ready()
+    finally:
+        process.stop()
+
+
+def stream(server, body):
+    """POST body; return (response, [(arrival time, parsed line), ...], end time)."""
+    lines = []
+    start = time.monotonic()
+    with httpx.stream("POST", server.url + "/invocations", json=body, timeout=120) as response:
+        buffer = b""
+        for chunk in response.iter_raw():
+            buffer += chunk
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                lines.append((time.monotonic() - start, json.loads(line)))
+    return response, lines, time.monotonic() - start
+
+
+def text_of(lines, index=0):
+    return "".join(record["output_tokens"][index] for _, record in lines)
+
+
+def generated(server, body):
+    response = httpx.post(server.url + "/invocations", json={**body, "stream": False}, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["generated_text"]
+
+
+def test_tokens_arrive_one_decode_iteration_at_a_time(server):
+    body = {"inputs": [CAPITAL, COLOUR], "parameters": {"max_new_tokens": 32}}
+    response, lines, total = stream(server, body)
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "application/jsonlines"
+    assert response.headers.get("transfer-encoding") == "chunked"
+    assert len(lines) > 5
+    assert all(len(record["output_tokens"]) == 2 for _, record in lines)
+    first_arrival = lines[0][0]
+    assert first_arrival < total / 2, f"first line at {first_arrival:.2f}s of {total:.2f}s"
+
+
+def test_greedy_capital_of_france_mentions_paris(server):
+    _, lines, _ = stream(server, {"inputs": CAPITAL, "parameters": {"max_new_tokens": 32}})
+    assert "Paris" in text_of(lines)
+    chat = generated(server, {"messages": [{"role": "user", "content": CAPITAL}],
+                              "parameters": {"max_new_tokens": 32}})
+    assert "Paris" in chat
+
+
+def test_batched_prompts_give_the_same_text_as_each_prompt_alone(server):
+    prompts = [CAPITAL, COLOUR, "Write a haiku about the sea."]
+    together = generated(server, {"inputs": prompts, "parameters": {"max_new_tokens": 24}})
+    alone = [generated(server, {"inputs": p, "parameters": {"max_new_tokens": 24}}) for p in prompts]
+    assert together == alone
+    _, lines, _ = stream(server, {"inputs": prompts, "parameters": {"max_new_tokens": 24}})
+    assert [text_of(lines, i) for i in range(3)] == alone
+
+
+def test_emoji_and_accents_stream_intact(server):
+    body = {"inputs": "Reply with three emoji that describe the ocean, and the French word for sea.",
+            "parameters": {"max_new_tokens": 40}}
+    _, lines, _ = stream(server, body)
+    streamed = text_of(lines)
+    assert "\ufffd" not in streamed
+    assert streamed == generated(server, body)
+
+
+def test_a_bad_request_gets_400_and_the_next_request_still_works(server):
+    response = httpx.post(server.url + "/invocations",
+                          json={"inputs": CAPITAL, "parameters": {"max_new_tokens": 100000}}, timeout=30)
+    assert response.status_code == 400
+    error = response.json()
+    assert error["field"] == "parameters.max_new_tokens"
+    assert "2048" in error["message"]
+    assert "Paris" in generated(server, {"inputs": CAPITAL, "parameters": {"max_new_tokens": 16}})
+
+
+def test_predictions_route_and_ping(server):
+    assert httpx.get(server.url + "/ping").status_code == 200
+    response = httpx.post(server.url + "/predictions/model",
+                          json={"inputs": CAPITAL, "parameters": {"max_new_tokens": 8}, "stream": False})
+    assert response.status_code == 200
+    assert response.json()["generated_text"].startswith("The capital of France")

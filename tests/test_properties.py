@@ -1,0 +1,113 @@
+"""Properties: what serving.properties and OPTION_* variables configure, typed and checked."""
+
+import pytest
+
+from djl_stream.properties import (
+    ModelProperties,
+    PropertyError,
+    djl_init_properties,
+    read_serving_properties,
+)
+
+
+def test_defaults_are_the_documented_ones():
+    props = ModelProperties.from_init_properties({"model_dir": "/opt/ml/model"})
+    assert props.model_dir == "/opt/ml/model"
+    assert props.model_id is None
+    assert props.dtype == "auto"
+    assert props.enable_streaming is True
+    assert props.trust_remote_code is False
+    assert props.default_max_new_tokens == 50
+    assert props.output_formatter == "jsonlines"
+    assert props.apply_chat_template is None
+
+
+def test_values_are_typed():
+    props = ModelProperties.from_init_properties(
+        {
+            "dtype": "FP16",
+            "tensor_parallel_degree": "4",
+            "enable_streaming": "False",
+            "trust_remote_code": "true",
+            "default_max_new_tokens": "32",
+            "max_new_tokens_limit": "64",
+            "max_input_length": "128",
+            "device_id": "0",
+            "apply_chat_template": "auto",
+        }
+    )
+    assert props.dtype == "fp16"
+    assert props.tensor_parallel_degree == 4
+    assert props.enable_streaming is False
+    assert props.trust_remote_code is True
+    assert (props.default_max_new_tokens, props.max_new_tokens_limit) == (32, 64)
+    assert props.max_input_length == 128
+    assert props.device_id == 0
+
+
+def test_tensor_parallel_degree_max_means_all_gpus():
+    assert ModelProperties.from_init_properties({"tensor_parallel_degree": "max"}).tensor_parallel_degree is None
+
+
+@pytest.mark.parametrize(
+    "key, value, words",
+    [
+        ("dtype", "fp8", "fp32, fp16, bf16, auto"),
+        ("enable_streaming", "maybe", "true or false"),
+        ("max_input_length", "0", "at least 1"),
+        ("default_max_new_tokens", "ten", "integer"),
+        ("tensor_parallel_degree", "-2", "at least 1"),
+    ],
+)
+def test_bad_values_name_the_property_and_the_rule(key, value, words):
+    with pytest.raises(PropertyError) as info:
+        ModelProperties.from_init_properties({key: value})
+    assert info.value.key == f"option.{key}"
+    assert words in str(info.value)
+
+
+def test_default_may_not_exceed_the_limit():
+    with pytest.raises(PropertyError, match="max_new_tokens_limit"):
+        ModelProperties.from_init_properties({"default_max_new_tokens": "100", "max_new_tokens_limit": "10"})
+
+
+def test_unknown_keys_are_kept_and_strict_mode_suggests_the_closest_name():
+    props = ModelProperties.from_init_properties({"dtpye": "fp16", "handler": "handle"})
+    assert props.dtype == "auto"
+    assert props.extra == {"dtpye": "fp16", "handler": "handle"}
+    with pytest.raises(PropertyError, match="did you mean option.dtype"):
+        ModelProperties.from_init_properties({"dtpye": "fp16"}, strict=True)
+    # keys djl-serving adds itself are fine even in strict mode
+    ModelProperties.from_init_properties({"handler": "handle", "entryPoint": "model.py"}, strict=True)
+
+
+def test_read_serving_properties_follows_java_syntax(tmp_path):
+    (tmp_path / "serving.properties").write_text(
+        "# comment\n! another\nengine=Python\noption.dtype = fp16\noption.model_id: org/model\n\n"
+    )
+    assert read_serving_properties(tmp_path) == {
+        "engine": "Python",
+        "option.dtype": "fp16",
+        "option.model_id": "org/model",
+    }
+    assert read_serving_properties(tmp_path / "missing") == {}
+
+
+def test_init_properties_strip_the_prefix_and_serving_properties_win_over_environment(tmp_path):
+    (tmp_path / "serving.properties").write_text("engine=Python\noption.dtype=fp16\n")
+    environ = {"OPTION_DTYPE": "bf16", "OPTION_MAX_INPUT_LENGTH": "512", "HOME": "/root"}
+    props = djl_init_properties(tmp_path, environ)
+    assert props["dtype"] == "fp16"
+    assert props["max_input_length"] == "512"
+    assert props["model_dir"] == str(tmp_path.resolve())
+    assert "engine" not in props and "HOME" not in props and "home" not in props
+
+
+def test_weights_location(tmp_path):
+    (tmp_path / "weights").mkdir()
+    in_dir = ModelProperties(model_dir=str(tmp_path))
+    assert in_dir.weights_location() == str(tmp_path)
+    relative = ModelProperties(model_dir=str(tmp_path), model_id="weights")
+    assert relative.weights_location() == str(tmp_path / "weights")
+    hub = ModelProperties(model_dir=str(tmp_path), model_id="org/model")
+    assert hub.weights_location() == "org/model"

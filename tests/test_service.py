@@ -1,0 +1,172 @@
+"""model.py's handle() under djl-serving's contract: init call, requests, errors, formatters.
+
+Each test imports a copy of model/model.py from a model directory holding the tiny random
+Llama, and calls handle() with Inputs built the way djl-serving builds them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from djl_stream.formatters import StreamError
+from djl_stream.inputs import Input
+from djl_stream.properties import djl_init_properties
+
+
+def load_entry_point(model_dir: Path):
+    name = f"model_under_test_{uuid.uuid4().hex}"
+    spec = importlib.util.spec_from_file_location(name, model_dir / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def init(module, model_dir: Path):
+    result = module.handle(Input(properties={**djl_init_properties(model_dir, {}), "handler": "handle"}))
+    assert result is None  # djl answers 204 to the init call
+    return module
+
+
+def request(module, body) -> "Output":
+    inp = Input(properties={"content-type": "application/json", "requestId": uuid.uuid4().hex})
+    inp.add("data", json.dumps(body).encode() if not isinstance(body, bytes) else body)
+    return module.handle(inp)
+
+
+def body_json(output):
+    return json.loads(bytes(output.content.value_at(0)))
+
+
+def stream_lines(output):
+    return [output.format_stream_item(item) for item in output.stream_content]
+
+
+@pytest.fixture(scope="module")
+def handler(tiny_model_dir):
+    return init(load_entry_point(tiny_model_dir), tiny_model_dir)
+
+
+def variant_dir(tmp_path: Path, tiny_model_dir: Path, extra_code: str, extra_properties: str) -> Path:
+    directory = tmp_path / "variant"
+    shutil.copytree(tiny_model_dir, directory)
+    with open(directory / "model.py", "a") as f:
+        f.write(extra_code)
+    with open(directory / "serving.properties", "a") as f:
+        f.write(extra_properties)
+    return directory
+
+
+def test_importing_model_py_loads_nothing(tiny_model_dir):
+    module = load_entry_point(tiny_model_dir)
+    assert module._service.model is None
+
+
+def test_streaming_request_yields_json_lines_one_entry_per_prompt(handler):
+    out = request(handler, {"inputs": ["Hello", "A longer prompt here"], "parameters": {"max_new_tokens": 6}})
+    assert out.code == 200
+    assert out.properties["content-type"] == "application/jsonlines"
+    lines = stream_lines(out)
+    assert len(lines) == 6
+    for line in lines:
+        assert line.endswith(b"\n")
+        record = json.loads(line)
+        assert list(record) == ["output_tokens"]
+        assert len(record["output_tokens"]) == 2
+
+
+def test_non_streaming_answer_is_the_concatenated_stream(handler):
+    streamed = "".join(json.loads(l)["output_tokens"][0] for l in stream_lines(
+        request(handler, {"inputs": "Hello", "parameters": {"max_new_tokens": 8}})))
+    single = request(handler, {"inputs": "Hello", "parameters": {"max_new_tokens": 8}, "stream": False})
+    assert single.properties["content-type"] == "application/json"
+    assert body_json(single) == {"generated_text": streamed}
+    batched = request(handler, {"inputs": ["Hello"], "parameters": {"max_new_tokens": 8}, "stream": False})
+    assert body_json(batched) == {"generated_text": [streamed]}
+
+
+def test_default_max_new_tokens_comes_from_the_properties(handler):
+    # serving.properties of the tiny model says option.default_max_new_tokens=16
+    out = request(handler, {"inputs": "Hello"})
+    assert len(stream_lines(out)) == 16
+
+
+@pytest.mark.parametrize(
+    "body, field, words",
+    [
+        ({"inputs": "hi", "parameters": {"max_new_tokens": 257}}, "parameters.max_new_tokens", "256"),
+        ({"inputs": "hi", "parameters": {"temperature": 0}}, "parameters.temperature", "greater than 0"),
+        ({"inputs": "hi", "parameters": {"beams": 2}}, "parameters.beams", "not a known parameter"),
+        ({"inputs": ""}, "inputs", "empty"),
+        ({"inputs": "word " * 100}, "inputs", "option.max_input_length) is 64"),
+        (b"{not json", "body", "JSON"),
+    ],
+)
+def test_bad_requests_answer_400_naming_the_field_and_the_limit(handler, body, field, words):
+    out = request(handler, body)
+    assert out.code == 400
+    error = body_json(out)
+    assert error["field"] == field
+    assert words in error["message"]
+    # and the next request still works
+    assert request(handler, {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}).code == 200
+
+
+def test_messages_use_the_chat_template(handler):
+    tokenizer = handler._service.tokenizer
+    messages = [{"role": "user", "content": "Hi there"}]
+    via_messages = body_json(request(handler, {"messages": messages, "parameters": {"max_new_tokens": 6}, "stream": False}))
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    via_inputs = body_json(request(handler, {"inputs": rendered, "parameters": {"max_new_tokens": 6}, "stream": False}))
+    assert via_messages == via_inputs
+
+
+def test_sse_formatter_by_name(tmp_path, tiny_model_dir):
+    directory = variant_dir(tmp_path, tiny_model_dir, "", "option.output_formatter=sse\n")
+    module = init(load_entry_point(directory), directory)
+    out = request(module, {"inputs": "Hello", "parameters": {"max_new_tokens": 3}})
+    assert out.properties["content-type"] == "text/event-stream"
+    lines = stream_lines(out)
+    assert len(lines) == 3
+    assert all(l.startswith(b"data: ") and l.endswith(b"\n\n") for l in lines)
+
+
+def test_custom_formatter_is_a_function_in_model_py(tmp_path, tiny_model_dir):
+    code = "\n\ndef plain_text(pieces):\n    return ''.join(pieces).encode('utf-8')\n"
+    directory = variant_dir(tmp_path, tiny_model_dir, code, "option.output_formatter=plain_text\n")
+    module = init(load_entry_point(directory), directory)
+    streamed = b"".join(stream_lines(request(module, {"inputs": "Hello", "parameters": {"max_new_tokens": 5}})))
+    plain = body_json(request(module, {"inputs": "Hello", "parameters": {"max_new_tokens": 5}, "stream": False}))
+    assert streamed.decode() == plain["generated_text"]
+
+
+def test_an_engine_failing_mid_stream_ends_with_one_error_line(tmp_path, tiny_model_dir):
+    code = (
+        "\n\nfrom djl_stream import register_engine\n\n"
+        "@register_engine('Fails-after-two')\n"
+        "def fails_after_two(model, tokenizer, inputs, **parameters):\n"
+        "    yield ['a' for _ in inputs]\n"
+        "    yield ['b' for _ in inputs]\n"
+        "    raise RuntimeError('device lost')\n"
+    )
+    directory = variant_dir(tmp_path, tiny_model_dir, code, "option.engine=Fails-after-two\n")
+    module = init(load_entry_point(directory), directory)
+    out = request(module, {"inputs": "Hello"})
+    items = list(out.stream_content)
+    assert items[:2] == [["a"], ["b"]]
+    assert isinstance(items[2], StreamError) and "device lost" in items[2].message
+    assert json.loads(out.format_stream_item(items[2])) == {"error": "RuntimeError: device lost"}
+
+
+def test_unknown_engine_fails_the_load_with_the_registered_names(tmp_path, tiny_model_dir):
+    directory = variant_dir(tmp_path, tiny_model_dir, "", "option.engine=DeepSpeed\n")
+    module = load_entry_point(directory)
+    with pytest.raises(ValueError, match="Accelerate"):
+        init(module, directory)
