@@ -125,9 +125,20 @@ class StreamingService:
             self.formatter = resolve_formatter(props.output_formatter, self._module())
             self.engine = select_engine(props)
             self.stream_generator = StreamingUtils.get_stream_generator(self.engine)
-            self.model, self.tokenizer = load_model_and_tokenizer(props)
-            self.props = props
+            model, tokenizer = load_model_and_tokenizer(props)
+            self._warm_up(model, tokenizer)
+            self.model, self.tokenizer, self.props = model, tokenizer, props
             logger.info("model ready: engine=%s formatter=%s", self.engine, self.formatter)
+
+    def _warm_up(self, model, tokenizer) -> None:
+        """Run one prefill and decode step, so the first client does not pay for the
+        one-time costs of the first forward passes (kernel selection, allocator growth)."""
+        stream = self.stream_generator(model, tokenizer, ["Hello"], max_new_tokens=2)
+        try:
+            next(iter(stream), None)
+            next(iter(stream), None)
+        finally:
+            getattr(stream, "close", lambda: None)()
 
     def _module(self) -> Optional[types.ModuleType]:
         if isinstance(self._entry_module, str):
