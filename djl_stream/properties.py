@@ -94,6 +94,10 @@ class ModelProperties:
         apply_chat_template: wrap each ``inputs`` prompt as one user turn of the tokenizer's
             chat template; ``None`` (``auto``) does so when the tokenizer has a template,
             which is what an instruct model needs. ``messages`` requests always use it.
+        max_rolling_batch_size: most prompts decoding together in the running batch
+            (continuous batching); a request with more prompts is refused with a 400.
+        job_queue_size: most requests waiting for room in the batch; beyond it requests
+            are answered 503. A djl-serving front-end key (no ``option.`` prefix).
         engine: force a stream engine (``Accelerate``, ``transformers-neuronx``); ``None``
             picks one from the hardware.
         device_id: the GPU djl assigned to this worker (-1 on CPU).
@@ -110,6 +114,8 @@ class ModelProperties:
     max_input_length: int = 4096
     output_formatter: str = "jsonlines"
     apply_chat_template: Optional[bool] = None
+    max_rolling_batch_size: int = 32
+    job_queue_size: int = 1000
     engine: Optional[str] = None
     device_id: int = -1
     extra: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -163,7 +169,8 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
     for key, value in values.items():
         if key in ("enable_streaming", "trust_remote_code"):
             out[key] = _as_bool(key, value)
-        elif key in ("default_max_new_tokens", "max_new_tokens_limit", "max_input_length"):
+        elif key in ("default_max_new_tokens", "max_new_tokens_limit", "max_input_length",
+                     "max_rolling_batch_size", "job_queue_size"):
             out[key] = _as_int(key, value)
         elif key == "apply_chat_template":
             text = str(value).strip().lower()
@@ -220,7 +227,9 @@ def djl_init_properties(
     ``OPTION_MAX_INPUT_LENGTH=512`` in the environment becomes ``max_input_length``;
     ``option.*`` keys of ``serving.properties`` override environment values and lose their
     prefix; keys without the prefix (``engine``, ``batch_size``) are framework settings and
-    are not passed. ``model_dir`` is added.
+    are not passed, except ``job_queue_size``: djl-serving's front end enforces it itself,
+    while in djl-stream the waiting queue lives in the scheduler behind ``handle()``.
+    ``model_dir`` is added.
     """
     environ = os.environ if environ is None else environ
     merged: dict[str, str] = {}
@@ -230,5 +239,7 @@ def djl_init_properties(
     for key, value in read_serving_properties(model_dir).items():
         if key.startswith("option."):
             merged[key[len("option."):]] = value
+        elif key == "job_queue_size":
+            merged[key] = value
     merged["model_dir"] = str(Path(model_dir).resolve())
     return merged

@@ -29,6 +29,7 @@ from typing import Any, Iterator, List, Optional
 from .compat import Output
 from .formatters import StreamError, StreamFormatter, resolve_formatter
 from .properties import ModelProperties
+from .errors import QueueFullError
 from .request import (
     GenerationRequest,
     RequestError,
@@ -64,6 +65,14 @@ def request_error_output(error: RequestError) -> Any:
     out = Output(code=400, message="Bad Request")
     out.add_property("content-type", "application/json")
     out.add_as_json(error.to_dict())
+    return out
+
+
+def busy_output(error: Exception) -> Any:
+    """HTTP 503: the waiting queue is full; the client may retry later."""
+    out = Output(code=503, message="Service Unavailable")
+    out.add_property("content-type", "application/json")
+    out.add_as_json({"code": 503, "type": "ServiceUnavailableException", "message": str(error)})
     return out
 
 
@@ -126,6 +135,11 @@ class StreamingService:
             self.engine = select_engine(props)
             self.stream_generator = StreamingUtils.get_stream_generator(self.engine)
             model, tokenizer = load_model_and_tokenizer(props)
+            if self.engine == ACCELERATE_ENGINE:
+                from .engines.accelerate import start_scheduler
+
+                start_scheduler(model, tokenizer, max_batch_size=props.max_rolling_batch_size,
+                                max_queue=props.job_queue_size)
             self._warm_up(model, tokenizer)
             self.model, self.tokenizer, self.props = model, tokenizer, props
             logger.info("model ready: engine=%s formatter=%s", self.engine, self.formatter)
@@ -152,9 +166,12 @@ class StreamingService:
             request = self.parse(inputs)
         except RequestError as error:
             return request_error_output(error)
-        stream = self.stream_generator(
-            self.model, self.tokenizer, list(request.prompts), **request.parameters.as_kwargs()
-        )
+        try:
+            stream = self.stream_generator(
+                self.model, self.tokenizer, list(request.prompts), **request.parameters.as_kwargs()
+            )
+        except QueueFullError as error:
+            return busy_output(error)
         wants_stream = self.props.enable_streaming if request.stream is None else request.stream
         out = Output()
         if wants_stream:
@@ -185,6 +202,12 @@ class StreamingService:
             request = GenerationRequest(prompts, request.parameters, request.stream,
                                         request.batched, None)
         field = "messages" if request.messages is not None else "inputs"
+        if len(request.prompts) > self.props.max_rolling_batch_size:
+            raise RequestError(
+                field,
+                f"{field} has {len(request.prompts)} prompts; the limit "
+                f"(option.max_rolling_batch_size) is {self.props.max_rolling_batch_size}",
+            )
         context = getattr(self.model.config, "max_position_embeddings", None)
         lengths = [len(ids) for ids in self.tokenizer(list(request.prompts))["input_ids"]]
         for i, n in enumerate(lengths):

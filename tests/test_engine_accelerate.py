@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from djl_stream import StreamingUtils
 from djl_stream.batch import CausalLMBatch, generate_token
-from djl_stream.engines.accelerate import build_sequences, encode_prompts
+from djl_stream.engines.accelerate import build_sequences, encode_prompts, start_scheduler
 
 PROMPTS = [
     "Hello",
     "The quick brown fox jumps over the lazy dog because",
     "Name a primary colour.",
 ]
+
+
+def scheduler_of(model):
+    return start_scheduler(model, None)
 
 
 def stream_text(model, tokenizer, prompts, **parameters):
@@ -145,24 +151,32 @@ def test_repetition_penalty_changes_greedy_output(tiny_model, smollm2_tokenizer)
 def test_unknown_parameter_is_refused(tiny_model, smollm2_tokenizer):
     generator = StreamingUtils.get_stream_generator("Accelerate")
     with pytest.raises(ValueError, match="num_beams"):
-        next(generator(tiny_model, smollm2_tokenizer, ["hi"], num_beams=2))
+        generator(tiny_model, smollm2_tokenizer, ["hi"], num_beams=2)
 
 
 def test_closing_the_stream_stops_generation(tiny_model, smollm2_tokenizer):
     recorder = ForwardRecorder(tiny_model)
     try:
         stream = StreamingUtils.get_stream_generator("Accelerate")(
-            tiny_model, smollm2_tokenizer, [PROMPTS[0]], max_new_tokens=200
+            tiny_model, smollm2_tokenizer, [PROMPTS[0]], max_new_tokens=1000
         )
         next(stream)
         next(stream)
         stream.close()
-        calls = len(recorder.widths)
         with pytest.raises(StopIteration):
             next(stream)
+        # The decode loop runs ahead of its readers; it notices the cancellation at
+        # its next step, after which no forward pass runs for this request.
+        deadline = time.monotonic() + 10
+        while scheduler_of(tiny_model).running_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+        calls = len(recorder.widths)
+        time.sleep(0.3)
+        assert len(recorder.widths) == calls
     finally:
         recorder.remove()
-    assert calls == 2
+    assert scheduler_of(tiny_model).running_size == 0
+    assert calls < 1000
 
 
 def test_dtype_of_cache_matches_model(tiny_model, smollm2_tokenizer):

@@ -170,3 +170,28 @@ def test_unknown_engine_fails_the_load_with_the_registered_names(tmp_path, tiny_
     module = load_entry_point(directory)
     with pytest.raises(ValueError, match="Accelerate"):
         init(module, directory)
+
+
+def test_more_prompts_than_the_batch_holds_is_a_400(tmp_path, tiny_model_dir):
+    directory = variant_dir(tmp_path, tiny_model_dir, "", "option.max_rolling_batch_size=2\n")
+    module = init(load_entry_point(directory), directory)
+    out = request(module, {"inputs": ["a", "b", "c"], "parameters": {"max_new_tokens": 2}})
+    assert out.code == 400
+    error = body_json(out)
+    assert error["field"] == "inputs"
+    assert "(option.max_rolling_batch_size) is 2" in error["message"]
+
+
+def test_a_full_queue_answers_503_and_serving_goes_on(tmp_path, tiny_model_dir):
+    directory = variant_dir(tmp_path, tiny_model_dir, "",
+                            "option.max_rolling_batch_size=1\njob_queue_size=1\n")
+    module = init(load_entry_point(directory), directory)
+    running = request(module, {"inputs": "Hello", "parameters": {"max_new_tokens": 256}})
+    next(running.stream_content)  # running: the batch of one is full
+    waiting = request(module, {"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
+    refused = request(module, {"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
+    assert refused.code == 503
+    assert body_json(refused)["type"] == "ServiceUnavailableException"
+    assert "job_queue_size" in body_json(refused)["message"]
+    running.stream_content.close()
+    assert len(stream_lines(waiting)) == 2

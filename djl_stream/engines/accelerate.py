@@ -2,7 +2,8 @@
 
 The stream generator keeps one KV cache for all prompts (never re-running a prompt per
 token), batches prompts of different lengths with left padding, and yields each decode
-iteration's new text per prompt as soon as the step is done.
+iteration's new text per prompt as soon as the step is done. Every caller's prompts run
+on the model's one :class:`~djl_stream.scheduler.Scheduler` (continuous batching).
 
 Example::
 
@@ -13,12 +14,18 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, FrozenSet, Iterator, List, Optional, Sequence
+from typing import Any, FrozenSet, List, Optional, Sequence
 
 import torch
 
-from ..batch import CausalLMBatch, generate_token
 from ..sampling import TokenChooser
+from ..scheduler import (
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_QUEUE,
+    GenerationStream,
+    Scheduler,
+    scheduler_for,
+)
 from ..sequence import GenerationSequence
 from ..streaming_utils import register_engine
 
@@ -104,29 +111,40 @@ def build_sequences(
     ]
 
 
+def start_scheduler(
+    model,
+    tokenizer,
+    *,
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+) -> Scheduler:
+    """The model's continuous-batching scheduler, created with these limits on first use
+    (``option.max_rolling_batch_size`` and ``job_queue_size``)."""
+    return scheduler_for(
+        model,
+        pad_token_id=pad_token_id(tokenizer, eos_token_ids(model, tokenizer)),
+        device=model_input_device(model),
+        max_batch_size=max_batch_size,
+        max_queue=max_queue,
+    )
+
+
 @register_engine("Accelerate")
 def accelerate_stream_generator(
     model, tokenizer, inputs: List[str], **parameters: Any
-) -> Iterator[List[str]]:
+) -> GenerationStream:
     """Stream the continuation of every prompt in ``inputs``, one list per decode step.
 
     ``parameters``: ``max_new_tokens`` (default 50), ``do_sample``, ``temperature``,
     ``top_k``, ``top_p``, ``typical_p``, ``repetition_penalty``, ``manual_seed``, ``stop``.
     Each list has one entry per prompt: the text that step released for it, ``""`` when
     it released none (an incomplete character, a possible stop string, or already done).
-    Closing the iterator (a client that left) drops the batch and its cache at once.
+
+    The prompts join the model's running batch (continuous batching), so concurrent
+    callers share decode steps. Closing the returned iterator (a client that left) takes
+    its rows out of the batch, and frees their cache, at the next step.
     """
     if isinstance(inputs, str):
         inputs = [inputs]
     sequences = build_sequences(model, tokenizer, encode_prompts(tokenizer, inputs), **parameters)
-    batch: Optional[CausalLMBatch] = CausalLMBatch.from_sequences(
-        sequences,
-        pad_token_id=pad_token_id(tokenizer, sequences[0].eos_token_ids),
-        device=model_input_device(model),
-    )
-    while batch is not None:
-        generations, batch = generate_token(model, batch)
-        pieces = [""] * len(sequences)
-        for generation in generations:
-            pieces[generation.request_id] = generation.text
-        yield pieces
+    return start_scheduler(model, tokenizer).submit(sequences)

@@ -1,0 +1,200 @@
+"""Continuous batching: requests join and leave the running batch without changing results."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from djl_stream.engines.accelerate import build_sequences, encode_prompts, pad_token_id
+from djl_stream.errors import GenerationFailed, QueueFullError
+from djl_stream.scheduler import Scheduler
+
+PROMPTS = [
+    "Hi",
+    "The quick brown fox jumps over the lazy dog and keeps running",
+    "Colours of the rainbow",
+    "One two three four five",
+]
+
+
+@pytest.fixture()
+def make_scheduler(tiny_model):
+    def make(**settings):
+        return Scheduler(tiny_model, pad_token_id=2, device="cpu", **settings)
+    return make
+
+
+def sequences(model, tokenizer, prompts, **parameters):
+    return build_sequences(model, tokenizer, encode_prompts(tokenizer, prompts), **parameters)
+
+
+def collect(stream):
+    texts = None
+    steps = 0
+    for pieces in stream:
+        texts = [""] * len(pieces) if texts is None else texts
+        for i, piece in enumerate(pieces):
+            texts[i] += piece
+        steps += 1
+    return texts, steps
+
+
+class BatchSizes:
+    """Batch size of every forward pass, recorded by a real forward hook."""
+
+    def __init__(self, model, fail_when=None):
+        self.sizes: list[int] = []
+        self.widths: list[int] = []
+        self.fail_when = fail_when
+        self._handle = model.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs):
+        ids = kwargs["input_ids"]
+        self.sizes.append(ids.shape[0])
+        self.widths.append(ids.shape[1])
+        if self.fail_when is not None and self.fail_when(ids):
+            raise RuntimeError("simulated device failure")
+
+    def remove(self):
+        self._handle.remove()
+
+
+def solo_texts(make_scheduler, model, tokenizer, prompts, **parameters):
+    scheduler = make_scheduler()
+    return [collect(scheduler.submit(sequences(model, tokenizer, [p], **parameters)))[0][0] for p in prompts]
+
+
+def test_staggered_arrivals_give_each_request_its_solo_text(make_scheduler, tiny_model, smollm2_tokenizer):
+    expected = solo_texts(make_scheduler, tiny_model, smollm2_tokenizer, PROMPTS, max_new_tokens=20)
+    scheduler = make_scheduler()
+    results: dict[int, str] = {}
+    recorder = BatchSizes(tiny_model)
+
+    def client(index, delay_steps):
+        # wait until the batch has run `delay_steps` forward passes, then arrive
+        while len(recorder.sizes) < delay_steps:
+            time.sleep(0.001)
+        stream = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[index]], max_new_tokens=20))
+        results[index] = collect(stream)[0][0]
+
+    threads = [threading.Thread(target=client, args=(i, delay)) for i, delay in enumerate([0, 3, 7, 12])]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        recorder.remove()
+    assert [results[i] for i in range(len(PROMPTS))] == expected
+    # they really shared decode steps: some forward pass ran several requests at once
+    assert max(recorder.sizes) > 1
+
+
+def test_a_request_with_several_prompts_and_a_late_one_share_the_batch(make_scheduler, tiny_model, smollm2_tokenizer):
+    expected = solo_texts(make_scheduler, tiny_model, smollm2_tokenizer, PROMPTS, max_new_tokens=12)
+    scheduler = make_scheduler()
+    first = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, PROMPTS[:3], max_new_tokens=12))
+    next(first)
+    late = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, PROMPTS[3:], max_new_tokens=12))
+    late_text = collect(late)[0]
+    rest = collect(first)[0]
+    assert late_text == expected[3:]
+    # `first` lost its first item to next(); the rest must still be its solo suffixes
+    assert all(e.endswith(r) for e, r in zip(expected[:3], rest))
+
+
+def test_seeded_sampling_is_the_same_alone_and_batched(make_scheduler, tiny_model, smollm2_tokenizer):
+    sampling = dict(max_new_tokens=12, do_sample=True, temperature=1.3, top_p=0.9, manual_seed=11)
+    alone = solo_texts(make_scheduler, tiny_model, smollm2_tokenizer, [PROMPTS[1]], **sampling)[0]
+    scheduler = make_scheduler()
+    other = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[0]], max_new_tokens=30,
+                                       do_sample=True, temperature=1.0))
+    next(other)
+    seeded = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[1]], **sampling))
+    assert collect(seeded)[0][0] == alone
+    other.close()
+
+
+def test_the_running_batch_never_exceeds_max_batch_size(make_scheduler, tiny_model, smollm2_tokenizer):
+    expected = solo_texts(make_scheduler, tiny_model, smollm2_tokenizer, PROMPTS, max_new_tokens=8)
+    scheduler = make_scheduler(max_batch_size=2)
+    recorder = BatchSizes(tiny_model)
+    try:
+        streams = [scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [p], max_new_tokens=8)) for p in PROMPTS]
+        texts = [collect(s)[0][0] for s in streams]
+    finally:
+        recorder.remove()
+    assert texts == expected
+    assert max(recorder.sizes) <= 2
+    with pytest.raises(ValueError, match="max_rolling_batch_size"):
+        scheduler.submit(sequences(tiny_model, smollm2_tokenizer, PROMPTS[:3], max_new_tokens=2))
+
+
+def test_a_full_queue_refuses_new_requests(make_scheduler, tiny_model, smollm2_tokenizer):
+    scheduler = make_scheduler(max_batch_size=1, max_queue=1)
+    running = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[0]], max_new_tokens=500))
+    next(running)  # admitted: the batch is now full
+    waiting = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[1]], max_new_tokens=2))
+    with pytest.raises(QueueFullError, match="job_queue_size"):
+        scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[2]], max_new_tokens=2))
+    running.close()
+    assert collect(waiting)[1] == 2  # the waiting request runs once there is room
+
+
+def test_closed_streams_leave_the_batch(make_scheduler, tiny_model, smollm2_tokenizer):
+    scheduler = make_scheduler()
+    streams = [scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [p], max_new_tokens=1000)) for p in PROMPTS]
+    for s in streams:
+        next(s)
+    assert scheduler.running_size == len(PROMPTS)
+    streams[0].close()
+    streams[2].close()
+    deadline = time.monotonic() + 10
+    while scheduler.running_size != 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scheduler.running_size == 2
+    for s in (streams[1], streams[3]):
+        s.close()
+    while scheduler.running_size and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scheduler.running_size == 0
+
+
+def test_a_failing_prefill_fails_only_its_request(make_scheduler, tiny_model, smollm2_tokenizer):
+    poison = smollm2_tokenizer("Poison")["input_ids"][-1]
+    scheduler = make_scheduler()
+    healthy = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[1]], max_new_tokens=30))
+    next(healthy)
+    recorder = BatchSizes(tiny_model, fail_when=lambda ids: bool((ids == poison).any()) and ids.shape[1] > 1)
+    try:
+        doomed = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, ["Poison"], max_new_tokens=5))
+        with pytest.raises(GenerationFailed, match="simulated device failure"):
+            next(doomed)
+        assert collect(healthy)[1] == 29
+    finally:
+        recorder.remove()
+
+
+def test_a_failing_decode_step_fails_its_requests_and_the_loop_keeps_serving(make_scheduler, tiny_model, smollm2_tokenizer):
+    scheduler = make_scheduler()
+    fail = {"armed": True}
+
+    def fail_once_in_decode(ids):
+        if fail["armed"] and ids.shape[0] == 2 and ids.shape[1] == 1:
+            fail["armed"] = False
+            return True
+        return False
+
+    recorder = BatchSizes(tiny_model, fail_when=fail_once_in_decode)
+    try:
+        both = [scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [p], max_new_tokens=10)) for p in PROMPTS[:2]]
+        for stream in both:
+            with pytest.raises(GenerationFailed, match="RuntimeError: simulated device failure"):
+                collect(stream)
+        after = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[2]], max_new_tokens=4))
+        assert collect(after)[1] == 4
+    finally:
+        recorder.remove()
+    assert scheduler.running_size == 0
