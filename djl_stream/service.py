@@ -189,6 +189,15 @@ class StreamingService:
     def parse(self, inputs) -> GenerationRequest:
         """The validated request in ``inputs``, with chat templates applied and lengths
         checked; raises :class:`RequestError`."""
+        if inputs.is_batch():
+            # djl-serving's dynamic batching (batch_size > 1) merges requests into one
+            # Input; the real engine refuses it with streaming, and continuous batching
+            # already shares decode steps between concurrent requests.
+            raise RequestError(
+                "batch_size",
+                "dynamic batching (batch_size > 1 in serving.properties) is not supported: "
+                "djl-stream batches concurrent requests continuously; remove batch_size",
+            )
         body = parse_json_body(inputs.get_as_bytes("data") if inputs.contains_key("data")
                                else inputs.get_as_bytes())
         request = parse_request(

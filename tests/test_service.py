@@ -195,3 +195,12 @@ def test_a_full_queue_answers_503_and_serving_goes_on(tmp_path, tiny_model_dir):
     assert "job_queue_size" in body_json(refused)["message"]
     running.stream_content.close()
     assert len(stream_lines(waiting)) == 2
+
+
+def test_dynamic_batching_input_is_refused_with_a_clear_400(handler):
+    inp = Input(properties={"batch_size": "2", "content-type": "application/json"})
+    inp.add("batch_000_data", json.dumps({"inputs": "a"}).encode())
+    inp.add("batch_001_data", json.dumps({"inputs": "b"}).encode())
+    out = handler.handle(inp)
+    assert out.code == 400
+    assert body_json(out)["field"] == "batch_size"
