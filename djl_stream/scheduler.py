@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import collections
 import ctypes
 import itertools
@@ -130,8 +131,19 @@ class Scheduler:
         self._jobs: Dict[int, _Job] = {}
         self._wakeup = threading.Condition()
         self._running: Optional[CausalLMBatch] = None
+        self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="djl-stream-scheduler", daemon=True)
         self._thread.start()
+        _LIVE_SCHEDULERS.add(self)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop after its current step; requests still in flight end with an
+        error. Called at interpreter exit, because a daemon thread killed in the middle of
+        a torch operation aborts the whole process."""
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        self._thread.join(timeout)
 
     # -- called from request threads --------------------------------------------------
 
@@ -175,10 +187,12 @@ class Scheduler:
     # -- the loop ---------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while True:
+        while not self._stopping:
             admitted: List[_Job] = []
             try:
                 admitted = self._wait_for_work()
+                if self._stopping:
+                    break
                 if admitted:
                     self._prefill(admitted)
                 self._drop_cancelled()
@@ -193,6 +207,12 @@ class Scheduler:
                 running, self._running = self._running, None
                 in_flight = self._jobs_of(running.sequences) if running is not None else []
                 self._fail(list({id(j): j for j in admitted + in_flight}.values()), error)
+        self._running = None
+        with self._wakeup:
+            for job in list(self._jobs.values()):
+                job.finish(GenerationFailed("the server is shutting down"))
+            self._jobs.clear()
+            self._waiting.clear()
 
     def _wait_for_work(self) -> List[_Job]:
         """Block until there is something to do; return the jobs admitted now."""
@@ -200,7 +220,7 @@ class Scheduler:
             while True:
                 while self._waiting and self._waiting[0].cancelled:
                     self._forget(self._waiting.popleft())
-                if self._waiting or self._running is not None:
+                if self._waiting or self._running is not None or self._stopping:
                     break
                 self._wakeup.wait()
             room = self.max_batch_size - self.running_size
@@ -248,14 +268,15 @@ class Scheduler:
         if batch is None:
             return
         cancelled = {seq.request_id[0] for seq in batch.sequences
-                     if self._jobs[seq.request_id[0]].cancelled}
+                     if getattr(self._jobs.get(seq.request_id[0]), "cancelled", True)}
         if not cancelled:
             return
         keep = [seq.request_id for seq in batch.sequences if seq.request_id[0] not in cancelled]
         self._running = batch.filter(keep)
         with self._wakeup:
             for job_id in cancelled:
-                self._forget(self._jobs[job_id])
+                if job_id in self._jobs:
+                    self._forget(self._jobs[job_id])
 
     def _dispatch(self, generations: List[Generation]) -> None:
         """Send each job the list of its prompts' new text for this step."""
@@ -319,6 +340,15 @@ def _load_libc():
 
 
 _LIBC = _load_libc()
+
+_LIVE_SCHEDULERS: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for scheduler in list(_LIVE_SCHEDULERS):
+        scheduler.shutdown()
+
 
 _SCHEDULERS: "weakref.WeakKeyDictionary[object, Scheduler]" = weakref.WeakKeyDictionary()
 _SCHEDULERS_LOCK = threading.Lock()

@@ -148,10 +148,13 @@ def test_closed_streams_leave_the_batch(make_scheduler, tiny_model, smollm2_toke
     streams = [scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [p], max_new_tokens=1000)) for p in PROMPTS]
     for s in streams:
         next(s)
+    deadline = time.monotonic() + 10
+    # a prefilled request joins the running batch just after its first item is sent
+    while scheduler.running_size != len(PROMPTS) and time.monotonic() < deadline:
+        time.sleep(0.001)
     assert scheduler.running_size == len(PROMPTS)
     streams[0].close()
     streams[2].close()
-    deadline = time.monotonic() + 10
     while scheduler.running_size != 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert scheduler.running_size == 2
@@ -198,3 +201,12 @@ def test_a_failing_decode_step_fails_its_requests_and_the_loop_keeps_serving(mak
     finally:
         recorder.remove()
     assert scheduler.running_size == 0
+
+
+def test_shutdown_ends_requests_in_flight_with_an_error(make_scheduler, tiny_model, smollm2_tokenizer):
+    scheduler = make_scheduler()
+    stream = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[0]], max_new_tokens=1000))
+    next(stream)
+    scheduler.shutdown()
+    with pytest.raises(GenerationFailed, match="shutting down"):
+        collect(stream)
