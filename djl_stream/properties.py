@@ -100,6 +100,14 @@ class ModelProperties:
             are answered 503. A djl-serving front-end key (no ``option.`` prefix).
         engine: force a stream engine (``Accelerate``, ``transformers-neuronx``); ``None``
             picks one from the hardware.
+        n_positions: transformers-neuronx only: the longest sequence (prompt + new tokens)
+            the model is compiled for; the compiled batch size is ``max_rolling_batch_size``.
+        compiled_graph_path: transformers-neuronx only: directory of compiled Neuron
+            artifacts (relative to ``model_dir`` or absolute), loaded when it holds some,
+            written after compiling otherwise; ``None`` compiles at every start.
+        context_length_estimate: transformers-neuronx only: prompt length(s) to compile
+            context-encoding graphs for (``512`` or ``256,1024``); ``None`` leaves it to
+            the library.
         device_id: the GPU djl assigned to this worker (-1 on CPU).
     """
 
@@ -117,6 +125,9 @@ class ModelProperties:
     max_rolling_batch_size: int = 32
     job_queue_size: int = 1000
     engine: Optional[str] = None
+    n_positions: int = 2048
+    compiled_graph_path: Optional[str] = None
+    context_length_estimate: Optional[tuple[int, ...]] = None
     device_id: int = -1
     extra: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
@@ -170,7 +181,7 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
         if key in ("enable_streaming", "trust_remote_code"):
             out[key] = _as_bool(key, value)
         elif key in ("default_max_new_tokens", "max_new_tokens_limit", "max_input_length",
-                     "max_rolling_batch_size", "job_queue_size"):
+                     "max_rolling_batch_size", "job_queue_size", "n_positions"):
             out[key] = _as_int(key, value)
         elif key == "apply_chat_template":
             text = str(value).strip().lower()
@@ -187,8 +198,11 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
             if text not in DTYPES:
                 raise PropertyError("option.dtype", f"expected one of {', '.join(DTYPES)}, got {value!r}")
             out[key] = text
-        elif key in ("model_id", "engine"):
+        elif key in ("model_id", "engine", "compiled_graph_path"):
             out[key] = str(value).strip() or None
+        elif key == "context_length_estimate":
+            parts = [p for p in str(value).replace(" ", "").split(",") if p]
+            out[key] = tuple(_as_int(key, p) for p in parts) or None
         else:
             out[key] = str(value)
     if out.get("default_max_new_tokens", 50) > out.get("max_new_tokens_limit", 2048):

@@ -134,7 +134,12 @@ class StreamingService:
             self.formatter = resolve_formatter(props.output_formatter, self._module())
             self.engine = select_engine(props)
             self.stream_generator = StreamingUtils.get_stream_generator(self.engine)
-            model, tokenizer = load_model_and_tokenizer(props)
+            if self.engine == NEURON_ENGINE:
+                from .engines.neuronx import load_neuron_model
+
+                model, tokenizer = load_neuron_model(props)
+            else:
+                model, tokenizer = load_model_and_tokenizer(props)
             if self.engine == ACCELERATE_ENGINE:
                 from .engines.accelerate import start_scheduler
 
@@ -172,6 +177,9 @@ class StreamingService:
             )
         except QueueFullError as error:
             return busy_output(error)
+        except RequestError as error:
+            # an engine's own limits (e.g. a Neuron model's compiled batch size)
+            return request_error_output(error)
         wants_stream = self.props.enable_streaming if request.stream is None else request.stream
         out = Output()
         if wants_stream:
