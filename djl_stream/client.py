@@ -3,7 +3,9 @@
 Streams arrive in chunks that follow the network, not the text: a chunk may end in the
 middle of a line or even inside a multi-byte UTF-8 character (SageMaker's payload parts do
 exactly that). :class:`LineDecoder` re-assembles lines, :func:`iter_json_lines` parses them,
-and :func:`stream` does both over an HTTP response from the local server or djl-serving.
+and :func:`stream` does both over an HTTP response from the local server or djl-serving;
+:func:`invoke_stream` does the same over a SageMaker endpoint's response stream. Both
+transports end in the same :func:`iter_json_lines`, so a line is a line whichever way it came.
 
 Example::
 
@@ -15,6 +17,10 @@ Example::
 
     for record in stream("http://127.0.0.1:8080/invocations",
                          {"inputs": "Hello", "stream": True}):
+        print(record["output_tokens"][0], end="", flush=True)
+
+    runtime = boto3.client("sagemaker-runtime")
+    for record in invoke_stream(runtime, "my-endpoint", {"inputs": "Hello"}):
         print(record["output_tokens"][0], end="", flush=True)
 """
 
@@ -207,3 +213,184 @@ def stream(
     finally:
         if owned:
             http.close()
+
+
+# -- SageMaker response streams --
+
+class ModelStreamError(StreamingError):
+    """SageMaker reported ``ModelStreamError``: the container's stream broke or timed out
+    after the response had started. ``error_code`` is SageMaker's ``ErrorCode`` (e.g.
+    ``ModelInvocationTimeExceeded``, ``StreamBroken``) when the event carries it as a
+    field; botocore's parser keeps only the message of an exception message, so through
+    boto3 it is ``None``.
+
+    >>> error = ModelStreamError("stream broke", error_code="StreamBroken")
+    >>> str(error), error.error_code
+    ('stream broke', 'StreamBroken')
+    """
+
+    def __init__(self, message: str, *, error_code: Optional[str] = None,
+                 body: Any = None) -> None:
+        super().__init__(message, status_code=200, body=body)
+        self.error_code = error_code
+
+
+class InternalStreamFailure(StreamingError):
+    """SageMaker reported ``InternalStreamFailure``: the stream failed inside SageMaker
+    rather than in the container.
+
+    >>> str(InternalStreamFailure("internal failure"))
+    'internal failure'
+    """
+
+    def __init__(self, message: str, *, body: Any = None) -> None:
+        super().__init__(message, status_code=200, body=body)
+
+
+#: Event names of ``InvokeEndpointWithResponseStream`` that end a stream with an error.
+_STREAM_ERRORS = {"ModelStreamError": ModelStreamError,
+                  "InternalStreamFailure": InternalStreamFailure}
+
+
+def _stream_error(name: str, fields: Mapping[str, Any]) -> StreamingError:
+    message = str(fields.get("Message") or name)
+    if name == "ModelStreamError":
+        return ModelStreamError(message, error_code=fields.get("ErrorCode"), body=dict(fields))
+    return InternalStreamFailure(message, body=dict(fields))
+
+
+def _translated(error: Exception) -> Optional[StreamingError]:
+    """The :class:`StreamingError` for a botocore ``EventStreamError``, else ``None``.
+
+    botocore's parser turns an exception message of the event stream (``:message-type
+    exception``) into an ``EventStreamError`` raised mid-iteration, with the event name as
+    the error code; duck-typed so that this module never imports botocore.
+    """
+    response = getattr(error, "response", None)
+    if not isinstance(response, Mapping):
+        return None
+    fields = response.get("Error") or {}
+    name = str(fields.get("Code") or "")
+    if name in _STREAM_ERRORS:
+        return _stream_error(name, fields)
+    return StreamingError(f"{name or type(error).__name__}: {fields.get('Message', error)}",
+                          body=dict(response))
+
+
+def iter_sagemaker_payloads(event_stream: Iterable[Mapping[str, Any]]) -> Iterator[bytes]:
+    """The bytes of each ``PayloadPart`` of an ``InvokeEndpointWithResponseStream`` body.
+
+    ``ModelStreamError`` and ``InternalStreamFailure`` become :class:`ModelStreamError`
+    and :class:`InternalStreamFailure` (whether they arrive as events or, as botocore
+    delivers them, as an ``EventStreamError``); other events are skipped.
+
+    >>> parts = [{"PayloadPart": {"Bytes": b"a"}}, {"ModelStreamError": {"Message": "boom"}}]
+    >>> payloads = iter_sagemaker_payloads(parts)
+    >>> next(payloads)
+    b'a'
+    >>> next(payloads)
+    Traceback (most recent call last):
+    ...
+    djl_stream.client.ModelStreamError: boom
+    """
+    events = iter(event_stream)
+    while True:
+        try:
+            event = next(events)
+        except StopIteration:
+            return
+        except StreamingError:
+            raise
+        except Exception as error:
+            translated = _translated(error)
+            if translated is None:
+                raise
+            raise translated from error
+        part = event.get("PayloadPart")
+        if part is not None:
+            data = part.get("Bytes") or b""
+            if data:
+                yield bytes(data)
+            continue
+        for name in _STREAM_ERRORS:
+            if name in event:
+                raise _stream_error(name, event[name] or {})
+
+
+def iter_sagemaker_lines(event_stream: Iterable[Mapping[str, Any]]) -> Iterator[str]:
+    """The text lines of a SageMaker response stream, whatever its payload parts split.
+
+    Parts are not aligned to lines or to UTF-8 characters; this is :class:`LineDecoder`
+    over :func:`iter_sagemaker_payloads`, so a last line without its newline is yielded
+    too (the SDK's own ``LineIterator`` waits for it forever).
+
+    >>> body = '{"output_tokens": ["é"]}\\n{"output_tokens": ["!"]}'.encode()
+    >>> list(iter_sagemaker_lines({"PayloadPart": {"Bytes": body[i:i + 1]}}
+    ...                           for i in range(len(body))))
+    ['{"output_tokens": ["é"]}', '{"output_tokens": ["!"]}']
+    """
+    return LineDecoder()(iter_sagemaker_payloads(event_stream))
+
+
+def invoke_stream(
+    runtime_client: Any,
+    endpoint_name: str,
+    payload: Any,
+    *,
+    content_type: str = "application/json",
+    **request: Any,
+) -> Iterator[dict]:
+    """Call ``InvokeEndpointWithResponseStream`` and yield the records of the answer.
+
+    ``runtime_client`` is a ``boto3.client("sagemaker-runtime")``; ``payload`` is sent as
+    JSON unless it is already ``bytes`` or ``str``; further keyword arguments (``Accept``,
+    ``CustomAttributes``, ``InferenceComponentName``...) go to the API call unchanged.
+    Raises :class:`StreamingError` when the endpoint refuses the request (with the
+    model's own status and message for a ``ModelError``), :class:`ModelStreamError` or
+    :class:`InternalStreamFailure` when the stream fails, and :class:`StreamingError` at
+    an ``{"error": ...}`` record. Closing the generator early closes the stream.
+
+    >>> for record in invoke_stream(boto3.client("sagemaker-runtime"), "my-endpoint",
+    ...                             {"inputs": "Hi"}):  # doctest: +SKIP
+    ...     print(record["output_tokens"][0], end="")
+    """
+    if isinstance(payload, str):
+        body: bytes = payload.encode("utf-8")
+    elif isinstance(payload, (bytes, bytearray)):
+        body = bytes(payload)
+    else:
+        body = json.dumps(payload, ensure_ascii=False).encode("utf-8")
+    try:
+        response = runtime_client.invoke_endpoint_with_response_stream(
+            EndpointName=endpoint_name, Body=body, ContentType=content_type, **request)
+    except Exception as error:
+        raise _refusal(error) from error
+    event_stream = response["Body"]
+    try:
+        yield from iter_json_lines(iter_sagemaker_payloads(event_stream))
+    finally:
+        close = getattr(event_stream, "close", None)
+        if close is not None:
+            close()
+
+
+def _refusal(error: Exception) -> Exception:
+    """A botocore ``ClientError`` from before the stream started, as a StreamingError.
+
+    For ``ModelError`` SageMaker relays the container's own answer in ``OriginalStatusCode``
+    and ``OriginalMessage`` (djl-serving's 424 JSON, a 400 naming the field...), which is
+    what the caller needs to see; anything that is not a ClientError is returned as is.
+    """
+    response = getattr(error, "response", None)
+    if not isinstance(response, Mapping):
+        return error
+    fields = response.get("Error") or {}
+    status = response.get("OriginalStatusCode") or \
+        (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    original = response.get("OriginalMessage")
+    if original:
+        message = error_message(str(original).encode("utf-8"), int(status or 0))
+    else:
+        message = f"{fields.get('Code', type(error).__name__)}: {fields.get('Message', error)}"
+    return StreamingError(message, status_code=int(status) if status else None,
+                          body=dict(response))

@@ -30,7 +30,8 @@ DTYPES = ("fp32", "fp16", "bf16", "auto")
 #: Keys djl-serving itself adds to the init call; accepted and ignored here.
 DJL_KEYS = frozenset(
     {"handler", "device_id", "entryPoint", "entrypoint", "engine", "rolling_batch",
-     "predict_timeout", "model_loading_timeout", "parallel_loading", "task"}
+     "predict_timeout", "model_loading_timeout", "parallel_loading", "task",
+     "async_mode", "mpi_mode", "enable_venv", "pythonExecutable", "max_output_size"}
 )
 
 

@@ -1,0 +1,501 @@
+"""``djl-stream check``: is a model directory ready to ship to djl-serving or SageMaker?
+
+Everything here is found out on the machine you ship from, in seconds, instead of in a
+container log minutes after an endpoint started. One :class:`Finding` per check:
+
+- ``serving.properties`` parses; its framework keys (``engine``, ``job_queue_size``,
+  ``batch_size``...) are djl-serving's and well typed; ``engine=Python`` is set;
+- every ``option.*`` key (and ``OPTION_*`` variable) is one djl-stream knows, with a value
+  of the right type and range — a typo names the closest valid key;
+- ``option.rolling_batch=disable``: djl-serving's LMI images otherwise switch on their own
+  continuous batching, and ``handle()`` would receive LMI's batched requests;
+- the entry point exists and imports cheaply in a fresh interpreter (djl imports it three
+  times while the worker starts): within ``max_import_seconds`` and without pulling in
+  torch or transformers, which belong in the init call; it defines ``handle``;
+- ``option.output_formatter`` and ``option.engine`` resolve;
+- there are weights: a Hugging Face folder in the directory (config, weights, tokenizer),
+  or an ``option.model_id`` that is an existing path, a well-formed S3 URI or a hub id.
+
+Example::
+
+    $ djl-stream check model/
+    djl-stream check model/
+      ✓ serving.properties  10 keys
+      ✓ engine              engine=Python: djl-serving's Python engine runs the entry point
+      ...
+    OK: ready to ship (1 warning)
+
+    >>> report = check_model_dir("model/", environ={})   # doctest: +SKIP
+    >>> report.ok, [f.subject for f in report.failures]  # doctest: +SKIP
+    (True, [])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from djl_stream.properties import (
+    DJL_KEYS,
+    ModelProperties,
+    PropertyError,
+    djl_init_properties,
+    read_serving_properties,
+)
+
+OK, WARN, FAIL = "OK", "WARN", "FAIL"
+SYMBOLS = {OK: "✓", WARN: "!", FAIL: "✗"}
+
+DEFAULT_ENTRY_POINT = "model.py"
+#: Why 2 s: djl-stream's own model.py imports in ~0.2 s; importing torch alone takes 1-5 s.
+#: The limit separates "defines things" from "does work at import" with room for a slow disk.
+DEFAULT_MAX_IMPORT_SECONDS = 2.0
+PROBE_TIMEOUT_SECONDS = 60.0
+#: Modules whose import at module level means the model is being set up at import time.
+HEAVY_MODULES = ("torch", "transformers", "accelerate", "vllm", "tensorflow", "jax",
+                 "torch_neuronx", "transformers_neuronx", "tensorrt_llm")
+
+#: djl-serving's model-level keys (no ``option.`` prefix) and how their values parse.
+FRAMEWORK_KEYS: Mapping[str, str] = {
+    "engine": "str", "job_queue_size": "int", "batch_size": "int", "max_batch_delay": "int",
+    "max_idle_time": "int", "minWorkers": "int", "maxWorkers": "int",
+    "gpu.minWorkers": "int", "gpu.maxWorkers": "int", "cpu.minWorkers": "int",
+    "cpu.maxWorkers": "int", "neuron.minWorkers": "int", "neuron.maxWorkers": "int",
+    "load_on_devices": "str", "translatorFactory": "str", "log_request_metric": "bool",
+    "metrics_aggregation": "int", "required_memory_mb": "int",
+    "gpu.required_memory_mb": "int", "reserved_memory_mb": "int",
+    "gpu.reserved_memory_mb": "int", "retry_threshold": "int",
+}
+#: ``option.*`` keys that only djl-serving's front end reads; djl-stream passes them by.
+SERVER_OPTION_KEYS = frozenset({"pythonExecutable", "enable_venv", "max_output_size",
+                                "mpi_mode", "async_mode", "model_name", "s3url"}) | DJL_KEYS
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+_HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.\-]*/)?[A-Za-z0-9][\w.\-]*$")
+_S3_URI = re.compile(r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """The outcome of one check: ``status`` (OK, WARN or FAIL), what was checked, why."""
+
+    status: str
+    subject: str
+    message: str
+
+    def render(self, width: int = 20, symbols: bool = True) -> str:
+        mark = SYMBOLS[self.status] if symbols else f"{self.status:<4}"
+        return f"  {mark} {self.subject:<{width}} {self.message}"
+
+
+@dataclasses.dataclass
+class CheckReport:
+    """Every :class:`Finding` for one model directory; ``ok`` when none failed.
+
+    >>> report = CheckReport("model/", [Finding(OK, "engine", "engine=Python"),
+    ...                                 Finding(WARN, "option.rolling_batch", "unset")])
+    >>> report.ok, len(report.warnings)
+    (True, 1)
+    >>> print(report.render(symbols=False).splitlines()[-1])
+    OK: ready to ship (1 warning)
+    """
+
+    model_dir: str
+    findings: list[Finding] = dataclasses.field(default_factory=list)
+
+    def add(self, status: str, subject: str, message: str) -> None:
+        self.findings.append(Finding(status, subject, message))
+
+    @property
+    def failures(self) -> list[Finding]:
+        return [f for f in self.findings if f.status == FAIL]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        return [f for f in self.findings if f.status == WARN]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def render(self, symbols: bool = True) -> str:
+        width = max((len(f.subject) for f in self.findings), default=10)
+        lines = [f"djl-stream check {self.model_dir}"]
+        lines += [f.render(width, symbols) for f in self.findings]
+        warned = len(self.warnings)
+        suffix = f" ({warned} warning{'s' if warned != 1 else ''})" if warned else ""
+        if self.ok:
+            lines.append(f"OK: ready to ship{suffix}")
+        else:
+            failed = len(self.failures)
+            lines.append(f"FAIL: {failed} check{'s' if failed != 1 else ''} failed{suffix}")
+        return "\n".join(lines)
+
+
+def check_model_dir(
+    model_dir: str | os.PathLike[str],
+    *,
+    environ: Optional[Mapping[str, str]] = None,
+    max_import_seconds: float = DEFAULT_MAX_IMPORT_SECONDS,
+    python: str = sys.executable,
+) -> CheckReport:
+    """Run every check on ``model_dir`` and return the report (never raises for the
+    directory's problems).
+
+    ``environ`` supplies ``OPTION_*`` variables as djl-serving would see them (default: this
+    process's environment); ``python`` is the interpreter the entry point is imported
+    with, in a subprocess so that its imports and timing are those of a fresh worker.
+    """
+    report = CheckReport(str(model_dir))
+    root = Path(model_dir)
+    if not root.is_dir():
+        report.add(FAIL, "model directory", f"{model_dir} is not a directory")
+        return report
+    environ = os.environ if environ is None else environ
+
+    raw = _check_serving_properties(root, report)
+    _check_framework_keys(raw, report)
+    options = djl_init_properties(root, environ)
+    props = _check_options(options, environ, raw, report)
+    _check_rolling_batch(options, report)
+    _check_entry_point(root, options, props, report, max_import_seconds, python)
+    _check_weights(root, options, report)
+    return report
+
+
+# -- serving.properties --
+
+def _check_serving_properties(root: Path, report: CheckReport) -> dict[str, str]:
+    path = root / "serving.properties"
+    if not path.is_file():
+        report.add(WARN, "serving.properties",
+                   "missing: djl-serving falls back to its defaults and guesses the engine")
+        return {}
+    try:
+        raw = read_serving_properties(root)
+    except UnicodeDecodeError as error:
+        report.add(FAIL, "serving.properties", f"not UTF-8 text ({error.reason})")
+        return {}
+    broken = [key for key in raw if re.search(r"\s", key)]
+    for key in broken:
+        report.add(FAIL, "serving.properties",
+                   f"line {key!r} has no '=': write key=value")
+    if not broken:
+        report.add(OK, "serving.properties", f"{len(raw)} keys")
+    return {key: value for key, value in raw.items() if key not in broken}
+
+
+def _parses(kind: str, value: str) -> bool:
+    if kind == "int":
+        return re.fullmatch(r"-?\d+", value.strip()) is not None
+    if kind == "bool":
+        return value.strip().lower() in ("true", "false")
+    return True
+
+
+def _check_framework_keys(raw: Mapping[str, str], report: CheckReport) -> None:
+    bad = 0
+    for key, value in raw.items():
+        if key.startswith("option."):
+            continue
+        kind = FRAMEWORK_KEYS.get(key)
+        if kind is None:
+            bad += 1
+            if key in ModelProperties.known_keys():
+                hint = f"; it is a djl-stream option: write option.{key}"
+            else:
+                close = difflib.get_close_matches(
+                    key, list(FRAMEWORK_KEYS) + [f"option.{k}" for k in ModelProperties.known_keys()],
+                    n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+            report.add(FAIL, key, f"unknown djl-serving property{hint}")
+        elif key != "job_queue_size" and not _parses(kind, value):
+            # (job_queue_size is typed and range-checked with the options, which read it)
+            bad += 1
+            report.add(FAIL, key, f"expected {'an integer' if kind == 'int' else 'true or false'}"
+                                  f", got {value!r}")
+    batch_size = raw.get("batch_size", "1").strip()
+    if batch_size.isdigit() and int(batch_size) > 1:
+        bad += 1
+        report.add(FAIL, "batch_size",
+                   f"batch_size={batch_size} turns on djl-serving's dynamic batching, which "
+                   "refuses streaming; djl-stream batches by itself "
+                   "(option.max_rolling_batch_size)")
+    engine = raw.get("engine")
+    if engine is None:
+        report.add(WARN, "engine", "not set: djl-serving guesses it from the directory, and "
+                                   "LMI images may pick another engine for a Hugging Face "
+                                   "model; set engine=Python")
+    elif engine.strip() == "Python":
+        report.add(OK, "engine", "engine=Python: djl-serving's Python engine runs the entry point")
+    else:
+        bad += 1
+        report.add(FAIL, "engine", f"engine={engine}: djl-stream's handler runs on "
+                                   "djl-serving's Python engine; set engine=Python")
+    others = [key for key in raw if not key.startswith("option.") and key != "engine"]
+    if others and not bad:
+        report.add(OK, "framework keys", ", ".join(f"{k}={raw[k]}" for k in others))
+
+
+# -- option.* --
+
+def _check_options(options: Mapping[str, str], environ: Mapping[str, str],
+                   raw: Mapping[str, str], report: CheckReport) -> Optional[ModelProperties]:
+    """Parse the options strictly; one finding per bad key, by dropping each bad key and
+    parsing again (a strict parse stops at the first)."""
+    subject = {key: "option." + key for key in options}
+    subject["job_queue_size"] = "job_queue_size"  # a framework key djl-stream also reads
+    env_keys = {name[len("OPTION_"):].lower() for name in environ if name.startswith("OPTION_")}
+    from_env = [key for key in options if key in env_keys and f"option.{key}" not in raw]
+    for key in from_env:
+        subject[key] = f"OPTION_{key.upper()}"
+    server_only = SERVER_OPTION_KEYS - set(ModelProperties.known_keys())
+    remaining = {key: value for key, value in options.items() if key not in server_only}
+    errors = 0
+    props: Optional[ModelProperties] = None
+    for _ in range(len(remaining) + 1):
+        try:
+            props = ModelProperties.from_init_properties(remaining, strict=True)
+            break
+        except PropertyError as error:
+            key = error.key.removeprefix("option.")
+            errors += 1
+            where = subject.get(key, error.key)
+            message = str(error).removeprefix(f"{error.key}: ")
+            report.add(FAIL, where, message)
+            if key not in remaining:  # cannot happen with today's properties; never loop
+                break
+            remaining.pop(key)
+    if errors == 0:
+        n = len([k for k in options if k not in ("model_dir",)])
+        env_note = f", {len(from_env)} from OPTION_* variables" if from_env else ""
+        report.add(OK, "options", f"{n} known and well typed{env_note}")
+    return props if errors == 0 else None
+
+
+def _check_rolling_batch(options: Mapping[str, str], report: CheckReport) -> None:
+    value = options.get("rolling_batch", "").strip().lower()
+    if value == "disable":
+        report.add(OK, "option.rolling_batch", "disable: requests reach handle() one by one "
+                                               "and djl-stream batches them itself")
+        return
+    state = f"{value}:" if value else "unset:"
+    report.add(WARN, "option.rolling_batch",
+               f"{state} djl-serving's LMI images then turn on their own rolling batch and "
+               "send handle() LMI's batched requests; set option.rolling_batch=disable "
+               "(the docker/ images set OPTION_ROLLING_BATCH=disable)")
+
+
+# -- entry point --
+
+PROBE = r'''
+import importlib, importlib.util, json, os, sys, time
+model_dir, entry, formatter, heavy = json.loads(sys.argv[1])
+sys.path.insert(0, model_dir)
+before = set(sys.modules)
+result = {"error": None, "seconds": None, "heavy": [], "handle": None, "formatter": None,
+          "engines": None}
+module = None
+start = time.perf_counter()
+try:
+    path = os.path.join(model_dir, entry)
+    if os.path.isfile(path):
+        name = os.path.splitext(os.path.basename(path))[0]
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(entry[:-3] if entry.endswith(".py") else entry)
+except BaseException as error:
+    result["error"] = f"{type(error).__name__}: {error}"
+    module = None
+result["seconds"] = time.perf_counter() - start
+result["heavy"] = sorted(m for m in heavy if m in sys.modules and m not in before)
+if module is not None:
+    result["handle"] = callable(getattr(module, "handle", None))
+    try:
+        from djl_stream.formatters import resolve_formatter
+        fmt = resolve_formatter(formatter, module)
+        result["formatter"] = {"ok": True, "name": fmt.name, "content_type": fmt.content_type}
+    except Exception as error:
+        result["formatter"] = {"ok": False, "message": str(error)}
+    try:
+        from djl_stream.streaming_utils import StreamingUtils
+        result["engines"] = StreamingUtils.engines()
+    except Exception as error:
+        result["engines"] = None
+print("\n@@djl-stream-probe@@" + json.dumps(result))
+'''
+
+
+def probe_entry_point(model_dir: Path, entry: str, formatter: Optional[str],
+                      python: str = sys.executable,
+                      timeout: float = PROBE_TIMEOUT_SECONDS) -> dict[str, Any]:
+    """Import ``entry`` in a fresh interpreter started in ``model_dir`` (as djl's worker
+    is) and report: ``error``, ``seconds`` (import time), ``heavy`` (heavy modules the
+    import pulled in), ``handle`` (defined?), ``formatter`` (resolved?), ``engines``
+    (registered stream engines after the import, custom ones included).
+
+    ``PYTHONDONTWRITEBYTECODE`` keeps ``__pycache__`` out of a directory about to ship.
+    """
+    env = dict(os.environ)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    package_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    args = json.dumps([str(model_dir.resolve()), entry, formatter, list(HEAVY_MODULES)])
+    try:
+        done = subprocess.run([python, "-c", PROBE, args], cwd=model_dir, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"the import did not finish within {timeout:.0f} s"}
+    marker = "@@djl-stream-probe@@"
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith(marker):
+            return json.loads(line[len(marker):])
+    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+    return {"error": f"the import crashed the interpreter (exit {done.returncode}): {tail[0]}"}
+
+
+def _check_entry_point(root: Path, options: Mapping[str, str],
+                       props: Optional[ModelProperties], report: CheckReport,
+                       max_import_seconds: float, python: str) -> None:
+    entry = (options.get("entryPoint") or options.get("entrypoint") or DEFAULT_ENTRY_POINT).strip()
+    if entry.endswith(".py") and not (root / entry).is_file():
+        report.add(FAIL, "entry point", f"{entry} is missing from {root}")
+        return
+    formatter = props.output_formatter if props else options.get("output_formatter")
+    probe = probe_entry_point(root, entry, formatter, python)
+    if probe.get("error"):
+        report.add(FAIL, "entry point", f"importing {entry} failed: {probe['error']}")
+        return
+    seconds = float(probe.get("seconds") or 0.0)
+    heavy = probe.get("heavy") or []
+    if heavy:
+        report.add(FAIL, "entry point",
+                   f"importing {entry} imports {', '.join(heavy)} ({seconds:.2f} s): djl imports "
+                   "it three times at start-up; import heavy libraries in the init call "
+                   "(first handle()) instead")
+    elif seconds > max_import_seconds:
+        report.add(FAIL, "entry point",
+                   f"importing {entry} takes {seconds:.2f} s (limit {max_import_seconds:g} s): "
+                   "djl imports it three times at start-up; move the work into the init call")
+    else:
+        report.add(OK, "entry point", f"{entry} imports in {seconds:.2f} s, without torch "
+                                      "or transformers")
+    if probe.get("handle"):
+        report.add(OK, "handle", f"{entry} defines handle()")
+    else:
+        report.add(FAIL, "handle", f"{entry} defines no handle() function: djl-serving calls "
+                                   "handle(inputs)")
+    fmt = probe.get("formatter") or {}
+    if fmt.get("ok"):
+        report.add(OK, "output formatter", f"{fmt['name']} ({fmt['content_type']})")
+    elif fmt:
+        report.add(FAIL, "output formatter", str(fmt.get("message")))
+    engines = probe.get("engines")
+    engine = props.engine if props else None
+    if engine and engines is not None and engine not in engines:
+        close = difflib.get_close_matches(engine, engines, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        report.add(FAIL, "option.engine", f"no stream engine {engine!r} is registered "
+                                          f"(registered: {', '.join(engines)}){hint}")
+    elif engine:
+        report.add(OK, "option.engine", f"{engine} is registered")
+    elif engines:
+        report.add(OK, "option.engine", f"unset: picked from the hardware at load "
+                                        f"(registered: {', '.join(engines)})")
+
+
+# -- weights --
+
+def missing_model_files(directory: Path) -> list[str]:
+    """What a Hugging Face model folder lacks: config, weights, tokenizer (empty if none).
+
+    >>> missing_model_files(Path("/nonexistent"))
+    ['config.json', 'weights (*.safetensors or *.bin)', 'tokenizer (tokenizer.json, tokenizer.model, vocab.json or spiece.model)']
+    """
+    missing = []
+    if not (directory / "config.json").is_file():
+        missing.append("config.json")
+    if not any(any(directory.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+        missing.append("weights (*.safetensors or *.bin)")
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        missing.append(f"tokenizer ({', '.join(TOKENIZER_FILES[:-1])} or {TOKENIZER_FILES[-1]})")
+    return missing
+
+
+def _weight_files(directory: Path) -> list[str]:
+    return sorted(p.name for pattern in WEIGHT_PATTERNS for p in directory.glob(pattern))
+
+
+def _check_weights(root: Path, options: Mapping[str, str], report: CheckReport) -> None:
+    model_id = (options.get("model_id") or "").strip()
+    if not model_id:
+        missing = missing_model_files(root)
+        if missing:
+            report.add(FAIL, "weights", f"no option.model_id and {root} lacks "
+                                        f"{', '.join(missing)}: set option.model_id (hub id, "
+                                        "s3:// URI or path) or put the model in the directory")
+        else:
+            report.add(OK, "weights", f"in {root}: {', '.join(_weight_files(root))}")
+        return
+    local = Path(model_id).expanduser()
+    if not local.is_absolute():
+        local = root / model_id
+    if model_id.startswith("s3://"):
+        if _S3_URI.match(model_id):
+            report.add(OK, "weights", f"option.model_id={model_id}: djl-serving downloads it at "
+                                      "load (djl-stream serve cannot read S3 itself)")
+        else:
+            report.add(FAIL, "weights", f"option.model_id={model_id} is not a well-formed S3 "
+                                        "URI (s3://bucket/prefix)")
+            return
+    elif "://" in model_id:
+        report.add(FAIL, "weights", f"option.model_id={model_id}: only hub ids, s3:// URIs "
+                                    "and local paths are supported")
+        return
+    elif local.exists():
+        missing = missing_model_files(local)
+        if missing:
+            report.add(FAIL, "weights", f"option.model_id={model_id} lacks {', '.join(missing)}")
+            return
+        report.add(OK, "weights", f"option.model_id={model_id}: {', '.join(_weight_files(local))}")
+        if local.resolve().is_relative_to(root.resolve()):
+            return
+    elif model_id.startswith(("/", "./", "../", "~")):
+        report.add(FAIL, "weights", f"option.model_id={model_id} does not exist")
+        return
+    elif _HUB_ID.match(model_id) and len(model_id) <= 96 and "--" not in model_id \
+            and ".." not in model_id:
+        report.add(OK, "weights", f"option.model_id={model_id}: a hub id, fetched at load "
+                                  "(needs network access or a populated HF cache)")
+    else:
+        report.add(FAIL, "weights", f"option.model_id={model_id} is neither an existing path, "
+                                    "an s3:// URI nor a valid hub id (owner/name)")
+        return
+    unused = _weight_files(root)
+    if unused:
+        report.add(WARN, "unused weights", f"{', '.join(unused)} in {root} are not used "
+                                           "(option.model_id points elsewhere); djl-stream "
+                                           "package leaves them out")
+
+
+def format_report(report: CheckReport, stream: Any = None) -> str:
+    """``report.render()`` with ✓/✗ when ``stream`` can encode them, OK/FAIL otherwise."""
+    encoding = getattr(stream or sys.stdout, "encoding", None) or "ascii"
+    try:
+        "✓✗".encode(encoding)
+        symbols = True
+    except (UnicodeEncodeError, LookupError):
+        symbols = False
+    return report.render(symbols=symbols)
+
