@@ -30,7 +30,7 @@ import queue
 import sys
 import threading
 import weakref
-from typing import Deque, Dict, Hashable, Iterator, List, Optional, Sequence
+from typing import Deque, Dict, Iterator, List, Optional, Sequence
 
 from .batch import CausalLMBatch, generate_token
 from .errors import GenerationFailed, QueueFullError

@@ -6,15 +6,11 @@ The server runs as its own process on a free loopback port, exactly as `make ser
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+from server_process import ServerProcess
 
 pytestmark = pytest.mark.embedded
 
@@ -22,50 +18,11 @@ CAPITAL = "What is the capital of France?"
 COLOUR = "Name a primary colour."
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    def __init__(self, model_dir: Path, env=None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"djl-stream-e2e-{self.port}.log", "w+")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "djl_stream", "serve", str(model_dir), "--port", str(self.port)],
-            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-        )
-
-    def wait_ready(self, timeout=180.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                break
-            try:
-                if httpx.get(self.url + "/ping", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.log.seek(0)
-        raise AssertionError(f"server did not become ready:\n{self.log.read()[-4000:]}")
-
-    def stop(self):
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-        self.log.close()
-
-
 @pytest.fixture(scope="module")
 def server(embedded_model_dir):
     process = ServerProcess(embedded_model_dir)
     try:
-        yield process.wait_ready()
+        yield process.wait_ready(timeout=180)
     finally:
         process.stop()
 

@@ -284,7 +284,7 @@ def test_a_prompt_and_max_new_tokens_beyond_n_positions_is_a_request_error(neuro
     with pytest.raises(RequestError) as refused:
         neuronx_stream_generator(model, smollm2_tokenizer, PROMPTS, max_new_tokens=32 - width + 1)
     assert refused.value.field == "parameters.max_new_tokens"
-    assert refused.value.message.endswith(f"is 33 tokens; the limit (option.n_positions) is 32")
+    assert refused.value.message.endswith("is 33 tokens; the limit (option.n_positions) is 32")
     # exactly at the limit is fine
     texts, _ = neuron_texts(model, smollm2_tokenizer, PROMPTS, max_new_tokens=32 - width)
     assert len(texts) == 3

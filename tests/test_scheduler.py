@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from djl_stream.engines.accelerate import build_sequences, encode_prompts, pad_token_id
+from djl_stream.engines.accelerate import build_sequences, encode_prompts
 from djl_stream.errors import GenerationFailed, QueueFullError
 from djl_stream.scheduler import Scheduler
 

@@ -10,9 +10,6 @@ the model directory, so the tests can see generation stop.
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -21,6 +18,7 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
+from server_process import ServerProcess
 
 FIXTURE_MODEL = textwrap.dedent('''
     """A djl-style handler for the server's contract tests."""
@@ -137,58 +135,22 @@ def write_model_dir(path: Path, properties: str = "") -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    """``python -m djl_stream serve DIR`` as a subprocess, and an httpx client for it."""
+class Server(ServerProcess):
+    """The fixture model's server; its log lives in the model directory, beside the
+    records the fixture handler writes."""
 
     def __init__(self, model_dir: Path) -> None:
-        self.model_dir = model_dir
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = (model_dir / "server.log").open("wb")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "djl_stream", "serve", str(model_dir), "--port", str(self.port)],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        self.http = httpx.Client(base_url=self.url, timeout=10.0)
+        super().__init__(model_dir, log_path=model_dir / "server.log")
 
-    def first_ping(self) -> httpx.Response:
-        """The first answer to /ping: the server is up, the model may still be loading."""
-        deadline = time.monotonic() + READY_TIMEOUT
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.logs()
-            try:
-                return self.http.get("/ping")
-            except httpx.TransportError:
-                time.sleep(0.05)
-        raise AssertionError(f"server did not start:\n{self.logs()}")
+    def first_ping(self, timeout: float = READY_TIMEOUT) -> httpx.Response:
+        return super().first_ping(timeout)
 
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT
-        while self.first_ping().status_code != 200:
-            assert time.monotonic() < deadline, self.logs()
-            time.sleep(0.05)
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> "Server":
+        super().wait_ready(timeout)
+        return self
 
     def record(self, tag: str) -> dict:
         return json.loads((self.model_dir / f"record-{tag}.json").read_text())
-
-    def logs(self) -> str:
-        self.log.flush()
-        return (self.model_dir / "server.log").read_text(errors="replace")
-
-    def stop(self) -> None:
-        self.http.close()
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")

@@ -3,47 +3,23 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
+from server_process import ServerProcess
 
 PROMPTS = ["Hi", "The quick brown fox", "Once upon a time there was", "A", "Colours", "One two three four"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server_url(tiny_model_dir, tmp_path_factory):
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
-    process = subprocess.Popen([sys.executable, "-m", "djl_stream", "serve", str(tiny_model_dir), "--port", str(port)],
-                               stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+def server_url(tiny_model_dir):
+    server = ServerProcess(tiny_model_dir)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/ping", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert process.poll() is None, "server exited"
-            time.sleep(0.2)
-        yield url
+        yield server.wait_ready(timeout=120).url
     finally:
-        process.terminate()
-        process.wait(timeout=20)
-        log.close()
+        server.stop()
 
 
 def streamed_text(url, prompt, max_new_tokens):
@@ -68,7 +44,6 @@ def test_concurrent_clients_each_get_their_own_solo_text(server_url):
         results[i] = streamed_text(server_url, PROMPTS[i], lengths[i])
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
-    start = time.monotonic()
     for t in threads:
         t.start()
     pings = []

@@ -35,7 +35,7 @@ def init(module, model_dir: Path):
     return module
 
 
-def request(module, body) -> "Output":
+def request(module, body):
     inp = Input(properties={"content-type": "application/json", "requestId": uuid.uuid4().hex})
     inp.add("data", json.dumps(body).encode() if not isinstance(body, bytes) else body)
     return module.handle(inp)

@@ -1,0 +1,74 @@
+"""``python -m djl_stream serve DIR`` as a real subprocess on a free loopback port, with an
+httpx client for it: how every server test runs the server, exactly as `make serve` does."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Mapping, Optional
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """The server for ``model_dir``; its output goes to ``log_path`` (a temporary file by
+    default). ``env`` adds environment variables (``OPTION_*`` ones, for instance)."""
+
+    def __init__(self, model_dir: Path, *, log_path: Optional[Path] = None,
+                 env: Optional[Mapping[str, str]] = None, client_timeout: float = 10.0) -> None:
+        self.model_dir = Path(model_dir)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        if log_path is None:
+            handle, name = tempfile.mkstemp(prefix=f"djl-stream-{self.port}-", suffix=".log")
+            os.close(handle)
+            log_path = Path(name)
+        self.log_path = Path(log_path)
+        self.log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "djl_stream", "serve", str(self.model_dir), "--port", str(self.port)],
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        self.http = httpx.Client(base_url=self.url, timeout=client_timeout)
+
+    def first_ping(self, timeout: float = 30.0) -> httpx.Response:
+        """The first answer to /ping: the server is up, the model may still be loading."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"server exited:\n{self.logs()}"
+            try:
+                return self.http.get("/ping")
+            except httpx.TransportError:
+                time.sleep(0.05)
+        raise AssertionError(f"server did not start:\n{self.logs()}")
+
+    def wait_ready(self, timeout: float = 30.0) -> "ServerProcess":
+        deadline = time.monotonic() + timeout
+        while self.first_ping(timeout).status_code != 200:
+            assert time.monotonic() < deadline, f"model did not load:\n{self.logs()}"
+            time.sleep(0.05)
+        return self
+
+    def logs(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        self.http.close()
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
