@@ -1,0 +1,70 @@
+"""A description of the machine and software a run measured, for the report.
+
+Example::
+
+    >>> "cpu" in describe()
+    True
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+from typing import Dict
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_total() -> str:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return f"{int(line.split()[1]) / 2**20:.1f} GiB"
+    except OSError:
+        pass
+    return "unknown"
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 0
+
+
+def describe() -> Dict[str, str]:
+    """Machine and versions, as ``name -> text``."""
+    import torch
+
+    gpu = "none"
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        gpu = ", ".join(names) + f" (CUDA {torch.version.cuda})"
+    return {
+        "cpu": f"{_cpu_model()}, {_usable_cores()} usable cores",
+        "memory": _memory_total(),
+        "gpu": gpu,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "djl-stream": _version("djl-stream"),
+        "httpx": _version("httpx"),
+    }
