@@ -35,7 +35,7 @@ _DEFAULTS = dict(
     new_tokens=128,
     concurrency=(1, 2, 4, 8, 16),
     concurrency_new_tokens=32,
-    repetitions=3,
+    repetitions=5,
     jina_repetitions=1,
     concurrency_repetitions=2,
 )
