@@ -273,6 +273,8 @@ class Scheduler:
             return
         keep = [seq.request_id for seq in batch.sequences if seq.request_id[0] not in cancelled]
         self._running = batch.filter(keep)
+        logger.info("dropped %d cancelled request(s) from the batch; %d row(s) remain",
+                    len(cancelled), len(keep))
         with self._wakeup:
             for job_id in cancelled:
                 if job_id in self._jobs:

@@ -55,3 +55,23 @@ def test_concurrent_clients_each_get_their_own_solo_text(server_url):
     assert [results[i] for i in range(len(PROMPTS))] == solo
     assert [r[1] for r in solo] == lengths  # one line per decode step, as many as asked
     assert pings and set(pings) == {200}
+
+
+def test_a_client_that_leaves_is_dropped_from_the_batch(tiny_model_dir):
+    server = ServerProcess(tiny_model_dir).wait_ready(timeout=120)
+    try:
+        with httpx.stream("POST", server.url + "/invocations", timeout=60,
+                          json={"inputs": "Hello", "parameters": {"max_new_tokens": 250}}) as response:
+            lines = response.iter_lines()
+            next(lines)
+            next(lines)
+        # the connection is closed here, long before 250 tokens
+        deadline = time.monotonic() + 30
+        while "dropped 1 cancelled request(s) from the batch; 0 row(s) remain" not in server.logs():
+            assert time.monotonic() < deadline, server.logs()
+            time.sleep(0.1)
+        assert "client-disconnected" in server.logs()
+        # and the server goes on serving
+        assert streamed_text(server.url, "Hi", 3)[1] == 3
+    finally:
+        server.stop()
