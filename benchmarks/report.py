@@ -176,8 +176,10 @@ def memory_section(results: Results) -> List[str]:
              mb(m.after.peak if m.after else None)] for m in results.memory]
     lines += _table(["process", "before", "after", "change", "peak (VmHWM)"], body)
     lines += ["", "Before: the model loaded and warmed up; after: every row of that process "
-              "done. In-process rows share the benchmark process; each server is its own "
-              "process (`/proc/PID/status` `VmRSS`).", ""]
+              "done, and servers idle for a second (the decode loop returns freed memory "
+              "once the batch empties, just after the last line is sent). In-process rows "
+              "share the benchmark process; each server is its own process "
+              "(`/proc/PID/status` `VmRSS`).", ""]
     for process, trace in results.memory_trace.items():
         values = ", ".join(mb(m.rss if m else None) for m in trace)
         lines.append(f"- {process}, RSS after each load-test repetition: {values}")
