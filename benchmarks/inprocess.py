@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import inspect
 import threading
 import time
 from typing import Any, Callable, Dict, List
@@ -37,6 +36,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, TextIteratorStreamer
 
 from djl_stream import StreamingUtils
+from djl_stream.batch import last_logits_only
 from djl_stream.loading import torch_dtype
 from djl_stream.properties import ModelProperties, djl_init_properties
 
@@ -130,16 +130,8 @@ def run_generate(lm: LoadedModel, prompt: Prompt, n: int) -> StreamTiming:
     return StreamTiming(start, (), end, len(new), lm.decode(new), tuple(new))
 
 
-def _last_logits_only(model) -> Dict[str, int]:
-    params = inspect.signature(model.forward).parameters
-    for name in ("logits_to_keep", "num_logits_to_keep"):
-        if name in params:
-            return {name: 1}
-    return {}
-
-
 def run_bare_loop(lm: LoadedModel, prompt: Prompt, n: int) -> StreamTiming:
-    model, keep = lm.model, _last_logits_only(lm.model)
+    model, keep = lm.model, last_logits_only(lm.model)
     ids = lm.input_ids(prompt)
     cache = DynamicCache()
     tokens: List[int] = []

@@ -176,7 +176,7 @@ def generate_token(
             position_ids=batch.position_ids,
             past_key_values=batch.past_key_values,
             use_cache=True,
-            **_last_logits_only(model),
+            **last_logits_only(model),
         )
         logits = outputs.logits[:, -1, :]
         tokens = choose_next_tokens(
@@ -204,7 +204,7 @@ def generate_token(
 _LOGITS_KWARG: "weakref.WeakKeyDictionary[object, Dict[str, int]]" = weakref.WeakKeyDictionary()
 
 
-def _last_logits_only(model) -> Dict[str, int]:
+def last_logits_only(model) -> Dict[str, int]:
     """``{"logits_to_keep": 1}`` where the model's forward accepts it (older
     transformers named it ``num_logits_to_keep``), else nothing."""
     try:

@@ -80,7 +80,6 @@ SERVER_OPTION_KEYS = frozenset({"pythonExecutable", "enable_venv", "max_output_s
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
 _HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.\-]*/)?[A-Za-z0-9][\w.\-]*$")
-_S3_URI = re.compile(r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -437,6 +436,16 @@ def _weight_files(directory: Path) -> list[str]:
     return sorted(p.name for pattern in WEIGHT_PATTERNS for p in directory.glob(pattern))
 
 
+def _is_s3_uri(uri: str) -> bool:
+    from djl_stream.sagemaker import parse_s3_uri
+
+    try:
+        parse_s3_uri(uri)
+    except ValueError:
+        return False
+    return True
+
+
 def _check_weights(root: Path, options: Mapping[str, str], report: CheckReport) -> None:
     model_id = (options.get("model_id") or "").strip()
     if not model_id:
@@ -452,7 +461,7 @@ def _check_weights(root: Path, options: Mapping[str, str], report: CheckReport) 
     if not local.is_absolute():
         local = root / model_id
     if model_id.startswith("s3://"):
-        if _S3_URI.match(model_id):
+        if _is_s3_uri(model_id):
             report.add(OK, "weights", f"option.model_id={model_id}: djl-serving downloads it at "
                                       "load (djl-stream serve cannot read S3 itself)")
         else:

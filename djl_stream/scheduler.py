@@ -29,7 +29,6 @@ import logging
 import queue
 import sys
 import threading
-import weakref
 from typing import Deque, Dict, Iterator, List, Optional, Sequence
 
 from .batch import CausalLMBatch, generate_token
@@ -47,7 +46,7 @@ _END = object()
 class _Job:
     """One submitted request: its sequences and the queue its stream reads from."""
 
-    __slots__ = ("job_id", "sequences", "outbox", "cancelled", "done", "__weakref__")
+    __slots__ = ("job_id", "sequences", "outbox", "cancelled", "done")
 
     def __init__(self, job_id: int, sequences: List[GenerationSequence]):
         self.job_id = job_id
@@ -134,7 +133,7 @@ class Scheduler:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="djl-stream-scheduler", daemon=True)
         self._thread.start()
-        _LIVE_SCHEDULERS.add(self)
+        _LIVE_SCHEDULERS.append(self)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop after its current step; requests still in flight end with an
@@ -343,7 +342,9 @@ def _load_libc():
 
 _LIBC = _load_libc()
 
-_LIVE_SCHEDULERS: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
+#: Every scheduler started. A scheduler lives as long as the process, like the model its
+#: running thread holds, so plain (strong) containers are the honest ones.
+_LIVE_SCHEDULERS: List[Scheduler] = []
 
 
 @atexit.register
@@ -352,7 +353,8 @@ def _shutdown_all() -> None:
         scheduler.shutdown()
 
 
-_SCHEDULERS: "weakref.WeakKeyDictionary[object, Scheduler]" = weakref.WeakKeyDictionary()
+#: The scheduler of each model (keyed by the model object itself, compared by identity).
+_SCHEDULERS: Dict[object, Scheduler] = {}
 _SCHEDULERS_LOCK = threading.Lock()
 
 

@@ -19,6 +19,7 @@ Example (``model/model.py``)::
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
@@ -258,10 +259,12 @@ class StreamingService:
             raise RequestError("messages", "the model's tokenizer has no chat template")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         bos = getattr(self.tokenizer, "bos_token", None)
-        if bos and text.startswith(bos) and self._tokenizer_adds_bos():
+        if bos and text.startswith(bos) and self._tokenizer_adds_bos:
             text = text[len(bos):]
         return text
 
+    @functools.cached_property
     def _tokenizer_adds_bos(self) -> bool:
+        """Whether tokenizing a prompt adds BOS; asked once (only after loading)."""
         ids = self.tokenizer("a")["input_ids"]
         return bool(ids) and ids[0] == getattr(self.tokenizer, "bos_token_id", None)
