@@ -12,7 +12,7 @@ container log minutes after an endpoint started. One :class:`Finding` per check:
 - the entry point exists and imports cheaply in a fresh interpreter (djl imports it three
   times while the worker starts): within ``max_import_seconds`` and without pulling in
   torch or transformers, which belong in the init call; it defines ``handle``;
-- ``option.output_formatter`` and ``option.engine`` resolve;
+- ``option.output_formatter`` and ``option.stream_engine`` resolve;
 - there are weights: a Hugging Face folder in the directory (config, weights, tokenizer),
   or an ``option.model_id`` that is an existing path, a well-formed S3 URI or a hub id.
 
@@ -401,17 +401,17 @@ def _check_entry_point(root: Path, options: Mapping[str, str],
     elif fmt:
         report.add(FAIL, "output formatter", str(fmt.get("message")))
     engines = probe.get("engines")
-    engine = props.engine if props else None
+    engine = props.stream_engine if props else None
     if engine and engines is not None and engine not in engines:
         close = difflib.get_close_matches(engine, engines, n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
-        report.add(FAIL, "option.engine", f"no stream engine {engine!r} is registered "
-                                          f"(registered: {', '.join(engines)}){hint}")
+        report.add(FAIL, "option.stream_engine", f"no stream engine {engine!r} is registered "
+                                                 f"(registered: {', '.join(engines)}){hint}")
     elif engine:
-        report.add(OK, "option.engine", f"{engine} is registered")
+        report.add(OK, "option.stream_engine", f"{engine} is registered")
     elif engines:
-        report.add(OK, "option.engine", f"unset: picked from the hardware at load "
-                                        f"(registered: {', '.join(engines)})")
+        report.add(OK, "option.stream_engine", f"unset: picked from the hardware at load "
+                                               f"(registered: {', '.join(engines)})")
 
 
 # -- weights --

@@ -1,11 +1,15 @@
 """Model properties: what ``serving.properties`` and ``OPTION_*`` variables configure.
 
-djl-serving hands the init call of ``handle()`` the ``option.*`` keys of
-``serving.properties`` with the ``option.`` prefix removed, plus ``model_dir``; environment
-variables ``OPTION_<KEY>`` become ``option.<key>`` (SageMaker configures containers that
-way) and ``serving.properties`` wins over them. :func:`djl_init_properties` builds exactly
-that mapping for the local server, and :meth:`ModelProperties.from_init_properties` parses
-it into one typed, validated object, so nothing downstream handles strings again.
+djl-serving hands the init call of ``handle()`` every key of ``serving.properties``: the
+``option.*`` keys with the ``option.`` prefix removed, the others (``engine``,
+``job_queue_size``...) as they are, plus ``model_dir``; environment variables
+``OPTION_<KEY>`` become ``option.<key>`` (SageMaker configures containers that way) and
+``serving.properties`` wins over them. :func:`djl_init_properties` builds that mapping for
+the local server, and :meth:`ModelProperties.from_init_properties` parses it into one typed,
+validated object, so nothing downstream handles strings again.
+
+``engine`` in those properties is always djl-serving's engine name (``Python``, ``MPI``):
+djl-stream's own choice of stream engine is ``option.stream_engine``.
 
 Example::
 
@@ -21,18 +25,25 @@ import dataclasses
 import difflib
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
 logger = logging.getLogger(__name__)
 
 DTYPES = ("fp32", "fp16", "bf16", "auto")
-#: Keys djl-serving itself adds to the init call; accepted and ignored here.
+#: Keys djl-serving itself puts in the init call (its own settings, the non-option keys of
+#: serving.properties, what LMI adds); accepted and ignored here.
 DJL_KEYS = frozenset(
     {"handler", "device_id", "entryPoint", "entrypoint", "engine", "rolling_batch",
      "predict_timeout", "model_loading_timeout", "parallel_loading", "task",
-     "async_mode", "mpi_mode", "enable_venv", "pythonExecutable", "max_output_size"}
+     "async_mode", "mpi_mode", "enable_venv", "pythonExecutable", "max_output_size",
+     "pipeline_parallel_degree", "cluster_size", "gpu.minWorkers", "gpu.maxWorkers",
+     "minWorkers", "maxWorkers", "batch_size", "max_batch_delay", "max_idle_time",
+     "load_on_devices", "input_formatter", "is_peft_model", "requestId"}
 )
+#: The values djl-serving's ``engine`` key takes for a Python handler.
+DJL_PYTHON_ENGINES = ("Python", "MPI")
 
 
 class PropertyError(ValueError):
@@ -99,8 +110,9 @@ class ModelProperties:
             (continuous batching); a request with more prompts is refused with a 400.
         job_queue_size: most requests waiting for room in the batch; beyond it requests
             are answered 503. A djl-serving front-end key (no ``option.`` prefix).
-        engine: force a stream engine (``Accelerate``, ``transformers-neuronx``); ``None``
-            picks one from the hardware.
+        stream_engine: force a stream engine (``Accelerate``, ``transformers-neuronx``, or
+            one registered with :func:`djl_stream.register_engine`); ``None`` picks one from
+            the hardware. Not ``engine``: that key is djl-serving's (``engine=Python``).
         n_positions: transformers-neuronx only: the longest sequence (prompt + new tokens)
             the model is compiled for; the compiled batch size is ``max_rolling_batch_size``.
         compiled_graph_path: transformers-neuronx only: directory of compiled Neuron
@@ -125,7 +137,7 @@ class ModelProperties:
     apply_chat_template: Optional[bool] = None
     max_rolling_batch_size: int = 32
     job_queue_size: int = 1000
-    engine: Optional[str] = None
+    stream_engine: Optional[str] = None
     n_positions: int = 2048
     compiled_graph_path: Optional[str] = None
     context_length_estimate: Optional[tuple[int, ...]] = None
@@ -156,7 +168,12 @@ class ModelProperties:
                 values[key] = raw
                 continue
             extra[key] = str(raw)
-            if key in DJL_KEYS:
+            if key == "engine" and str(raw) not in DJL_PYTHON_ENGINES:
+                logger.warning(
+                    "engine=%s is djl-serving's engine key (Python or MPI for this handler), "
+                    "not djl-stream's; choose a stream engine with option.stream_engine", raw)
+            if key in DJL_KEYS or key.startswith("option."):
+                # djl's own keys, and prefixed copies of options already read without it
                 continue
             hint = suggest_property(key)
             if strict:
@@ -199,7 +216,7 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
             if text not in DTYPES:
                 raise PropertyError("option.dtype", f"expected one of {', '.join(DTYPES)}, got {value!r}")
             out[key] = text
-        elif key in ("model_id", "engine", "compiled_graph_path"):
+        elif key in ("model_id", "stream_engine", "compiled_graph_path"):
             out[key] = str(value).strip() or None
         elif key == "context_length_estimate":
             parts = [p for p in str(value).replace(" ", "").split(",") if p]
@@ -239,22 +256,35 @@ def djl_init_properties(
 ) -> dict[str, str]:
     """The properties djl-serving passes to the init call of ``handle()``.
 
-    ``OPTION_MAX_INPUT_LENGTH=512`` in the environment becomes ``max_input_length``;
-    ``option.*`` keys of ``serving.properties`` override environment values and lose their
-    prefix; keys without the prefix (``engine``, ``batch_size``) are framework settings and
-    are not passed, except ``job_queue_size``: djl-serving's front end enforces it itself,
-    while in djl-stream the waiting queue lives in the scheduler behind ``handle()``.
-    ``model_dir`` is added.
+    As djl-serving's ``ModelInfo`` composes them: ``OPTION_MAX_INPUT_LENGTH=512`` in the
+    environment becomes ``max_input_length`` (``OPTION_ENTRYPOINT`` becomes ``entryPoint``,
+    and ``OPTION_ENGINE`` is djl's own ``engine`` key); keys of ``serving.properties`` win
+    over the environment; ``option.*`` keys lose their prefix and the others (``engine``,
+    ``job_queue_size``...) pass as they are. ``model_dir`` is added.
+
+    >>> djl_init_properties("/nowhere", {"OPTION_DTYPE": "fp16", "OPTION_ENGINE": "Python"})
+    {'dtype': 'fp16', 'engine': 'Python', 'model_dir': '/nowhere'}
     """
     environ = os.environ if environ is None else environ
-    merged: dict[str, str] = {}
+    pairs = read_serving_properties(model_dir)
     for name, value in environ.items():
-        if name.startswith("OPTION_") and len(name) > len("OPTION_"):
-            merged[name[len("OPTION_"):].lower()] = value
-    for key, value in read_serving_properties(model_dir).items():
-        if key.startswith("option."):
-            merged[key[len("option."):]] = value
-        elif key == "job_queue_size":
-            merged[key] = value
+        if not name.startswith("OPTION_") or len(name) == len("OPTION_") or not value:
+            continue
+        key = name[len("OPTION_"):]
+        if _SNAKE_CASE.match(key):
+            key = key.lower()
+        if key == "entrypoint":
+            key = "entryPoint"
+        pairs.setdefault("engine" if key == "engine" else f"option.{key}", value)
+    # PyModel sends the options first and the model's own keys after them, so on a clash
+    # (option.engine next to engine) the non-option key is the one the handler sees.
+    merged = {key[len("option."):]: value for key, value in pairs.items()
+              if key.startswith("option.")}
+    merged.update((key, value) for key, value in pairs.items() if not key.startswith("option."))
     merged["model_dir"] = str(Path(model_dir).resolve())
     return merged
+
+
+#: djl lower-cases an ``OPTION_`` name only when it is SNAKE_CASE (``OPTION_entryPoint``
+#: keeps its case).
+_SNAKE_CASE = re.compile(r"^[A-Z0-9_]+$")

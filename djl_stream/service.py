@@ -47,10 +47,11 @@ ACCELERATE_ENGINE = "Accelerate"
 
 
 def select_engine(props: ModelProperties) -> str:
-    """The engine for this machine: ``option.engine`` when set, transformers-neuronx where
-    Neuron devices and the real package are present, Accelerate (GPU or CPU) otherwise."""
-    if props.engine:
-        return props.engine
+    """The engine for this machine: ``option.stream_engine`` when set, transformers-neuronx
+    where Neuron devices and the real package are present, Accelerate (GPU or CPU)
+    otherwise."""
+    if props.stream_engine:
+        return props.stream_engine
     if any(Path("/dev").glob("neuron[0-9]*")) and NEURON_ENGINE in StreamingUtils.engines():
         try:
             import transformers_neuronx  # noqa: F401

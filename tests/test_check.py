@@ -216,8 +216,8 @@ def test_an_unknown_formatter_fails_and_a_function_in_model_py_resolves(tmp_path
 
 
 def test_an_unregistered_engine_fails_with_the_registered_ones(tmp_path: Path) -> None:
-    directory = make_model_dir(tmp_path, "engine=Python\noption.engine=Acelerate\n")
-    message = line(check_model_dir(directory, environ=CONTAINER_ENV), "option.engine")
+    directory = make_model_dir(tmp_path, "engine=Python\noption.stream_engine=Acelerate\n")
+    message = line(check_model_dir(directory, environ=CONTAINER_ENV), "option.stream_engine")
     assert "no stream engine 'Acelerate'" in message and "did you mean Accelerate?" in message
 
 

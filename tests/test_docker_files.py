@@ -250,7 +250,7 @@ def test_the_image_turns_off_lmi_rolling_batch(dockerfile) -> None:
     env = environment(instructions)
     assert env["OPTION_ROLLING_BATCH"] == "disable"
     if kind == "neuron":
-        assert env["OPTION_ENGINE"] == "transformers-neuronx"
+        assert env["OPTION_STREAM_ENGINE"] == "transformers-neuronx"
 
 
 def test_the_build_runs_djl_stream_check_on_the_model(dockerfile) -> None:

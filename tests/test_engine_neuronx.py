@@ -372,7 +372,7 @@ def test_the_service_serves_with_transformers_neuronx_when_asked(neuronx, tmp_pa
     from test_service import body_json, init, load_entry_point, request, stream_lines, variant_dir
 
     directory = variant_dir(tmp_path, tiny_model_dir, "",
-                            "option.engine=transformers-neuronx\noption.tensor_parallel_degree=2\n"
+                            "option.stream_engine=transformers-neuronx\noption.tensor_parallel_degree=2\n"
                             "option.max_rolling_batch_size=2\noption.n_positions=64\n"
                             "option.compiled_graph_path=compiled\n")
     module = init(load_entry_point(directory), directory)

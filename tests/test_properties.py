@@ -94,13 +94,26 @@ def test_read_serving_properties_follows_java_syntax(tmp_path):
 
 
 def test_init_properties_strip_the_prefix_and_serving_properties_win_over_environment(tmp_path):
-    (tmp_path / "serving.properties").write_text("engine=Python\noption.dtype=fp16\n")
-    environ = {"OPTION_DTYPE": "bf16", "OPTION_MAX_INPUT_LENGTH": "512", "HOME": "/root"}
+    (tmp_path / "serving.properties").write_text(
+        "engine=Python\noption.dtype=fp16\njob_queue_size=7\n")
+    environ = {"OPTION_DTYPE": "bf16", "OPTION_MAX_INPUT_LENGTH": "512", "HOME": "/root",
+               "OPTION_ENGINE": "MPI", "OPTION_ENTRYPOINT": "model.py"}
     props = djl_init_properties(tmp_path, environ)
     assert props["dtype"] == "fp16"
     assert props["max_input_length"] == "512"
     assert props["model_dir"] == str(tmp_path.resolve())
-    assert "engine" not in props and "HOME" not in props and "home" not in props
+    # djl-serving sends the non-option keys too, as they are; OPTION_ENGINE is its own
+    # engine key, which serving.properties already set
+    assert props["engine"] == "Python" and props["job_queue_size"] == "7"
+    assert props["entryPoint"] == "model.py"
+    assert "HOME" not in props and "home" not in props
+
+
+def test_djl_engine_key_is_never_a_stream_engine_choice():
+    props = ModelProperties.from_init_properties(
+        {"engine": "Python", "stream_engine": "transformers-neuronx"}, strict=True)
+    assert props.stream_engine == "transformers-neuronx"
+    assert ModelProperties.from_init_properties({"engine": "MPI"}).stream_engine is None
 
 
 def test_weights_location(tmp_path):

@@ -156,7 +156,7 @@ def test_an_engine_failing_mid_stream_ends_with_one_error_line(tmp_path, tiny_mo
         "    yield ['b' for _ in inputs]\n"
         "    raise RuntimeError('device lost')\n"
     )
-    directory = variant_dir(tmp_path, tiny_model_dir, code, "option.engine=Fails-after-two\n")
+    directory = variant_dir(tmp_path, tiny_model_dir, code, "option.stream_engine=Fails-after-two\n")
     module = init(load_entry_point(directory), directory)
     out = request(module, {"inputs": "Hello"})
     items = list(out.stream_content)
@@ -166,7 +166,7 @@ def test_an_engine_failing_mid_stream_ends_with_one_error_line(tmp_path, tiny_mo
 
 
 def test_unknown_engine_fails_the_load_with_the_registered_names(tmp_path, tiny_model_dir):
-    directory = variant_dir(tmp_path, tiny_model_dir, "", "option.engine=DeepSpeed\n")
+    directory = variant_dir(tmp_path, tiny_model_dir, "", "option.stream_engine=DeepSpeed\n")
     module = load_entry_point(directory)
     with pytest.raises(ValueError, match="Accelerate"):
         init(module, directory)

@@ -23,7 +23,7 @@ wait for the model in their sampling thread.
 Example::
 
     props = ModelProperties.from_init_properties({
-        "model_dir": "/opt/ml/model", "engine": "transformers-neuronx", "dtype": "bf16",
+        "model_dir": "/opt/ml/model", "stream_engine": "transformers-neuronx", "dtype": "bf16",
         "tensor_parallel_degree": "2", "max_rolling_batch_size": "4",
         "n_positions": "2048", "compiled_graph_path": "compiled"})
     model, tokenizer = load_neuron_model(props)
