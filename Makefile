@@ -6,12 +6,16 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8080
 MODEL_DIR ?= model
 STAMP  := $(VENV)/.installed
+# The real djl-serving sources (Python worker, front-end Java files, image Dockerfiles) that
+# `make conformance` runs and reads; see ../shared/djl-serving/README.md.
+DJL_SERVING_SRC ?= ../shared/djl-serving
 
-.PHONY: install model serve test bench clean help
+.PHONY: install model serve test conformance bench clean help
 
 help:
 	@echo "make serve   - set up .venv, prepare the embedded model, serve $(MODEL_DIR)/ on $(HOST):$(PORT)"
 	@echo "make test    - run the whole test suite"
+	@echo "make conformance - run model/ in djl-serving's real Python worker (DJL_SERVING_SRC=$(DJL_SERVING_SRC))"
 	@echo "make bench   - run the benchmarks and write BENCHMARKS.md"
 
 install: $(STAMP)
@@ -38,8 +42,15 @@ serve: $(STAMP) model
 test: $(STAMP) model
 	$(BIN)/python -m pytest -q
 
+# Never passes silently: without the djl-serving sources there is nothing to conform to.
+conformance: $(STAMP) model
+	@test -d "$(DJL_SERVING_SRC)/0.33.0-dlc" -a -d "$(DJL_SERVING_SRC)/0.30.0-dlc" || { \
+	  echo "make conformance: no djl-serving sources in $(DJL_SERVING_SRC): set DJL_SERVING_SRC" \
+	       "to a folder holding 0.33.0-dlc/ and 0.30.0-dlc/ (see README, Conformance)" >&2; exit 2; }
+	DJL_SERVING_SRC="$(abspath $(DJL_SERVING_SRC))" $(BIN)/python -m pytest -q conformance
+
 bench: $(STAMP) model
 	$(BIN)/python -m benchmarks.run --model-dir $(MODEL_DIR)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) .compat .pytest_cache .hypothesis *.egg-info
