@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib
+import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -129,6 +133,72 @@ def test_a_missing_package_says_pypi_has_a_placeholder_and_how_to_install(monkey
 # -- loading and compiling -------------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def djl_cache(monkeypatch, tmp_path) -> Path:
+    """A private $DJL_CACHE_DIR per test, so that no test shares compiled graphs with
+    another or writes into the real /tmp/.djl.ai."""
+    cache = tmp_path / "djl-cache"
+    monkeypatch.setenv("DJL_CACHE_DIR", str(cache))
+    return cache
+
+
+def graph_cache(djl_cache: Path) -> Path:
+    return djl_cache / "djl-stream" / "neuronx-graphs"
+
+
+def files_in(directory: Path) -> dict:
+    return {str(p.relative_to(directory)): p.stat().st_size for p in directory.rglob("*")}
+
+
+def writes_are_refused(directory: Path) -> bool:
+    try:
+        (directory / ".probe").write_text("x")
+    except OSError:
+        return True
+    (directory / ".probe").unlink()
+    return False
+
+
+@pytest.fixture
+def read_only(monkeypatch):
+    """Make directories read-only for the engine: ``chmod a-w`` where that stops writes.
+    Where it does not (tests running as root, whom permission bits do not stop), the
+    engine's own probe is told the directory is read-only instead, so the test checks the
+    engine's decisions rather than the operating system's refusal. Returns the mode used:
+    ``"chmod"`` or ``"simulated"``."""
+    from djl_stream.engines import neuronx as engine
+
+    made = []
+
+    def make(*directories: Path) -> str:
+        for directory in directories:
+            directory.mkdir(parents=True, exist_ok=True)
+            made.append((directory, directory.stat().st_mode))
+            directory.chmod(0o555)
+        if all(writes_are_refused(d) for d in directories):
+            return "chmod"
+        probe = engine.writable_directory
+
+        def writable(path: Path) -> bool:
+            if any(Path(path).resolve().is_relative_to(d.resolve()) for d in directories):
+                return False
+            return probe(path)
+
+        monkeypatch.setattr(engine, "writable_directory", writable)
+        return "simulated"
+
+    yield make
+    for directory, mode in made:
+        directory.chmod(mode)
+
+
+def model_copy(tiny_model_dir: Path, tmp_path: Path) -> Path:
+    """A model directory of our own (it may be made read-only) holding the tiny Llama."""
+    directory = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, directory)
+    return directory
+
+
 @pytest.mark.parametrize("dtype, amp", [("fp16", "f16"), ("bf16", "bf16"), ("fp32", "f32"),
                                         ("auto", "f16")])
 def test_from_pretrained_gets_the_compiled_shapes_from_the_properties(neuronx, tiny_model_dir,
@@ -140,8 +210,101 @@ def test_from_pretrained_gets_the_compiled_shapes_from_the_properties(neuronx, t
     assert path == str(tiny_model_dir)
     assert kwargs == {"batch_size": 4, "tp_degree": 8, "amp": amp, "n_positions": 512,
                       "context_length_estimate": 128}
-    assert model.calls == [("to_neuron",)]  # no compiled_graph_path: compile, save nothing
+    assert [call[0] for call in model.calls] == ["to_neuron", "save"]
     assert tokenizer.eos_token == "<|im_end|>"
+
+
+def test_without_compiled_graph_path_graphs_are_cached_under_djl_cache_dir(
+        neuronx, tiny_model_dir, tmp_path, djl_cache, caplog):
+    model_dir = model_copy(tiny_model_dir, tmp_path)
+    before = files_in(model_dir)
+    settings = props(model_dir, max_rolling_batch_size=2, n_positions=128)
+    with caplog.at_level("INFO", logger="djl_stream.engines.neuronx"):
+        first, _ = load_neuron_model(settings)
+    [directory] = [d for d in graph_cache(djl_cache).iterdir() if d.is_dir()]
+    assert directory.name.startswith("model-tp2-bs2-n128-f32-cleauto-")
+    assert [p.name for p in directory.iterdir()] == ["standin-graph.neff"]
+    assert files_in(model_dir) == before  # nothing written into the model directory
+    assert f"saved to {directory} (the graph cache)" in caplog.text
+
+    second, _ = load_neuron_model(settings)  # a restarted worker
+    assert second.calls == [("load", str(directory)), ("to_neuron",)]
+    assert second.compile_cwd is None
+
+
+def test_without_djl_cache_dir_the_cache_is_in_the_system_temp_directory(
+        neuronx, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("DJL_CACHE_DIR")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
+    (tmp_path / "temp").mkdir()
+    load_neuron_model(props(tiny_model_dir, max_rolling_batch_size=2, n_positions=128))
+    assert list((tmp_path / "temp" / "djl-stream" / "neuronx-graphs").glob("*/*.neff"))
+
+
+@pytest.mark.parametrize("change", [
+    {"max_rolling_batch_size": 4}, {"n_positions": 256}, {"tensor_parallel_degree": 1},
+    {"dtype": "bf16"}, {"context_length_estimate": 64}, "config.json",
+])
+def test_the_cache_key_changes_with_everything_the_graphs_depend_on(tmp_path, change):
+    from djl_stream.engines.neuronx import compiled_graph_dir
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    base = dict(max_rolling_batch_size=2, n_positions=128)
+    place = compiled_graph_dir(props(model_dir, **base))
+    assert compiled_graph_dir(props(model_dir, **base)) == place  # same settings, same place
+    if change == "config.json":
+        (model_dir / "config.json").write_text('{"model_type": "llama", "hidden_size": 128}')
+        other = compiled_graph_dir(props(model_dir, **base))
+    else:
+        other = compiled_graph_dir(props(model_dir, **{**base, **change}))
+    assert other.directory != place.directory
+    assert other.directory.parent == place.directory.parent
+    assert not place.configured
+
+
+def test_the_compiler_runs_in_a_scratch_directory_and_the_cwd_comes_back(
+        neuronx, tiny_model_dir, tmp_path, djl_cache, monkeypatch):
+    model_dir = model_copy(tiny_model_dir, tmp_path)
+    monkeypatch.chdir(model_dir)  # as djl-serving starts the worker
+    model, _ = load_neuron_model(props(model_dir, max_rolling_batch_size=2, n_positions=128))
+    assert Path(model.compile_cwd).parent == graph_cache(djl_cache)
+    assert Path(os.getcwd()) == model_dir
+    assert not Path(model.compile_cwd).exists()  # scratch removed after a good compile
+    assert not (model_dir / "standin-neuronx-cc.log").exists()
+
+
+def test_a_failed_compile_restores_the_cwd_and_keeps_the_compilers_files(
+        neuronx, tiny_model_dir, tmp_path, monkeypatch, caplog):
+    model_dir = model_copy(tiny_model_dir, tmp_path)
+    monkeypatch.chdir(model_dir)
+
+    def failing_to_neuron(self):
+        open("standin-neuronx-cc.log", "w").write("error: out of device memory")
+        raise RuntimeError("neuronx-cc failed")
+
+    monkeypatch.setattr(neuronx.StandInForSampling, "to_neuron", failing_to_neuron)
+    with pytest.raises(RuntimeError, match="neuronx-cc failed"):
+        load_neuron_model(props(model_dir, max_rolling_batch_size=2, n_positions=128))
+    assert Path(os.getcwd()) == model_dir
+    kept = caplog.text.split("work files are in ")[1].split()[0]
+    assert Path(kept, "standin-neuronx-cc.log").read_text() == "error: out of device memory"
+
+
+def test_a_read_only_model_directory_is_never_written(neuronx, tiny_model_dir, tmp_path,
+                                                      djl_cache, monkeypatch, read_only):
+    """The model directory is the worker's cwd and read-only (SageMaker's /opt/ml/model).
+    With chmod (not root) a write there would fail the compile; as root chmod stops
+    nothing, so the listing before and after is what shows nothing was written."""
+    model_dir = model_copy(tiny_model_dir, tmp_path)
+    before = files_in(model_dir)
+    read_only(model_dir)
+    monkeypatch.chdir(model_dir)
+    model, _ = load_neuron_model(props(model_dir, max_rolling_batch_size=2, n_positions=128))
+    assert model.calls[0] == ("to_neuron",)
+    assert files_in(model_dir) == before
+    assert list(graph_cache(djl_cache).glob("*/*.neff"))
 
 
 def test_compiled_graphs_are_saved_then_reused_on_the_next_start(neuronx, tiny_model_dir, tmp_path):
@@ -149,20 +312,99 @@ def test_compiled_graphs_are_saved_then_reused_on_the_next_start(neuronx, tiny_m
     settings = props(tiny_model_dir, max_rolling_batch_size=2, n_positions=128,
                      compiled_graph_path=str(directory))
     first, _ = load_neuron_model(settings)
-    assert first.calls == [("to_neuron",), ("save", str(directory))]
-    assert any(directory.glob("*.neff"))
+    assert [call[0] for call in first.calls] == ["to_neuron", "save"]
+    assert [p.name for p in directory.iterdir()] == ["standin-graph.neff"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["compiled", "djl-cache"]  # no staging
 
     second, _ = load_neuron_model(settings)
     assert second.calls == [("load", str(directory)), ("to_neuron",)]  # load first, no save
 
 
 def test_a_relative_compiled_graph_path_is_in_the_model_directory(neuronx, tiny_model_dir, tmp_path):
+    """Relative to the model directory, as in djl-serving's own Neuron loader (which joins
+    it to the worker's cwd, the model directory): where graphs compiled ahead of time
+    ship inside model.tar.gz."""
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     settings = props(model_dir, model_id=str(tiny_model_dir), max_rolling_batch_size=2,
                      n_positions=128, compiled_graph_path="compiled")
+    load_neuron_model(settings)
+    assert [p.name for p in (model_dir / "compiled").iterdir()] == ["standin-graph.neff"]
     model, _ = load_neuron_model(settings)
-    assert model.calls[-1] == ("save", str(model_dir / "compiled"))
+    assert model.calls == [("load", str(model_dir / "compiled")), ("to_neuron",)]
+
+
+def test_graphs_shipped_in_a_read_only_model_directory_are_loaded(neuronx, tiny_model_dir,
+                                                                  tmp_path, read_only):
+    model_dir = model_copy(tiny_model_dir, tmp_path)
+    settings = props(model_dir, max_rolling_batch_size=2, n_positions=128,
+                     compiled_graph_path="compiled")
+    load_neuron_model(settings)  # compiled ahead of time, where it was writable
+    read_only(model_dir, model_dir / "compiled")
+    model, _ = load_neuron_model(settings)
+    assert model.calls == [("load", str(model_dir / "compiled")), ("to_neuron",)]
+
+
+def test_a_configured_place_that_has_no_graphs_and_is_read_only_fails_before_loading(
+        neuronx, tiny_model_dir, tmp_path, read_only):
+    """A clear load error before the weights are read, not a compiler crash minutes later.
+    As root this checks the engine's decision with its write probe told "read-only"."""
+    model_dir = model_copy(tiny_model_dir, tmp_path)
+    mode = read_only(model_dir)
+    with pytest.raises(ModelLoadError) as refused:
+        load_neuron_model(props(model_dir, max_rolling_batch_size=2, n_positions=128,
+                                compiled_graph_path="compiled"))
+    message = str(refused.value)
+    assert f"option.compiled_graph_path: {model_dir / 'compiled'} holds no compiled graphs" \
+        in message, mode
+    assert "unset it to use the graph cache under $DJL_CACHE_DIR" in message
+    assert neuronx.NeuronAutoModelForCausalLM.instances == []  # refused before from_pretrained
+
+
+def test_no_writable_place_for_the_compiler_is_a_clear_load_error(
+        neuronx, tiny_model_dir, tmp_path, djl_cache, monkeypatch, read_only):
+    temp = tmp_path / "temp"
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    mode = read_only(djl_cache, temp)
+    with pytest.raises(ModelLoadError, match="set DJL_CACHE_DIR to a writable directory") as e:
+        load_neuron_model(props(tiny_model_dir, max_rolling_batch_size=2, n_positions=128))
+    assert str(djl_cache) in str(e.value) and str(temp) in str(e.value), mode
+    assert neuronx.NeuronAutoModelForCausalLM.instances == []
+
+
+def test_stale_graphs_in_the_cache_are_compiled_again(neuronx, tiny_model_dir, djl_cache):
+    settings = props(tiny_model_dir, max_rolling_batch_size=2, n_positions=128)
+    load_neuron_model(settings)
+    [graph] = graph_cache(djl_cache).glob("*/*.neff")
+    graph.write_text('{"something": "else"}')
+    model, _ = load_neuron_model(settings)
+    assert [call[0] for call in model.calls] == ["to_neuron", "save"]
+    assert json.loads(graph.read_text()) == model.compile_settings
+
+
+def test_the_second_of_two_workers_keeps_the_graphs_the_first_published(neuronx, tiny_model,
+                                                                        tmp_path):
+    """djl-serving starts one worker per NeuronCore group; each compiles and saves."""
+    from djl_stream.engines.neuronx import save_compiled
+
+    directory = tmp_path / "graphs"
+    first, second = compiled(neuronx, tiny_model), compiled(neuronx, tiny_model)
+    save_compiled(first, directory)
+    published = (directory / "standin-graph.neff").stat().st_mtime_ns
+    save_compiled(second, directory)
+    assert (directory / "standin-graph.neff").stat().st_mtime_ns == published
+    assert [p.name for p in tmp_path.iterdir()] == ["graphs"]  # the loser's copy is gone
+
+
+def test_working_directory_is_restored_after_an_error(tmp_path):
+    from djl_stream.engines.neuronx import working_directory
+
+    start = os.getcwd()
+    with pytest.raises(KeyError):
+        with working_directory(tmp_path):
+            assert Path(os.getcwd()) == tmp_path
+            raise KeyError("boom")
+    assert os.getcwd() == start
 
 
 def test_graphs_compiled_for_other_settings_fail_the_load_with_what_to_do(neuronx, tiny_model_dir,
@@ -379,7 +621,8 @@ def test_the_service_serves_with_transformers_neuronx_when_asked(neuronx, tmp_pa
     service = module._service
     assert service.engine == "transformers-neuronx"
     assert isinstance(service.model, neuronx.StandInForSampling)
-    assert service.model.calls == [("to_neuron",), ("save", str(directory / "compiled"))]
+    assert [call[0] for call in service.model.calls] == ["to_neuron", "save"]
+    assert [p.name for p in (directory / "compiled").iterdir()] == ["standin-graph.neff"]
 
     lines = stream_lines(request(module, {"inputs": ["Hello", "Name a primary colour."],
                                           "parameters": {"max_new_tokens": 5}}))

@@ -20,12 +20,22 @@ that is done:
 One generation runs on a model at a time (its KV cache is the model's state); later calls
 wait for the model in their sampling thread.
 
+Compiled graphs never go into the model directory unless ``option.compiled_graph_path``
+says so (it is read-only on SageMaker): by default they are cached under
+``$DJL_CACHE_DIR/djl-stream/neuronx-graphs/<key>`` (``/tmp/.djl.ai/...`` in djl-serving's
+Neuron image; the system temp directory when ``DJL_CACHE_DIR`` is unset or read-only),
+``<key>`` naming the model and every setting the graphs depend on, so a restarted worker
+loads them instead of compiling again. A relative ``option.compiled_graph_path`` is
+relative to the model directory (as in djl-serving's own Neuron loader): the place for
+graphs compiled ahead of time and shipped with the model. The compiler runs in a writable
+scratch directory (see :func:`working_directory`); a place that can neither provide graphs
+nor keep new ones fails the load before anything compiles (:func:`check_graph_place`).
+
 Example::
 
     props = ModelProperties.from_init_properties({
         "model_dir": "/opt/ml/model", "stream_engine": "transformers-neuronx", "dtype": "bf16",
-        "tensor_parallel_degree": "2", "max_rolling_batch_size": "4",
-        "n_positions": "2048", "compiled_graph_path": "compiled"})
+        "tensor_parallel_degree": "1", "max_rolling_batch_size": "4", "n_positions": "2048"})
     model, tokenizer = load_neuron_model(props)
     gen = StreamingUtils.get_stream_generator("transformers-neuronx")
     for pieces in gen(model, tokenizer, ["The capital of France is"], max_new_tokens=8):
@@ -37,15 +47,24 @@ only when a model is loaded, so importing this module needs nothing but torch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import importlib
+import importlib.metadata
 import inspect
+import json
 import logging
+import os
 import queue
+import re
+import shutil
+import tempfile
 import threading
 import weakref
 from pathlib import Path
-from typing import AbstractSet, Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import (AbstractSet, Any, Dict, FrozenSet, Iterator, List, Mapping, Optional,
+                    Sequence, Tuple)
 
 import torch
 
@@ -165,12 +184,136 @@ def from_pretrained_kwargs(props) -> Dict[str, Any]:
     return kwargs
 
 
-def compiled_graph_dir(props) -> Optional[Path]:
-    """``option.compiled_graph_path`` resolved against the model directory, if set."""
-    if not props.compiled_graph_path:
-        return None
-    path = Path(props.compiled_graph_path)
-    return path if path.is_absolute() else Path(props.model_dir) / path
+#: Where compiled graphs go when ``option.compiled_graph_path`` is unset, under the first
+#: writable of ``$DJL_CACHE_DIR`` (``/tmp/.djl.ai`` in djl-serving's Neuron image) and the
+#: system temp directory.
+GRAPH_CACHE = Path("djl-stream") / "neuronx-graphs"
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphPlace:
+    """Where one model's compiled Neuron graphs are read from and written to.
+
+    ``configured`` is true for ``option.compiled_graph_path`` and false for the automatic
+    cache; ``work_root`` is a writable directory for the compiler's work files (it runs
+    with a fresh directory under it as its current directory).
+
+    >>> GraphPlace(Path("/tmp/g"), configured=True, work_root=Path("/tmp")).directory
+    PosixPath('/tmp/g')
+    """
+
+    directory: Path
+    configured: bool
+    work_root: Path
+
+    @property
+    def source(self) -> str:
+        return "option.compiled_graph_path" if self.configured else "the graph cache"
+
+
+def graph_cache_roots(environ: Optional[Mapping[str, str]] = None) -> List[Path]:
+    """Candidate parents of the graph cache, best first: ``$DJL_CACHE_DIR/djl-stream/
+    neuronx-graphs`` (when set), then ``<temp dir>/djl-stream/neuronx-graphs``.
+
+    >>> graph_cache_roots({"DJL_CACHE_DIR": "/tmp/.djl.ai"})[0]
+    PosixPath('/tmp/.djl.ai/djl-stream/neuronx-graphs')
+    """
+    environ = os.environ if environ is None else environ
+    roots = []
+    if environ.get("DJL_CACHE_DIR"):
+        roots.append(Path(environ["DJL_CACHE_DIR"]) / GRAPH_CACHE)
+    roots.append(Path(tempfile.gettempdir()) / GRAPH_CACHE)
+    return roots
+
+
+def _library_versions(neuronx) -> Dict[str, Optional[str]]:
+    # Graphs compiled by another compiler or library release may not load: part of the key.
+    versions: Dict[str, Optional[str]] = {
+        "transformers-neuronx": getattr(neuronx, "__version__", None)}
+    try:
+        versions["neuronx-cc"] = importlib.metadata.version("neuronx-cc")
+    except importlib.metadata.PackageNotFoundError:
+        versions["neuronx-cc"] = None
+    return versions
+
+
+def graph_cache_key(props, location: str, versions: Mapping[str, Optional[str]]) -> str:
+    """The cache folder name for ``props``: readable shapes, then a digest of everything
+    the graphs depend on.
+
+    The graphs are compiled from the model's architecture (its ``config.json``) and the
+    shapes (tensor parallel degree, batch size, ``n_positions``, ``amp``,
+    ``context_length_estimate``) by one release of the library and compiler. They hold no
+    weights (``from_pretrained`` reads those at every start); the model's location is part
+    of the key all the same, so two model directories never share graphs.
+
+    >>> from djl_stream.properties import ModelProperties
+    >>> props = ModelProperties(tensor_parallel_degree=1, max_rolling_batch_size=4,
+    ...                         n_positions=2048, dtype="bf16")
+    >>> graph_cache_key(props, "/nowhere/SmolLM2", {})[:34]
+    'SmolLM2-tp1-bs4-n2048-bf16-cleauto'
+    """
+    kwargs = from_pretrained_kwargs(props)
+    config = Path(location) / "config.json"
+    architecture = config.read_bytes() if config.is_file() else b""
+    estimate = kwargs.get("context_length_estimate", "auto")
+    if isinstance(estimate, list):
+        estimate = "_".join(str(e) for e in estimate)
+    identity = json.dumps({"location": str(location), "shapes": kwargs,
+                           "config.json": hashlib.sha256(architecture).hexdigest(),
+                           "versions": dict(versions)}, sort_keys=True)
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(str(location).rstrip("/")).name)[:48] or "model"
+    shapes = (f"tp{kwargs['tp_degree']}-bs{kwargs['batch_size']}-n{kwargs['n_positions']}-"
+              f"{kwargs['amp']}-cle{estimate}")
+    return f"{name}-{shapes}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+
+
+def writable_directory(path: Path) -> bool:
+    """Whether files can be created in ``path`` (made if missing), found out by creating
+    one: permission bits say nothing of read-only mounts, nor of what root may do."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+        return True
+    except OSError:
+        return False
+
+
+def compiled_graph_dir(props, *, environ: Optional[Mapping[str, str]] = None,
+                       versions: Optional[Mapping[str, Optional[str]]] = None) -> GraphPlace:
+    """Where ``props``' compiled graphs are loaded from, or saved to after compiling.
+
+    - ``option.compiled_graph_path`` set: that directory; a relative path is relative to
+      the model directory, as in djl-serving's own Neuron loader, so that graphs compiled
+      ahead of time can ship inside the model directory (read-only on SageMaker).
+    - unset: ``<root>/<key>`` in the first writable of :func:`graph_cache_roots`, ``key``
+      from :func:`graph_cache_key`, so that a restarted worker finds its graphs again.
+
+    The compiler's work files go under the first writable cache root either way.
+    Raises :class:`~djl_stream.loading.ModelLoadError` when no candidate is writable.
+    """
+    from ..loading import ModelLoadError
+
+    roots = graph_cache_roots(environ)
+    writable = [root for root in roots if writable_directory(root)]
+    if not writable:
+        raise ModelLoadError(
+            "the transformers-neuronx engine needs a writable directory for the Neuron "
+            f"compiler and its graph cache; none of {', '.join(map(str, roots))} is "
+            "writable: set DJL_CACHE_DIR to a writable directory")
+    if props.compiled_graph_path:
+        if "://" in props.compiled_graph_path:
+            raise ModelLoadError(
+                f"option.compiled_graph_path={props.compiled_graph_path}: only local "
+                "directories are supported; download the graphs into the model directory "
+                "and give their relative path")
+        path = Path(props.compiled_graph_path).expanduser()
+        if not path.is_absolute():
+            path = Path(props.model_dir) / path
+        return GraphPlace(path, configured=True, work_root=writable[0])
+    key = graph_cache_key(props, props.weights_location(), versions or {})
+    return GraphPlace(writable[0] / key, configured=False, work_root=writable[0])
 
 
 def has_compiled_artifacts(directory: Optional[Path]) -> bool:
@@ -179,57 +322,160 @@ def has_compiled_artifacts(directory: Optional[Path]) -> bool:
     return directory is not None and directory.is_dir() and any(directory.glob("*.neff"))
 
 
-def compile_or_load(model, directory: Optional[Path]) -> str:
+def check_graph_place(place: GraphPlace) -> str:
+    """``"load"`` when ``place`` holds compiled graphs, ``"compile"`` when it can take
+    them; :class:`~djl_stream.loading.ModelLoadError` (before any compiling) when it holds
+    none and cannot be written, e.g. a relative ``option.compiled_graph_path`` in a
+    read-only ``/opt/ml/model`` that was shipped without its graphs."""
+    from ..loading import ModelLoadError
+
+    if has_compiled_artifacts(place.directory):
+        return "load"
+    if writable_directory(place.directory):
+        return "compile"
+    raise ModelLoadError(
+        f"{place.source}: {place.directory} holds no compiled graphs (*.neff) and is not "
+        "writable, so the graphs compiled now could not be kept there. Ship "
+        "the graphs in that directory (compile once where it is writable, e.g. "
+        "djl-stream serve on an Inferentia host), point option.compiled_graph_path at a "
+        "writable directory, or unset it to use the graph cache under $DJL_CACHE_DIR")
+
+
+# os.chdir changes the directory of the whole process, not of one thread.
+_cwd_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def working_directory(path: Path) -> Iterator[Path]:
+    """Run the block with ``path`` as the current directory, then go back.
+
+    The Neuron compiler writes work files into the current directory, and djl-serving
+    starts the worker in the model directory, which is read-only on SageMaker (djl's own
+    Neuron loader does ``os.chdir("/tmp")`` for the same reason). The current directory
+    belongs to the process: while the block runs, *every* thread resolves relative paths
+    against ``path``. Model loading is the only thing running in djl-serving's worker at
+    that point (the init call comes before any request); under ``djl-stream serve`` the
+    model loads in a thread while the server answers ``/ping``, which uses no relative
+    path. A lock keeps two such blocks in this process from interleaving.
+    """
+    with _cwd_lock:
+        previous = os.getcwd()
+        os.chdir(path)
+        try:
+            yield path
+        finally:
+            os.chdir(previous)
+
+
+class _StaleGraphs(Exception):
+    """Graphs in the automatic cache that this model cannot use."""
+
+
+def save_compiled(model, directory: Path) -> None:
+    """``model.save()`` into a fresh sibling of ``directory``, then rename it into place,
+    so that a reader never sees half the graphs and two workers compiling the same model
+    at once (djl-serving starts one per NeuronCore group) do not mix their files; the
+    second one keeps the graphs the first one published."""
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    except OSError:  # a directory we may write in but not beside (a mount point)
+        model.save(str(directory))
+        return
+    try:
+        model.save(str(staging))
+        if directory.is_dir() and not any(directory.iterdir()):
+            directory.rmdir()  # an empty directory made for us: take its place
+        try:
+            os.rename(staging, directory)
+        except OSError:
+            if not has_compiled_artifacts(directory):
+                raise
+            logger.info("compiled graphs for %s were saved by another worker first", directory)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def compile_or_load(model, place: GraphPlace) -> str:
     """Make ``model`` ready to run; return ``"loaded"`` or ``"compiled"``.
 
     transformers-neuronx's order: ``model.load(dir)`` *before* ``model.to_neuron()`` makes
     ``to_neuron()`` take the saved graphs instead of compiling; ``model.save(dir)`` after
-    ``to_neuron()`` writes them. So with artifacts in ``directory`` we load them, and
-    otherwise compile and save them there for the next start (a directory we cannot write
-    to costs only that: the model still serves).
+    ``to_neuron()`` writes them. So with artifacts in ``place`` we load them, and
+    otherwise compile (refusing first, with :class:`~djl_stream.loading.ModelLoadError`,
+    a place that could not keep the result: see :func:`check_graph_place`) and save them
+    there for the next start. Either way ``to_neuron()`` runs in a fresh directory under
+    ``place.work_root`` (see :func:`working_directory`), removed afterwards unless the
+    compiler failed, when it keeps the compiler's logs.
     """
     from ..loading import ModelLoadError
 
-    if has_compiled_artifacts(directory):
-        model.load(str(directory))
-        try:
-            model.to_neuron()
-        except FileNotFoundError as error:
-            raise ModelLoadError(
-                f"the compiled artifacts in {directory} do not match this model and its "
-                "settings (option.max_rolling_batch_size, option.n_positions, "
-                "option.tensor_parallel_degree, option.dtype, "
-                "option.context_length_estimate); empty the directory or point "
-                f"option.compiled_graph_path elsewhere to recompile ({error})"
-            ) from error
+    action = check_graph_place(place)
+    work = Path(tempfile.mkdtemp(prefix="compile-", dir=place.work_root))
+    try:
+        with working_directory(work):
+            if action == "load":
+                model.load(str(place.directory))
+                try:
+                    model.to_neuron()
+                except FileNotFoundError as error:
+                    if not place.configured:
+                        raise _StaleGraphs(str(error)) from error
+                    raise ModelLoadError(
+                        f"the compiled artifacts in {place.directory} do not match this model "
+                        "and its settings (option.max_rolling_batch_size, option.n_positions, "
+                        "option.tensor_parallel_degree, option.dtype, "
+                        "option.context_length_estimate); empty the directory or point "
+                        f"option.compiled_graph_path elsewhere to recompile ({error})"
+                    ) from error
+            else:
+                model.to_neuron()
+    except BaseException:
+        if action == "compile":
+            logger.error("compiling failed; the Neuron compiler's work files are in %s", work)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
+    if action == "load":
         return "loaded"
-    model.to_neuron()
-    if directory is not None:
-        try:
-            model.save(str(directory))
-        except OSError as error:
-            logger.warning("could not save the compiled model to %s: %s", directory, error)
+    try:
+        save_compiled(model, place.directory)
+    except OSError as error:  # a full disk after compiling: serve, recompile next time
+        logger.warning("could not save the compiled model to %s: %s", place.directory, error)
     return "compiled"
 
 
 def load_neuron_model(props) -> Tuple[Any, Any]:
     """Load ``props.weights_location()`` with transformers-neuronx, compile it (or load
-    the compiled graphs of ``option.compiled_graph_path``), and return ``(model, tokenizer)``.
+    the compiled graphs found in :func:`compiled_graph_dir`), and return
+    ``(model, tokenizer)``.
 
-    Raises :class:`NeuronUnavailableError` when the package is missing and
-    :class:`~djl_stream.loading.ModelLoadError` for settings it cannot honour.
+    Nothing is written into the model directory unless ``option.compiled_graph_path``
+    points there; the log says where the graphs come from or go. Raises
+    :class:`NeuronUnavailableError` when the package is missing and
+    :class:`~djl_stream.loading.ModelLoadError` for settings it cannot honour, before
+    the weights are read when it can tell.
     """
     neuronx = import_transformers_neuronx()
     from transformers import AutoTokenizer
 
     location = props.weights_location()
     kwargs = from_pretrained_kwargs(props)
+    place = compiled_graph_dir(props, versions=_library_versions(neuronx))
+    check_graph_place(place)
     tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=props.trust_remote_code)
     logger.info("loading %s with transformers-neuronx, %s", location, kwargs)
     model = _auto_model_class(neuronx).from_pretrained(location, **kwargs)
-    directory = compiled_graph_dir(props)
-    how = compile_or_load(model, directory)
-    logger.info("neuron model %s%s", how, f" ({directory})" if directory else "")
+    try:
+        how = compile_or_load(model, place)
+    except _StaleGraphs as error:
+        logger.warning("the cached graphs in %s do not fit this model (%s); compiling again",
+                       place.directory, error)
+        shutil.rmtree(place.directory, ignore_errors=True)
+        model = _auto_model_class(neuronx).from_pretrained(location, **kwargs)
+        how = compile_or_load(model, place)
+    logger.info("neuron model %s: graphs %s %s (%s)", how,
+                "loaded from" if how == "loaded" else "saved to", place.directory, place.source)
     with _registry_lock:
         _compilations[model] = NeuronCompilation(
             batch_size=props.max_rolling_batch_size,

@@ -11,6 +11,9 @@ library requires of its callers:
 - ``load(dir)`` before ``to_neuron()`` makes ``to_neuron()`` read the saved graphs (missing
   or mismatched ones raise ``FileNotFoundError``, as the library does); ``save(dir)`` after
   ``to_neuron()`` writes them as ``*.neff`` files. Every call is recorded in ``calls``;
+- compiling (``to_neuron()`` without loaded graphs) writes a work file into the current
+  directory, as the Neuron compiler does, so it fails in a read-only one; the directory it
+  ran in is recorded in ``compile_cwd``;
 - ``sample(input_ids, sequence_length, start_ids=None, top_k=50, top_p=1.0,
   temperature=1.0, streamer=None)`` refuses a batch other than the compiled one, a
   ``sequence_length`` (prompt + new tokens) beyond ``n_positions`` and ``top_p`` /
@@ -32,7 +35,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+__version__ = "0.0+standin"
 GRAPH_FILE = "standin-graph.neff"
+COMPILER_WORK_FILE = "standin-neuronx-cc.log"
 
 
 class StandInForSampling:
@@ -56,6 +61,7 @@ class StandInForSampling:
         self.last_result: Optional[torch.Tensor] = None
         self._artifacts: Optional[str] = None
         self._on_device = False
+        self.compile_cwd: Optional[str] = None
 
     # -- compiling --------------------------------------------------------------------
 
@@ -76,6 +82,10 @@ class StandInForSampling:
             if saved != self.compile_settings:
                 raise FileNotFoundError("Could not find a matching NEFF for your HLO in this "
                                         "directory.")
+        else:
+            self.compile_cwd = os.getcwd()
+            with open(COMPILER_WORK_FILE, "a") as f:  # relative: the current directory
+                f.write(json.dumps(self.compile_settings) + "\n")
         self._on_device = True
 
     def save(self, directory: str) -> None:
@@ -161,10 +171,12 @@ class NeuronAutoModelForCausalLM:
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, PretrainedConfig
 
+        # transformers before 4.56 calls the keyword torch_dtype (and has no config.dtype).
+        keyword = "dtype" if hasattr(PretrainedConfig, "dtype") else "torch_dtype"
         hf_model = AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path,
-                                                        dtype=torch.float32)
+                                                        **{keyword: torch.float32})
         model = StandInForSampling(hf_model, *model_args, **kwargs)
         model.from_pretrained_call = (pretrained_model_name_or_path, dict(kwargs))
         cls.instances.append(model)
