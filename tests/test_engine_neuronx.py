@@ -134,11 +134,13 @@ def test_a_missing_package_says_pypi_has_a_placeholder_and_how_to_install(monkey
 
 
 @pytest.fixture(autouse=True)
-def djl_cache(monkeypatch, tmp_path) -> Path:
+def djl_cache(monkeypatch, tmp_path_factory) -> Path:
     """A private $DJL_CACHE_DIR per test, so that no test shares compiled graphs with
-    another or writes into the real /tmp/.djl.ai."""
-    cache = tmp_path / "djl-cache"
+    another or writes into the real /tmp/.djl.ai; and a private cwd, which the stand-in's
+    compiler writes its work file into when a test compiles directly (``compiled()``)."""
+    cache = tmp_path_factory.mktemp("djl-cache")
     monkeypatch.setenv("DJL_CACHE_DIR", str(cache))
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
     return cache
 
 
@@ -314,7 +316,7 @@ def test_compiled_graphs_are_saved_then_reused_on_the_next_start(neuronx, tiny_m
     first, _ = load_neuron_model(settings)
     assert [call[0] for call in first.calls] == ["to_neuron", "save"]
     assert [p.name for p in directory.iterdir()] == ["standin-graph.neff"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["compiled", "djl-cache"]  # no staging
+    assert [p.name for p in tmp_path.iterdir()] == ["compiled"]  # no staging directory left
 
     second, _ = load_neuron_model(settings)
     assert second.calls == [("load", str(directory)), ("to_neuron",)]  # load first, no save
