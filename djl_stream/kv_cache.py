@@ -5,24 +5,62 @@ rows of finished requests, drop the leading columns that have become padding for
 remaining row, and line up two caches of different lengths (left padding) so they can be
 concatenated along the batch. Each works in place on the layers' ``keys`` / ``values``
 tensors, shaped ``(batch, heads, seq, head_dim)``.
+
+transformers 4.56 moved a ``DynamicCache``'s tensors from two lists (``key_cache``,
+``value_cache``) into layer objects (``cache.layers[i].keys``); the djl-serving images
+carry 4.45 and 4.51, so both layouts are handled, told apart by the ``layers`` attribute.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import List, Sequence
 
 import torch
 
 
-def _layers(cache):
-    """Each layer's object holding ``keys`` and ``values`` (transformers >= 4.56)."""
-    return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None
+class _ListLayer:
+    """Layer ``index`` of a cache that keeps ``key_cache``/``value_cache`` lists
+    (transformers < 4.56), with the ``keys``/``values`` of the later layer objects."""
+
+    __slots__ = ("_cache", "_index")
+
+    def __init__(self, cache, index: int) -> None:
+        self._cache = cache
+        self._index = index
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._cache.key_cache[self._index]
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor) -> None:
+        self._cache.key_cache[self._index] = tensor
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._cache.value_cache[self._index]
+
+    @values.setter
+    def values(self, tensor: torch.Tensor) -> None:
+        self._cache.value_cache[self._index] = tensor
+
+
+def _all_layers(cache) -> List:
+    if hasattr(cache, "layers"):
+        return list(cache.layers)
+    return [_ListLayer(cache, i) for i in range(len(cache.key_cache))]
+
+
+def layers(cache) -> List:
+    """Each layer of ``cache`` written so far, as an object with ``keys`` and ``values``
+    (the layer itself from 4.56 on, a view of the two lists before)."""
+    return [layer for layer in _all_layers(cache) if getattr(layer, "keys", None) is not None
             and layer.keys.numel() > 0]
 
 
 def select_rows(cache, indices: torch.Tensor) -> None:
     """Keep only the batch rows in ``indices`` (a 1-D long tensor), in that order."""
-    for layer in _layers(cache):
+    for layer in layers(cache):
         idx = indices.to(layer.keys.device)
         layer.keys = layer.keys.index_select(0, idx)
         layer.values = layer.values.index_select(0, idx)
@@ -32,7 +70,7 @@ def trim_left(cache, columns: int) -> None:
     """Drop the first ``columns`` positions of every row (padding no row attends to)."""
     if columns <= 0:
         return
-    for layer in _layers(cache):
+    for layer in layers(cache):
         layer.keys = layer.keys[:, :, columns:, :]
         layer.values = layer.values[:, :, columns:, :]
 
@@ -41,7 +79,7 @@ def pad_left(cache, columns: int) -> None:
     """Prepend ``columns`` zero positions to every row; the attention mask hides them."""
     if columns <= 0:
         return
-    for layer in _layers(cache):
+    for layer in layers(cache):
         layer.keys = _zero_pad(layer.keys, columns)
         layer.values = _zero_pad(layer.values, columns)
 
@@ -57,8 +95,9 @@ def concatenate_rows(caches: Sequence) -> object:
     first = caches[0]
     if len(caches) == 1:
         return first
-    for layer_index, layer in enumerate(first.layers):
-        parts = [c.layers[layer_index] for c in caches]
+    per_cache = [_all_layers(c) for c in caches]
+    for layer_index, layer in enumerate(per_cache[0]):
+        parts = [c[layer_index] for c in per_cache]
         layer.keys = torch.cat([p.keys for p in parts], dim=0)
         layer.values = torch.cat([p.values for p in parts], dim=0)
     return first
@@ -66,11 +105,11 @@ def concatenate_rows(caches: Sequence) -> object:
 
 def seq_length(cache) -> int:
     """Number of positions held per row (0 for a cache never written)."""
-    layers = _layers(cache)
-    return layers[0].keys.shape[2] if layers else 0
+    written = layers(cache)
+    return written[0].keys.shape[2] if written else 0
 
 
 def num_rows(cache) -> int:
-    layers = _layers(cache)
-    return layers[0].keys.shape[0] if layers else 0
+    written = layers(cache)
+    return written[0].keys.shape[0] if written else 0
 

@@ -42,6 +42,19 @@ def torch_dtype(props: ModelProperties, on_gpu: bool):
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
+def dtype_keyword() -> str:
+    """The ``from_pretrained`` keyword for the weights' dtype: ``dtype`` where transformers
+    has it (4.56 on, where ``torch_dtype`` is a deprecated alias), ``torch_dtype`` before.
+
+    Older releases take an unknown ``dtype=`` as a config override and load in float32
+    without a word, so the name must be right. The rename came with the config's own
+    ``dtype`` attribute, which is what is asked for here rather than a version number.
+    """
+    from transformers import PretrainedConfig
+
+    return "dtype" if hasattr(PretrainedConfig, "dtype") else "torch_dtype"
+
+
 def placement(props: ModelProperties) -> Dict[str, Any]:
     """``from_pretrained`` keyword arguments that place the model: nothing on CPU, one
     GPU for a degree of 1, a balanced ``device_map`` over N GPUs otherwise."""
@@ -92,7 +105,7 @@ def load_model_and_tokenizer(props: ModelProperties) -> Tuple[Any, Any]:
         )
     on_gpu = torch.cuda.is_available()
     kwargs = dict(
-        dtype=torch_dtype(props, on_gpu),
+        **{dtype_keyword(): torch_dtype(props, on_gpu)},
         trust_remote_code=props.trust_remote_code,
         **placement(props),
     )

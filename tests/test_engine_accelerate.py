@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from djl_stream import StreamingUtils
+from djl_stream import StreamingUtils, kv_cache
 from djl_stream.batch import CausalLMBatch, generate_token
 from djl_stream.engines.accelerate import build_sequences, encode_prompts, start_scheduler
 
@@ -184,4 +184,4 @@ def test_dtype_of_cache_matches_model(tiny_model, smollm2_tokenizer):
                                 max_new_tokens=3)
     batch = CausalLMBatch.from_sequences(sequences, pad_token_id=2, device="cpu")
     _, batch = generate_token(tiny_model, batch)
-    assert batch.past_key_values.layers[0].keys.dtype == torch.float32
+    assert kv_cache.layers(batch.past_key_values)[0].keys.dtype == torch.float32
