@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import weakref
@@ -25,9 +26,39 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21 (the Neuron image's 0.20)
+    DecodeStream = None
 
 logger = logging.getLogger(__name__)
+
+
+def streams_id_lists(decode_stream: Any) -> bool:
+    """Whether ``decode_stream`` is a ``DecodeStream`` this module can drive.
+
+    Byte runs are fed as one list of ids, which ``DecodeStream.step`` accepts from
+    tokenizers 0.22 on, the release whose constructor also gained ``ids``; 0.21's takes
+    only ``skip_special_tokens`` and single ids. The constructor's signature is what is
+    asked, not the version.
+
+    >>> class Old:
+    ...     def __init__(self, skip_special_tokens): ...
+    >>> streams_id_lists(Old), streams_id_lists(None)
+    (False, False)
+    """
+    if decode_stream is None:
+        return False
+    try:
+        return "ids" in inspect.signature(decode_stream).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+#: Whether the installed tokenizers' ``DecodeStream`` is used; without it every tokenizer
+#: takes the prefix/read-offset method (over the Rust backend's ``decode`` where there is one).
+HAS_DECODE_STREAM = streams_id_lists(DecodeStream)
 
 __all__ = ["IncrementalDetokenizer", "PROMPT_CONTEXT"]
 
@@ -170,7 +201,8 @@ class _InvalidPrefix(ValueError):
 
 
 class _OffsetWindow:
-    """The prefix/read-offset method, for tokenizers without a Rust backend.
+    """The prefix/read-offset method, for tokenizers without a Rust backend or where the
+    installed tokenizers has no usable ``DecodeStream`` (see :func:`streams_id_lists`).
 
     ``_ids`` is the window: its first ``_read`` ids are the tokens of the last step that
     returned text, decoding to ``_prefix_text``; they are the context the newer ids are
@@ -220,7 +252,8 @@ class IncrementalDetokenizer:
     """Turns one sequence's generated token ids into text pieces as they arrive.
 
     ``tokenizer`` is a transformers tokenizer (its Rust ``backend_tokenizer`` drives
-    :class:`tokenizers.decoders.DecodeStream`), a raw :class:`tokenizers.Tokenizer`, or any
+    :class:`tokenizers.decoders.DecodeStream`, or the prefix/offset method where
+    :data:`HAS_DECODE_STREAM` is false), a raw :class:`tokenizers.Tokenizer`, or any
     object with ``decode(ids, skip_special_tokens=...)`` (decoded with the prefix/offset
     method). ``prompt_ids``: the last :data:`PROMPT_CONTEXT` of them are decoded in front
     of the output, so the first piece keeps the space a SentencePiece decoder would strip
@@ -260,7 +293,8 @@ class IncrementalDetokenizer:
         skip = skip_special_tokens
         self._window: _Window
         if isinstance(backend, Tokenizer):
-            self._window = _StreamWindow(backend, skip)
+            self._window = (_StreamWindow(backend, skip) if HAS_DECODE_STREAM
+                            else _OffsetWindow(backend, skip))
             self._rules = _cached_rules(backend, skip, lambda: _rules_for_backend(backend, skip))
         else:
             self._window = _OffsetWindow(tokenizer, skip)

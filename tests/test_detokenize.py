@@ -222,6 +222,9 @@ def test_offset_fallback_obeys_the_same_invariants(any_tokenizer, data):
 def test_recovers_when_decode_stream_raises(any_tokenizer, data, failing_step):
     """DecodeStream can raise "Invalid prefix encountered"; the window restarts from the
     recent ids and the text stays exact."""
+    if not detokenize_module.HAS_DECODE_STREAM:
+        pytest.skip("this tokenizers has no DecodeStream taking id lists (< 0.22): "
+                    "the prefix/offset window runs instead")
     real = detokenize_module.DecodeStream
     calls = {"n": 0}
 
@@ -243,6 +246,23 @@ def test_recovers_when_decode_stream_raises(any_tokenizer, data, failing_step):
 
 
 # --- examples -----------------------------------------------------------------------
+
+
+def test_decode_stream_is_used_exactly_where_it_takes_id_lists(smollm2_tokenizer):
+    import inspect
+
+    real = detokenize_module.DecodeStream
+    takes_lists = real is not None and "ids" in inspect.signature(real).parameters
+    window = IncrementalDetokenizer(smollm2_tokenizer)._window
+    assert type(window).__name__ == ("_StreamWindow" if takes_lists else "_OffsetWindow")
+
+
+def test_a_decode_stream_without_ids_is_not_used():
+    class DecodeStreamOf021:  # tokenizers 0.21: DecodeStream(skip_special_tokens), one id a step
+        def __init__(self, skip_special_tokens): ...
+
+    assert not detokenize_module.streams_id_lists(DecodeStreamOf021)
+    assert not detokenize_module.streams_id_lists(None)
 
 
 def test_words_keep_their_spaces(smollm2_tokenizer):
