@@ -22,7 +22,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import types
-from typing import Any, Callable, List, Mapping, Union
+import logging
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Union
+
+logger = logging.getLogger(__name__)
 
 FormatterFn = Callable[[List[str]], Union[bytes, bytearray, str]]
 
@@ -126,6 +129,59 @@ class StreamFormatter:
         return f"StreamFormatter({self.name!r}, content_type={self.content_type!r})"
 
 
+class FormattedStream(Iterator[bytes]):
+    """The wire chunks of one stream: each item of ``stream`` passed through ``formatter``.
+
+    A failure before the first chunk (the model failed to prefill, say) is raised, so the
+    caller can still answer with an error status. A failure after it, of the stream or of
+    the formatter itself, becomes one error record in the stream's own framing and ends the
+    stream: once the first chunk is out the status is 200 whatever happens, and a client
+    parses a ``{"error": ...}`` line where raw exception text would break its parser.
+    Closing this iterator closes ``stream`` (which stops generation).
+
+    >>> fmt = resolve_formatter("jsonlines")
+    >>> def pieces():
+    ...     yield ["Hi"]
+    ...     raise RuntimeError("device lost")
+    >>> list(FormattedStream(pieces(), fmt))
+    [b'{"output_tokens": ["Hi"]}\\n', b'{"error": "RuntimeError: device lost"}\\n']
+    """
+
+    def __init__(self, stream: Iterator[List[str]], formatter: "StreamFormatter") -> None:
+        self._stream = stream
+        self._formatter = formatter
+        self._started = False
+        self._done = False
+
+    def __iter__(self) -> "FormattedStream":
+        return self
+
+    def __next__(self) -> bytes:
+        if self._done:
+            raise StopIteration
+        try:
+            chunk = self._formatter(next(self._stream))
+        except StopIteration:
+            self._done = True
+            raise
+        except Exception as error:  # noqa: BLE001 - every failure must reach the client
+            if not self._started:
+                self.close()
+                raise
+            logger.exception("generation failed mid-stream")
+            self.close()
+            return self._formatter.format_error(f"{type(error).__name__}: {error}")
+        self._started = True
+        return chunk
+
+    def close(self) -> None:
+        """Stop the stream (idempotent); generation behind it stops at its next step."""
+        self._done = True
+        close: Optional[Callable[[], Any]] = getattr(self._stream, "close", None)
+        if close is not None:
+            close()
+
+
 BUILTIN_FORMATTERS: Mapping[str, StreamFormatter] = types.MappingProxyType({
     "jsonlines": StreamFormatter(format_jsonlines, JSONLINES_CONTENT_TYPE, "jsonlines"),
     "sse": StreamFormatter(format_sse, SSE_CONTENT_TYPE, "sse"),
@@ -158,13 +214,16 @@ def register_formatter(name: str, content_type: str = JSONLINES_CONTENT_TYPE
     return decorate
 
 
-def resolve_formatter(name: str | None, module: types.ModuleType | None = None) -> StreamFormatter:
+def resolve_formatter(name: str | FormatterFn | None,
+                      module: types.ModuleType | None = None) -> StreamFormatter:
     """The formatter ``option.output_formatter`` names.
 
     A built-in name, a name given to :func:`register_formatter`, or the name of a function
     defined in ``module`` (the user's ``model.py``). A plain function streams as
     ``application/jsonlines`` unless it has a ``content_type`` attribute. ``None`` or an
-    empty name gives the default, ``jsonlines``.
+    empty name gives the default, ``jsonlines``. The function itself is accepted too:
+    djl-serving's worker passes one in the ``output_formatter`` property when ``model.py``
+    marks it with djl_python's ``@output_formatter`` decorator.
 
     >>> import types
     >>> model_py = types.ModuleType("model")
@@ -172,6 +231,8 @@ def resolve_formatter(name: str | None, module: types.ModuleType | None = None) 
     >>> resolve_formatter("csv", model_py)(["a", "b"])
     b'a,b\\n'
     """
+    if callable(name):
+        return StreamFormatter(name, getattr(name, "content_type", JSONLINES_CONTENT_TYPE))
     name = (name or DEFAULT_FORMATTER).strip()
     if name in BUILTIN_FORMATTERS:
         return BUILTIN_FORMATTERS[name]

@@ -6,7 +6,10 @@ iterator whose items a formatter turns into chunks.
     >>> out = Output().add_property("content-type", "application/json")
     >>> out = out.add({"generated_text": "Hi"})
     >>> out.code, bytes(out.content.value_at(0))
-    (200, b'{"generated_text":"Hi"}')
+    (200, b'{\\n  "generated_text":"Hi"\\n}')
+
+JSON bodies are written as djl_python writes them (pretty-printed, :func:`djl_json`), so
+``djl-stream serve`` answers byte for byte what the djl-serving container answers.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import datetime
 import json
 from typing import Any, Callable, Iterator
 
-from djl_stream.formatters import to_bytes
 from djl_stream.inputs import PairList
 
 
@@ -30,9 +32,15 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
-def _encode_json(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"),
-                      default=_json_default).encode("utf-8")
+def djl_json(value: Any) -> bytes:
+    """JSON exactly as djl_python's ``Output.add_as_json`` writes it: indented by two, no
+    space after ``:``, non-ASCII kept, NaN refused.
+
+    >>> djl_json({"code": 400, "field": "inputs"})
+    b'{\\n  "code":400,\\n  "field":"inputs"\\n}'
+    """
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=2,
+                      separators=(",", ":"), default=_json_default).encode("utf-8")
 
 
 class Output:
@@ -53,7 +61,7 @@ class Output:
         self.properties: dict[str, str] = {}
         self.content = PairList()
         self.stream_content: Iterator[Any] | None = None
-        self.stream_content_formatter: Callable[[Any], Any] | None = None
+        self.stream_output_formatter: Callable[[Any], Any] | None = None
 
     def set_code(self, code: int) -> Output:
         self.code = code
@@ -83,14 +91,14 @@ class Output:
         elif isinstance(value, (bytes, bytearray)):
             data = value
         else:
-            data = _encode_json(value)
+            data = djl_json(value)
         self.content.add(key, data)
         return self
 
     def add_as_json(self, value: Any, key: str | None = None,
                     batch_index: int | None = None) -> Output:
         """Append ``value`` JSON-encoded (even a ``str``, which becomes a JSON string)."""
-        return self.add(_encode_json(value), key=key, batch_index=batch_index)
+        return self.add(djl_json(value), key=key, batch_index=batch_index)
 
     def error(self, msg: str, code: int = 424, message: str = "invoke handler failure") -> Output:
         """Turn this output into an error answer with a JSON body.
@@ -126,18 +134,26 @@ class Output:
             raise TypeError("add_stream_content needs an iterator such as a generator, "
                             f"got {type(stream).__name__}; wrap it in iter(...)")
         self.stream_content = stream
-        self.stream_content_formatter = output_formatter
+        self.stream_output_formatter = output_formatter
         return self
 
     def format_stream_item(self, item: Any) -> bytes:
-        """The bytes to send for one stream item.
+        """The bytes to send for one stream item, as djl_python's ``Output.send`` makes them.
 
         The stored formatter runs first; its result is sent as djl does: ``str`` UTF-8
-        encoded, ``bytes``/``bytearray`` as they are, anything else as a JSON line.
+        encoded, ``bytes``/``bytearray`` as they are, anything else as :func:`djl_json`
+        (pretty-printed, no newline).
+
+        >>> Output().add_stream_content(iter([])).format_stream_item({"a": 1})
+        b'{\\n  "a":1\\n}'
         """
-        if self.stream_content_formatter is not None:
-            item = self.stream_content_formatter(item)
-        return to_bytes(item)
+        if self.stream_output_formatter is not None:
+            item = self.stream_output_formatter(item)
+        if isinstance(item, str):
+            return item.encode("utf-8")
+        if isinstance(item, (bytes, bytearray)):
+            return bytes(item)
+        return djl_json(item)
 
     def __repr__(self) -> str:
         streaming = ", streaming" if self.stream_content is not None else ""

@@ -102,7 +102,7 @@ class ModelProperties:
         max_new_tokens_limit: the largest ``max_new_tokens`` a request may ask for.
         max_input_length: the longest prompt, in tokens, a request may send.
         output_formatter: built-in formatter name (``jsonlines``, ``sse``) or the name of a
-            function in ``model.py``.
+            function in ``model.py`` (or that function, as djl's worker may pass it).
         apply_chat_template: wrap each ``inputs`` prompt as one user turn of the tokenizer's
             chat template; ``None`` (``auto``) does so when the tokenizer has a template,
             which is what an instruct model needs. ``messages`` requests always use it.
@@ -133,7 +133,7 @@ class ModelProperties:
     default_max_new_tokens: int = 50
     max_new_tokens_limit: int = 2048
     max_input_length: int = 4096
-    output_formatter: str = "jsonlines"
+    output_formatter: Any = "jsonlines"
     apply_chat_template: Optional[bool] = None
     max_rolling_batch_size: int = 32
     job_queue_size: int = 1000
@@ -221,6 +221,9 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
         elif key == "context_length_estimate":
             parts = [p for p in str(value).replace(" ", "").split(",") if p]
             out[key] = tuple(_as_int(key, p) for p in parts) or None
+        elif key == "output_formatter" and callable(value):
+            # djl's worker hands over a function marked with @output_formatter itself
+            out[key] = value
         else:
             out[key] = str(value)
     if out.get("default_max_new_tokens", 50) > out.get("max_new_tokens_limit", 2048):

@@ -8,12 +8,15 @@ Routes, as djl-serving (and SageMaker) expose them:
 - ``GET /models``: the management list, ``{"models": [{"modelName", "modelUrl", "status"}]}``.
 
 The server starts answering at once and loads the model in a background thread. Each
-request's ``handle()`` runs in a worker thread. A streaming ``Output`` is sent as djl's
-front end sends it: the response head is held until the first item exists (an error before
-it is a plain 424 JSON answer), then every item is its own HTTP chunk, flushed as soon as
-it is formatted; an error after that ends the stream with one error record, and a client
-that goes away stops generation (the iterator is closed). Framework errors are JSON
-``{"code", "type", "message"}``.
+request's ``handle()`` runs in a worker thread, concurrently (djl-serving's synchronous
+worker runs one at a time), so that concurrent streams share the model's decode steps.
+Everything a client sees is what djl-serving's front end sends for the same ``Output``
+(``make conformance`` compares the two): the response head is held until the first item
+exists, then every item is its own HTTP chunk, flushed as soon as it is formatted; an
+iterator that raises adds the exception's text, raw, as the last chunk (djl-stream's own
+handler never does: it ends a failed stream with an error record in the stream's format).
+Unlike djl-serving, a client that goes away stops generation (the iterator is closed).
+Framework errors are JSON ``{"code", "type", "message"}``.
 
 Example::
 
@@ -48,10 +51,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from djl_stream.worker import (
     READY,
     ModelWorker,
-    encode_stream_error,
     encode_stream_item,
-    error_status,
     output_body,
+    stream_failure_chunk,
 )
 
 logger = logging.getLogger(__name__)
@@ -84,16 +86,6 @@ def error_response(code: int, message: str, error_type: Optional[str] = None) ->
                         status_code=code)
 
 
-def handler_error_body(code: int, error: str) -> bytes:
-    """The body djl sends when ``handle()`` (or its stream, before the first item) fails.
-
-    >>> handler_error_body(424, "boom")
-    b'{"code": 424, "message": "invoke handler failure", "error": "boom"}'
-    """
-    return json.dumps({"code": code, "message": "invoke handler failure", "error": error},
-                      ensure_ascii=False).encode("utf-8")
-
-
 def output_headers(output: Any) -> list[tuple[bytes, bytes]]:
     """``Output.properties`` as raw response headers.
 
@@ -116,7 +108,7 @@ def _stream_headers(output: Any) -> list[tuple[bytes, bytes]]:
     headers = output_headers(output)
     if not any(name == b"content-type" for name, _ in headers):
         # A StreamFormatter knows what it writes (jsonlines or text/event-stream).
-        content_type = getattr(output.stream_content_formatter, "content_type", None)
+        content_type = getattr(output.stream_output_formatter, "content_type", None)
         if content_type:
             headers.append((b"content-type", content_type.encode("latin-1")))
     return headers
@@ -193,21 +185,20 @@ class StreamingOutputResponse:
 
     async def _send_stream(self, send: Send) -> None:
         state = self.state
+        head = {"type": "http.response.start", "status": int(self.output.code),
+                "headers": _stream_headers(self.output)}
         try:
             chunk = await self._pull()
         except Exception as error:
-            # Nothing was sent yet, so the failure can still be an honest status code.
+            # djl-serving holds the head until the first chunk; a failure instead of it
+            # arrives as one last chunk holding the exception's text, which its front end
+            # sends as a plain 200 answer with that text as the body.
             logger.exception("the stream failed before its first item")
-            code = error_status(error)
-            body = handler_error_body(code, str(error) or type(error).__name__)
             state.finishing = True
-            await send({"type": "http.response.start", "status": code,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
+            await send(head)
+            await send({"type": "http.response.body", "body": stream_failure_chunk(error)})
             return
-        await send({"type": "http.response.start", "status": int(self.output.code),
-                    "headers": _stream_headers(self.output)})
+        await send(head)
         while chunk is not None:
             state.items += 1
             if chunk:
@@ -215,11 +206,11 @@ class StreamingOutputResponse:
             try:
                 chunk = await self._pull()
             except Exception as error:
-                # The status line is gone; the error travels as the stream's last record.
+                # The status line is gone; djl-serving appends the exception's text, raw.
                 logger.exception("the stream failed after %d items", state.items)
-                chunk = encode_stream_error(self.output, str(error) or type(error).__name__)
                 state.finishing = True
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": stream_failure_chunk(error),
+                            "more_body": True})
                 break
         else:
             state.exhausted = True

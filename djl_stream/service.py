@@ -3,9 +3,14 @@
 djl's Python worker calls ``handle()`` once with no content (the init call, carrying the
 properties) and then once per request. :class:`StreamingService` loads on the init call
 (or on the first request, if a front end skips it), parses and validates each request at
-the edge, and answers with an ``Output``: a 400 naming the field and the limit for a bad
-request, a stream of formatted items for a streaming one, ``{"generated_text": ...}``
-otherwise.
+the edge, and answers (:mod:`djl_stream.replies`): a 400 naming the field and the limit for
+a bad request; for a streaming one, the formatted chunks, once the first exists (so that a
+generation failing at once is still a 424, not a 200 carrying an error); else
+``{"generated_text": ...}``.
+
+Both of djl-serving's worker modes are served: the synchronous worker calls ``handle()``
+and gets an ``Output``; djl-serving 0.33's asynchronous worker (LMI images without
+``option.entryPoint``) awaits it, and gets the async protocol's ``Output``\ s.
 
 Example (``model/model.py``)::
 
@@ -19,18 +24,21 @@ Example (``model/model.py``)::
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import functools
 import logging
 import sys
 import threading
 import types
 from pathlib import Path
-from typing import Any, Iterator, List, Optional
+from typing import Any, List, Optional
 
-from .compat import Output
-from .formatters import StreamError, StreamFormatter, resolve_formatter
-from .properties import ModelProperties
 from .errors import QueueFullError
+from .formatters import FormattedStream, StreamFormatter, resolve_formatter
+from .properties import ModelProperties
+from .replies import (ErrorReply, JsonReply, Reply, StreamReply, to_async_output,
+                      to_async_outputs, to_output)
 from .request import (
     GenerationRequest,
     RequestError,
@@ -44,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 NEURON_ENGINE = "transformers-neuronx"
 ACCELERATE_ENGINE = "Accelerate"
+#: Threads the async worker mode pulls chunks with: each open stream may hold one while it
+#: waits for its next token (the same bound as ``djl-stream serve``'s).
+ASYNC_MAX_THREADS = 128
 
 
 def select_engine(props: ModelProperties) -> str:
@@ -62,49 +73,13 @@ def select_engine(props: ModelProperties) -> str:
     return ACCELERATE_ENGINE
 
 
-def request_error_output(error: RequestError) -> Any:
-    """HTTP 400 with a JSON body naming the field and the limit."""
-    out = Output(code=400, message="Bad Request")
-    out.add_property("content-type", "application/json")
-    out.add_as_json(error.to_dict())
-    return out
-
-
-def busy_output(error: Exception) -> Any:
-    """HTTP 503: the waiting queue is full; the client may retry later."""
-    out = Output(code=503, message="Service Unavailable")
-    out.add_property("content-type", "application/json")
-    out.add_as_json({"code": 503, "type": "ServiceUnavailableException", "message": str(error)})
-    return out
-
-
-def guard_stream(stream: Iterator[List[str]]) -> Iterator[Any]:
-    """Pass ``stream`` through; an error after the first item becomes one last
-    :class:`StreamError` item, so the client gets a well-formed error line instead of a
-    broken stream. An error before the first item propagates (HTTP 424 upstream).
-    Closing this iterator closes ``stream``, which stops generation."""
-    started = False
-    try:
-        for item in stream:
-            started = True
-            yield item
-    except Exception as error:  # noqa: BLE001 - every failure must reach the client
-        if not started:
-            raise
-        logger.exception("generation failed mid-stream")
-        yield StreamError(f"{type(error).__name__}: {error}")
-    finally:
-        close = getattr(stream, "close", None)
-        if close is not None:
-            close()
-
-
 class StreamingService:
     """Loads the model on the init call and answers requests; see the module docstring."""
 
     def __init__(self, entry_module: str | types.ModuleType | None = None):
         self._entry_module = entry_module
         self._lock = threading.Lock()
+        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.props: Optional[ModelProperties] = None
         self.model = None
         self.tokenizer = None
@@ -117,14 +92,41 @@ class StreamingService:
         return self.model is not None
 
     def handle(self, inputs) -> Any:
-        """djl-serving's entry point: initialize on the init call, else answer."""
+        """djl-serving's entry point: initialize on the init call, else answer.
+
+        Called on a running event loop (djl-serving 0.33's async worker does ``await
+        handle(inputs)``), it returns the coroutine :meth:`handle_async` instead, so that the
+        same ``model.py`` serves both worker modes and the loop is never blocked.
+        """
+        if _on_event_loop():
+            return self.handle_async(inputs)
         if not self.initialized:
             self.initialize(inputs.get_properties())
-            if inputs.is_empty():
-                return None
         if inputs.is_empty():
             return None
-        return self.inference(inputs)
+        return to_output(self.reply(inputs))
+
+    async def handle_async(self, inputs) -> Any:
+        """``handle()`` for djl-serving's async worker: ``None`` for the init call; for a
+        request, one ``Output`` or an async generator of them (one per chunk), in the
+        protocol that worker's front end reads. Blocking work runs in a thread pool."""
+        loop = asyncio.get_running_loop()
+        executor = self._async_executor()
+        if not self.initialized:
+            await loop.run_in_executor(executor, self.initialize, inputs.get_properties())
+        if inputs.is_empty():
+            return None
+        reply = await loop.run_in_executor(executor, self.reply, inputs)
+        if isinstance(reply, StreamReply):
+            return to_async_outputs(reply, executor)
+        return to_async_output(reply)
+
+    def _async_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    ASYNC_MAX_THREADS, thread_name_prefix="djl-stream-async")
+            return self._executor
 
     def initialize(self, properties: dict) -> None:
         with self._lock:
@@ -168,33 +170,53 @@ class StreamingService:
 
     # -- requests -------------------------------------------------------------------
 
-    def inference(self, inputs) -> Any:
+    def reply(self, inputs) -> Reply:
+        """The answer to one request (never raises for a request's own failure)."""
         try:
             request = self.parse(inputs)
         except RequestError as error:
-            return request_error_output(error)
+            return ErrorReply(400, error.to_dict(), "Bad Request")
         try:
             stream = self.stream_generator(
                 self.model, self.tokenizer, list(request.prompts), **request.parameters.as_kwargs()
             )
         except QueueFullError as error:
-            return busy_output(error)
+            return ErrorReply(503, {"code": 503, "type": "ServiceUnavailableException",
+                                    "message": str(error)}, "Service Unavailable")
         except RequestError as error:
             # an engine's own limits (e.g. a Neuron model's compiled batch size)
-            return request_error_output(error)
+            return ErrorReply(400, error.to_dict(), "Bad Request")
         wants_stream = self.props.enable_streaming if request.stream is None else request.stream
-        out = Output()
         if wants_stream:
-            out.add_property("content-type", self.formatter.content_type)
-            out.add_stream_content(guard_stream(stream), output_formatter=self.formatter)
-            return out
+            return self._start_stream(stream)
+        return self._collect(stream, request)
+
+    def _start_stream(self, stream) -> Reply:
+        """Produce the first chunk now: a generation that fails before it (a prompt the
+        model cannot prefill) is answered with an error status instead of a 200 stream
+        that carries the error as text."""
+        chunks = FormattedStream(stream, self.formatter)
+        try:
+            first: Optional[bytes] = next(chunks)
+        except StopIteration:
+            first = None
+        except Exception as error:  # noqa: BLE001 - the client gets it as a status
+            logger.exception("generation failed before its first chunk")
+            return ErrorReply.from_exception(error)
+        return StreamReply(first, chunks, self.formatter.content_type)
+
+    def _collect(self, stream, request: GenerationRequest) -> Reply:
         texts = [""] * len(request.prompts)
-        for pieces in stream:
-            for i, piece in enumerate(pieces):
-                texts[i] += piece
-        out.add_property("content-type", "application/json")
-        out.add_as_json({"generated_text": texts if request.batched else texts[0]})
-        return out
+        try:
+            for pieces in stream:
+                for i, piece in enumerate(pieces):
+                    texts[i] += piece
+        except Exception as error:  # noqa: BLE001 - the client gets it as a status
+            logger.exception("generation failed")
+            return ErrorReply.from_exception(error)
+        finally:
+            getattr(stream, "close", lambda: None)()
+        return JsonReply({"generated_text": texts if request.batched else texts[0]})
 
     def parse(self, inputs) -> GenerationRequest:
         """The validated request in ``inputs``, with chat templates applied and lengths
@@ -269,3 +291,12 @@ class StreamingService:
         """Whether tokenizing a prompt adds BOS; asked once (only after loading)."""
         ids = self.tokenizer("a")["input_ids"]
         return bool(ids) and ids[0] == getattr(self.tokenizer, "bos_token_id", None)
+
+
+def _on_event_loop() -> bool:
+    """Whether this thread is running an asyncio event loop (the caller is a coroutine)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

@@ -7,8 +7,10 @@ returned ``Output`` back to the front end. :class:`ModelWorker` does the same in
 the local server (:mod:`djl_stream.server`) and the CLI run an unchanged ``model.py``
 exactly as the container would.
 
-The module also holds the worker's half of the wire: :func:`output_body` and
-:func:`encode_stream_item` turn an ``Output`` (ours or djl_python's) into bytes.
+The module also holds the worker's half of the wire: :func:`output_body`,
+:func:`encode_stream_item` and :func:`stream_failure_chunk` turn an ``Output`` (ours or
+djl_python's) into bytes exactly as djl-serving does; ``make conformance`` holds them to
+what the real worker and front end send.
 
 Example::
 
@@ -37,7 +39,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Union
 
+from djl_stream.outputs import djl_json
 from djl_stream.properties import djl_init_properties
+from djl_stream.replies import is_out_of_memory
 
 logger = logging.getLogger(__name__)
 
@@ -81,25 +85,6 @@ def _new_input(properties: Mapping[str, str], content: Iterable[tuple[str, Any]]
     return inp
 
 
-def _new_output() -> Any:
-    from djl_stream.compat import Output
-
-    return Output()
-
-
-def error_status(error: BaseException) -> int:
-    """The HTTP status djl answers a handler exception with: 507 for out-of-memory
-    (``torch.cuda.OutOfMemoryError`` and friends, recognised without importing torch),
-    else 424.
-
-    >>> error_status(MemoryError()), error_status(ValueError("bad"))
-    (507, 424)
-    """
-    if isinstance(error, MemoryError) or "OutOfMemory" in type(error).__name__:
-        return 507
-    return 424
-
-
 def _values(content: Any) -> list[tuple[Optional[str], bytes]]:
     if content is None:
         return []
@@ -136,10 +121,11 @@ def output_body(output: Any) -> bytes:
 
 
 def encode_stream_item(output: Any, item: Any) -> bytes:
-    """The bytes of one stream item: the ``Output``'s formatter, then djl's rules.
+    """The bytes of one stream item, as djl_python's ``Output.send`` makes them.
 
     Uses ``output.format_stream_item`` when the class has it (ours); djl_python's ``Output``
-    only stores ``stream_content_formatter``, so it is applied here the same way.
+    keeps the formatter in ``stream_output_formatter``, and the item is then sent by djl's
+    rules: ``str`` UTF-8 encoded, bytes as they are, anything else as its pretty JSON.
 
     >>> from djl_stream.outputs import Output
     >>> out = Output().add_stream_content(iter([]), output_formatter=lambda p: p[0] + "\\n")
@@ -148,32 +134,27 @@ def encode_stream_item(output: Any, item: Any) -> bytes:
     """
     if hasattr(output, "format_stream_item"):
         return bytes(output.format_stream_item(item))
-    formatter = getattr(output, "stream_content_formatter", None)
-    return _to_bytes(formatter(item) if formatter is not None else item)
+    formatter = getattr(output, "stream_output_formatter", None)
+    if formatter is not None:
+        item = formatter(item)
+    if isinstance(item, str):
+        return item.encode("utf-8")
+    if isinstance(item, (bytes, bytearray)):
+        return bytes(item)
+    return djl_json(item)
 
 
-def encode_stream_error(output: Any, message: str) -> bytes:
-    """The last chunk of a stream whose iterator failed after the first chunk.
+def stream_failure_chunk(error: BaseException) -> bytes:
+    """What djl-serving sends when a stream's iterator (or its formatter) raises: the
+    exception's text, raw, as the stream's last chunk, after whatever was already sent.
 
-    A formatter that knows :class:`~djl_stream.formatters.StreamError` (it has
-    ``format_error``, as :class:`~djl_stream.formatters.StreamFormatter` does) renders the
-    error in the stream's own framing, e.g. an SSE ``error`` event; with any other formatter
-    the error is the JSON line ``{"error": "..."}`` — a plain formatter might turn the error
-    object into something that looks like a token.
+    djl-stream's own handler never lets that happen (it ends a failed stream with an error
+    record in the stream's format); this is for handlers that do.
 
-    >>> from djl_stream.outputs import Output
-    >>> encode_stream_error(Output(), "boom")
-    b'{"error": "boom"}\\n'
+    >>> stream_failure_chunk(RuntimeError("device lost"))
+    b'device lost'
     """
-    formatter = getattr(output, "stream_content_formatter", None)
-    if formatter is not None and hasattr(formatter, "format_error"):
-        from djl_stream.formatters import StreamError
-
-        try:
-            return encode_stream_item(output, StreamError(message))
-        except Exception:  # a broken formatter must not hide the original error
-            logger.exception("the output formatter failed to render a stream error")
-    return (json.dumps({"error": message}, ensure_ascii=False) + "\n").encode("utf-8")
+    return str(error).encode("utf-8")
 
 
 class ModelWorker:
@@ -341,20 +322,29 @@ class ModelWorker:
     def invoke(self, inp: Any) -> Any:
         """Call ``handle(inp)`` and return an ``Output``, never raising for the handler.
 
-        An exception becomes ``Output.error(str(e), code=424)`` (507 for out-of-memory), as
-        djl answers it; ``None`` becomes an empty 200. Raises :class:`WorkerNotReady` when
-        the model is not loaded.
+        As djl-serving's synchronous worker answers: an exception becomes
+        ``Output().error(str(e))`` (424 with a JSON body), or a bodiless 507 whose message is
+        the exception's text for out-of-memory; ``None`` becomes a 204; anything that is not
+        an ``Output`` becomes a 424 naming its type. Raises :class:`WorkerNotReady` when the
+        model is not loaded.
         """
         if self.status != READY:
             raise WorkerNotReady(self.not_ready_message())
+        from djl_stream.compat import Output
+
         try:
             result = self._handle(inp)
         except Exception as error:
             logger.exception("handle() failed for request %s",
                              inp.properties.get("requestId", "?"))
-            return _new_output().error(str(error) or type(error).__name__,
-                                       code=error_status(error))
-        return _new_output() if result is None else result
+            if is_out_of_memory(error):
+                return Output(code=507, message=str(error))
+            return Output().error(str(error))
+        if result is None:
+            return Output(code=204, message="No content")
+        if not isinstance(result, Output):
+            return Output().error(f"Invalid output type: {type(result)}")
+        return result
 
     def not_ready_message(self) -> str:
         """Why requests are refused now: still loading, or the load failed (with why)."""

@@ -100,8 +100,8 @@ def test_a_bad_request_gets_400_and_the_next_request_still_works(server):
 
 
 def test_predictions_route_and_ping(server):
-    assert httpx.get(server.url + "/ping").status_code == 200
-    response = httpx.post(server.url + "/predictions/model",
+    assert httpx.get(server.url + "/ping", timeout=60).status_code == 200
+    response = httpx.post(server.url + "/predictions/model", timeout=120,
                           json={"inputs": CAPITAL, "parameters": {"max_new_tokens": 8}, "stream": False})
     assert response.status_code == 200
     assert response.json()["generated_text"].startswith("The capital of France")

@@ -21,7 +21,7 @@ def test_a_new_output_is_200_ok_with_nothing_in_it():
     assert out.properties == {}
     assert out.content.is_empty()
     assert out.stream_content is None
-    assert out.stream_content_formatter is None
+    assert out.stream_output_formatter is None
 
 
 def test_setters_and_properties_chain():
@@ -39,11 +39,12 @@ def test_add_encodes_text_as_utf8_and_passes_bytes_through():
     assert body(out, 2) == b"ba"
 
 
-def test_add_json_encodes_anything_else_keeping_unicode_readable():
+def test_add_json_encodes_anything_else_as_djl_python_does():
     out = Output().add({"generated_text": "café ☕"}, key="result")
 
     assert out.content.key_at(0) == "result"
-    assert body(out) == '{"generated_text":"café ☕"}'.encode("utf-8")
+    # djl_python's Output._encode_json: indent=2, separators (",", ":"), non-ASCII kept
+    assert body(out) == '{\n  "generated_text":"café ☕"\n}'.encode("utf-8")
 
 
 def test_add_as_json_encodes_even_a_string():
@@ -99,7 +100,7 @@ def test_add_stream_content_takes_a_generator_and_keeps_the_formatter():
     formatter = resolve_formatter("jsonlines")
     out = Output().add_stream_content(pieces(), output_formatter=formatter)
 
-    assert out.stream_content_formatter is formatter
+    assert out.stream_output_formatter is formatter
     chunks = [out.format_stream_item(item) for item in out.stream_content]
     assert chunks == [b'{"output_tokens": ["Hel"]}\n', b'{"output_tokens": ["lo"]}\n']
 
@@ -113,8 +114,8 @@ def test_an_iter_over_a_list_is_accepted():
     ("é\n", "é\n".encode("utf-8")),
     (b"raw", b"raw"),
     (bytearray(b"ba"), b"ba"),
-    ({"outputs": ["x"]}, b'{"outputs": ["x"]}\n'),
-    (["x", "😀"], '["x", "😀"]\n'.encode("utf-8")),
+    ({"outputs": ["x"]}, b'{\n  "outputs":[\n    "x"\n  ]\n}'),
+    (["x", "😀"], '[\n  "x",\n  "😀"\n]'.encode("utf-8")),
 ])
 def test_format_stream_item_sends_the_formatter_result_by_its_type(formatted, wire):
     out = Output().add_stream_content(iter([]), output_formatter=lambda item: formatted)
@@ -127,7 +128,7 @@ def test_format_stream_item_sends_the_formatter_result_by_its_type(formatted, wi
 def test_without_a_formatter_items_go_out_by_the_same_rules():
     out = Output().add_stream_content(iter([]))
     assert out.format_stream_item("text") == b"text"
-    assert out.format_stream_item(["a"]) == b'["a"]\n'
+    assert out.format_stream_item(["a"]) == b'[\n  "a"\n]'
 
 
 def test_a_stream_error_item_becomes_an_error_line():

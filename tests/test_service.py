@@ -10,12 +10,13 @@ import importlib.util
 import json
 import shutil
 import sys
+import threading
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from djl_stream.formatters import StreamError
 from djl_stream.inputs import Input
 from djl_stream.properties import djl_init_properties
 
@@ -39,6 +40,13 @@ def request(module, body):
     inp = Input(properties={"content-type": "application/json", "requestId": uuid.uuid4().hex})
     inp.add("data", json.dumps(body).encode() if not isinstance(body, bytes) else body)
     return module.handle(inp)
+
+
+def scheduler_of(module):
+    """The continuous-batching scheduler of the model that module's service loaded."""
+    from djl_stream.scheduler import _SCHEDULERS
+
+    return _SCHEDULERS[module._service.model]
 
 
 def body_json(output):
@@ -147,22 +155,52 @@ def test_custom_formatter_is_a_function_in_model_py(tmp_path, tiny_model_dir):
     assert streamed.decode() == plain["generated_text"]
 
 
+FAILING_ENGINE = (
+    "\n\nfrom djl_stream import register_engine\n\n"
+    "@register_engine('Fails-after-two')\n"
+    "def fails_after_two(model, tokenizer, inputs, **parameters):\n"
+    "    if 'at once' in inputs[0]:\n"
+    "        raise RuntimeError('cannot prefill')\n"
+    "    yield ['a' for _ in inputs]\n"
+    "    yield ['b' for _ in inputs]\n"
+    "    raise RuntimeError('device lost')\n"
+)
+
+
 def test_an_engine_failing_mid_stream_ends_with_one_error_line(tmp_path, tiny_model_dir):
-    code = (
-        "\n\nfrom djl_stream import register_engine\n\n"
-        "@register_engine('Fails-after-two')\n"
-        "def fails_after_two(model, tokenizer, inputs, **parameters):\n"
-        "    yield ['a' for _ in inputs]\n"
-        "    yield ['b' for _ in inputs]\n"
-        "    raise RuntimeError('device lost')\n"
-    )
-    directory = variant_dir(tmp_path, tiny_model_dir, code, "option.stream_engine=Fails-after-two\n")
+    directory = variant_dir(tmp_path, tiny_model_dir, FAILING_ENGINE,
+                            "option.stream_engine=Fails-after-two\n")
     module = init(load_entry_point(directory), directory)
     out = request(module, {"inputs": "Hello"})
-    items = list(out.stream_content)
-    assert items[:2] == [["a"], ["b"]]
-    assert isinstance(items[2], StreamError) and "device lost" in items[2].message
-    assert json.loads(out.format_stream_item(items[2])) == {"error": "RuntimeError: device lost"}
+    assert out.code == 200
+    lines = stream_lines(out)
+    assert [json.loads(line) for line in lines] == [
+        {"output_tokens": ["a"]}, {"output_tokens": ["b"]}, {"error": "RuntimeError: device lost"}]
+
+
+def test_a_generation_failing_before_its_first_item_is_a_424_not_a_stream(tmp_path, tiny_model_dir):
+    # djl-serving would send a 200 whose body is the error text had handle() returned the
+    # stream; handle() produces the first item first, so the failure is still a status
+    directory = variant_dir(tmp_path, tiny_model_dir, FAILING_ENGINE,
+                            "option.stream_engine=Fails-after-two\n")
+    module = init(load_entry_point(directory), directory)
+    out = request(module, {"inputs": "fail at once"})
+    assert (out.code, out.stream_content) == (424, None)
+    assert body_json(out) == {"code": 424, "message": "invoke handler failure",
+                              "error": "cannot prefill"}
+
+
+def test_a_formatter_failing_mid_stream_ends_it_with_one_error_line(tmp_path, tiny_model_dir):
+    code = ("\n\ncalls = []\n\n"
+            "def fragile(pieces):\n"
+            "    calls.append(pieces)\n"
+            "    if len(calls) == 2:\n"
+            "        raise ValueError('cannot format')\n"
+            "    return ''.join(pieces)\n")
+    directory = variant_dir(tmp_path, tiny_model_dir, code, "option.output_formatter=fragile\n")
+    module = init(load_entry_point(directory), directory)
+    lines = stream_lines(request(module, {"inputs": "Hello", "parameters": {"max_new_tokens": 5}}))
+    assert len(lines) == 2 and json.loads(lines[1]) == {"error": "ValueError: cannot format"}
 
 
 def test_unknown_engine_fails_the_load_with_the_registered_names(tmp_path, tiny_model_dir):
@@ -186,15 +224,25 @@ def test_a_full_queue_answers_503_and_serving_goes_on(tmp_path, tiny_model_dir):
     directory = variant_dir(tmp_path, tiny_model_dir, "",
                             "option.max_rolling_batch_size=1\njob_queue_size=1\n")
     module = init(load_entry_point(directory), directory)
+    scheduler = scheduler_of(module)
     running = request(module, {"inputs": "Hello", "parameters": {"max_new_tokens": 256}})
-    next(running.stream_content)  # running: the batch of one is full
-    waiting = request(module, {"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
+    assert running.code == 200  # running: the batch of one is full
+    # handle() returns once the request's first item exists, so the waiting one is asked
+    # from a thread of its own, as a server would
+    waiting = {}
+    thread = threading.Thread(target=lambda: waiting.update(out=request(
+        module, {"inputs": "Hello", "parameters": {"max_new_tokens": 2}})))
+    thread.start()
+    while scheduler.waiting_size < 1:
+        assert thread.is_alive(), "the second request did not wait"
+        time.sleep(0.01)
     refused = request(module, {"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
     assert refused.code == 503
     assert body_json(refused)["type"] == "ServiceUnavailableException"
     assert "job_queue_size" in body_json(refused)["message"]
     running.stream_content.close()
-    assert len(stream_lines(waiting)) == 2
+    thread.join(60)
+    assert len(stream_lines(waiting["out"])) == 2
 
 
 def test_dynamic_batching_input_is_refused_with_a_clear_400(handler):

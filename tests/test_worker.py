@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 
 from djl_stream.compat import Output
-from djl_stream.formatters import StreamError, resolve_formatter
+from djl_stream.formatters import resolve_formatter
 from djl_stream.worker import (
     FAILED,
     LOADING,
     READY,
     ModelWorker,
     WorkerNotReady,
-    encode_stream_error,
     encode_stream_item,
     output_body,
+    stream_failure_chunk,
 )
 
 RECORDING_MODEL = textwrap.dedent('''
@@ -48,6 +48,8 @@ RECORDING_MODEL = textwrap.dedent('''
             raise ValueError("bad prompt")
         if request.get("none"):
             return None
+        if request.get("dict"):
+            return {"not": "an Output"}
         return Output().add_as_json({"echo": request})
 ''')
 
@@ -74,6 +76,7 @@ def test_load_sends_the_init_call_as_djl_does(tmp_path: Path) -> None:
     import torch
 
     assert init[0] == {
+        "engine": "Python",  # non-option keys reach the handler, as djl sends them
         "dtype": "fp16",
         "max_input_length": "100",  # serving.properties wins over OPTION_*
         "top_k": "5",
@@ -186,25 +189,36 @@ def test_invoke_returns_the_handlers_output(tmp_path: Path) -> None:
     assert json.loads(output_body(out)) == {"echo": {"n": 1}}
 
 
-@pytest.mark.parametrize("request_body, code, error", [
-    (b'{"raise": true}', 424, "bad prompt"),
-    (b'{"raise": "memory"}', 507, "CUDA out of memory"),
-])
-def test_invoke_turns_handler_exceptions_into_error_outputs(
-        tmp_path: Path, request_body: bytes, code: int, error: str) -> None:
+def test_invoke_turns_a_handler_exception_into_djls_424(tmp_path: Path) -> None:
     worker = ModelWorker(model_dir(tmp_path), environ={})
     worker.load()
-    out = worker.invoke(worker.make_input(request_body, {}))
-    assert out.code == code
-    assert json.loads(output_body(out)) == {"code": code, "message": "invoke handler failure",
-                                            "error": error}
+    out = worker.invoke(worker.make_input(b'{"raise": true}', {}))
+    assert out.code == 424
+    assert json.loads(output_body(out)) == {"code": 424, "message": "invoke handler failure",
+                                            "error": "bad prompt"}
 
 
-def test_invoke_turns_none_into_an_empty_200(tmp_path: Path) -> None:
+def test_invoke_answers_out_of_memory_with_a_bodiless_507(tmp_path: Path) -> None:
+    # djl-serving's worker: Output(code=507, message=str(e)), nothing in the body
+    worker = ModelWorker(model_dir(tmp_path), environ={})
+    worker.load()
+    out = worker.invoke(worker.make_input(b'{"raise": "memory"}', {}))
+    assert (out.code, out.message, output_body(out)) == (507, "CUDA out of memory", b"")
+
+
+def test_invoke_turns_none_into_a_204(tmp_path: Path) -> None:
     worker = ModelWorker(model_dir(tmp_path), environ={})
     worker.load()
     out = worker.invoke(worker.make_input(b'{"none": true}', {}))
-    assert (out.code, output_body(out), out.stream_content) == (200, b"", None)
+    assert (out.code, output_body(out), out.stream_content) == (204, b"", None)
+
+
+def test_invoke_refuses_an_answer_that_is_not_an_output(tmp_path: Path) -> None:
+    worker = ModelWorker(model_dir(tmp_path), environ={})
+    worker.load()
+    out = worker.invoke(worker.make_input(b'{"dict": true}', {}))
+    assert out.code == 424
+    assert json.loads(output_body(out))["error"] == "Invalid output type: <class 'dict'>"
 
 
 def test_invoke_before_load_is_refused(tmp_path: Path) -> None:
@@ -225,13 +239,23 @@ def test_stream_items_follow_djls_encoding_rules() -> None:
     out = Output().add_stream_content(iter([]))
     assert encode_stream_item(out, "é") == "é".encode()
     assert encode_stream_item(out, b"raw") == b"raw"
-    assert encode_stream_item(out, {"a": 1}) == b'{"a": 1}\n'
+    assert encode_stream_item(out, {"a": 1}) == b'{\n  "a":1\n}'  # djl's pretty JSON
 
 
-def test_stream_errors_use_the_formatters_framing_when_it_has_one() -> None:
-    sse = Output().add_stream_content(iter([]), output_formatter=resolve_formatter("sse"))
-    assert encode_stream_error(sse, "boom") == b'event: error\ndata: {"error": "boom"}\n\n'
-    # A plain function would render the error object as if it were tokens.
-    plain = Output().add_stream_content(iter([]), output_formatter=lambda words: str(words))
-    assert encode_stream_error(plain, "boom") == b'{"error": "boom"}\n'
-    assert encode_stream_item(sse, StreamError("x")).startswith(b"event: error")
+class DjlPythonLikeOutput:
+    """Only the attributes djl_python's Output has: the formatter is kept in
+    ``stream_output_formatter``, and there is no format_stream_item()."""
+
+    def __init__(self, formatter) -> None:
+        self.stream_output_formatter = formatter
+
+
+def test_stream_items_of_djl_pythons_output_go_through_its_stream_output_formatter() -> None:
+    out = DjlPythonLikeOutput(resolve_formatter("sse"))
+    assert encode_stream_item(out, ["Hi"]) == b'data: {"output_tokens": ["Hi"]}\n\n'
+    assert encode_stream_item(DjlPythonLikeOutput(lambda p: {"t": p}), ["x"]) == \
+        b'{\n  "t":[\n    "x"\n  ]\n}'
+
+
+def test_a_failing_stream_ends_with_the_exceptions_text_as_djl_sends_it() -> None:
+    assert stream_failure_chunk(RuntimeError("device lost")) == b"device lost"
