@@ -38,3 +38,88 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def djl_src() -> Path:
     return djl_serving_src()
+
+
+MODEL_DIR = REPO / "model"
+
+#: Appended to model/model.py in the tiny model directory: a custom formatter, and a stream
+#: engine that wraps Accelerate and fails where the prompt asks ("fail at N": before the
+#: N-th decode step's item), so failures happen at chosen points of a real generation.
+TINY_MODEL_PY_EXTRA = '''
+
+import re as _re
+
+from djl_stream import StreamingUtils, register_engine
+
+
+def upper_lines(pieces):
+    """A custom output formatter: each prompt's new text upper-cased, a line each."""
+    return "".join(piece.upper() + "\\n" for piece in pieces)
+
+
+upper_lines.content_type = "text/plain"
+
+
+@register_engine("FailsOnCue")
+def fails_on_cue(model, tokenizer, inputs, **parameters):
+    stream = StreamingUtils.get_stream_generator("Accelerate")(model, tokenizer, inputs, **parameters)
+    cue = _re.search(r"fail at (\\d+)", " ".join(inputs))
+    return _failing(stream, int(cue.group(1))) if cue else stream
+
+
+def _failing(stream, step):
+    try:
+        for index, pieces in enumerate(stream):
+            if index == step:
+                raise RuntimeError(f"injected failure at step {step}")
+            yield pieces
+    finally:
+        stream.close()
+'''
+
+TINY_PROPERTIES = """engine=Python
+option.entryPoint=model.py
+option.rolling_batch=disable
+option.dtype=fp32
+option.default_max_new_tokens=16
+option.max_new_tokens_limit=256
+option.max_input_length=64
+option.apply_chat_template=false
+option.stream_engine=FailsOnCue
+"""
+
+
+def _unit_test_helpers():
+    """tests/conftest.py as a plain module (its name clashes with this conftest's)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("unit_conftest", REPO / "tests" / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def embedded_dir() -> Path:
+    if not (MODEL_DIR / "config.json").is_file():
+        pytest.fail("the embedded model is missing from model/: run `make model` first")
+    return MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, embedded_dir) -> Path:
+    """A model directory with a tiny random Llama, the real SmolLM2 tokenizer, model/'s
+    model.py plus :data:`TINY_MODEL_PY_EXTRA`, and :data:`TINY_PROPERTIES`."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    directory = tmp_path_factory.mktemp("tiny-model")
+    tokenizer = AutoTokenizer.from_pretrained(str(embedded_dir))
+    _unit_test_helpers().build_tiny_llama(len(tokenizer)).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    shutil.copy(embedded_dir / "model.py", directory / "model.py")
+    with open(directory / "model.py", "a") as f:
+        f.write(TINY_MODEL_PY_EXTRA)
+    (directory / "serving.properties").write_text(TINY_PROPERTIES)
+    return directory

@@ -1,0 +1,218 @@
+"""model/ in djl-serving's real Python worker, as an HTTP client sees it, and djl-stream serve
+answering the same.
+
+Every scenario runs on every target of :mod:`targets`: the real worker of djl-serving
+0.33 (the LMI image's) and 0.30 (the Neuron image's) in the synchronous mode, the 0.33
+worker in async mode, and ``djl-stream serve``. Each test checks what the answer must be,
+then that ``djl-stream serve`` answers byte for byte what djl-serving 0.33 answers.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from djl_frontend import DjlWorker
+from targets import ALL, ASYNC_033, LOCAL, REAL, SYNC_030, SYNC_033, Fleet
+
+PROMPT = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def embedded(djl_src, embedded_dir):
+    fleet = Fleet(embedded_dir, djl_src)
+    yield fleet
+    fleet.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny(djl_src, tiny_dir):
+    fleet = Fleet(tiny_dir, djl_src)
+    yield fleet
+    fleet.stop()
+
+
+def assert_same_answer(answers, reference=SYNC_033, targets=(SYNC_030, LOCAL)):
+    """The answers of ``targets`` equal the reference's: status, content type and body."""
+    expected = answers[reference]
+    for target in targets:
+        got = answers[target]
+        assert (got.status, got.content_type, got.body) == \
+            (expected.status, expected.content_type, expected.body), target.name
+
+
+def output_tokens(answer):
+    """The ``output_tokens`` lists of a JSON-lines stream, one per line."""
+    records = [json.loads(line) for line in answer.lines()]
+    assert all(set(record) == {"output_tokens"} for record in records), records
+    return [record["output_tokens"] for record in records]
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(embedded_dir):
+    """transformers' own greedy generate() for PROMPT (as one chat turn, the way
+    model/ wraps plain inputs): the new token ids and their text."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(embedded_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(embedded_dir), dtype=torch.float32).eval()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
+                                           tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    new = out[0, ids.shape[1]:].tolist()
+    return new, tokenizer.decode(new, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("target", REAL, ids=lambda t: t.name)
+def test_the_init_call_succeeds_with_djl_servings_own_keys(embedded, target):
+    worker = embedded[target].worker
+    assert worker.init_output.code == 204  # handle() returned None
+    # what broke the first release: engine=Python reaches the handler, as djl sends it
+    assert worker.config.init_properties["engine"] == "Python"
+
+
+def test_streaming_gives_one_line_per_decode_step(embedded, greedy_reference):
+    new_ids, text = greedy_reference
+    answers = embedded.ask_all({"inputs": PROMPT, "parameters": {"max_new_tokens": 12},
+                                "stream": True})
+    for target, answer in answers.items():
+        assert answer.status == 200, (target.name, answer.body)
+        assert answer.content_type == "application/jsonlines"
+        assert answer.chunked
+        steps = output_tokens(answer)
+        assert all(len(step) == 1 for step in steps)
+        assert len(steps) == len(new_ids), target.name  # one line per generated token
+        assert "".join(step[0] for step in steps) == text
+    assert answers[ASYNC_033].body == answers[SYNC_033].body
+    assert_same_answer(answers)
+
+
+def test_non_streaming_answers_the_whole_text(embedded, greedy_reference):
+    _, text = greedy_reference
+    answers = embedded.ask_all({"inputs": PROMPT, "parameters": {"max_new_tokens": 12},
+                                "stream": False})
+    for target, answer in answers.items():
+        assert (answer.status, answer.content_type) == (200, "application/json"), target.name
+        assert not answer.chunked
+        assert answer.json() == {"generated_text": text}
+    assert_same_answer(answers, targets=(SYNC_030, ASYNC_033, LOCAL))
+
+
+def test_a_bad_request_is_a_400_naming_the_field_and_the_limit(embedded):
+    answers = embedded.ask_all({"inputs": PROMPT, "parameters": {"max_new_tokens": 100000}})
+    message = "parameters.max_new_tokens must be at most 2048, got 100000"
+    for target in (SYNC_033, SYNC_030, LOCAL):
+        error = answers[target].json()
+        assert answers[target].status == 400
+        assert (error["field"], error["message"]) == ("parameters.max_new_tokens", message)
+    # async mode: djl's front end answers {"code", "error"} from the async map's fields
+    assert answers[ASYNC_033].status == 400
+    assert answers[ASYNC_033].json() == {"code": 400, "error": message}
+    assert_same_answer(answers)
+
+
+def test_messages_go_through_the_chat_template(embedded, greedy_reference):
+    _, text = greedy_reference
+    answers = embedded.ask_all({"messages": [{"role": "user", "content": PROMPT}],
+                                "parameters": {"max_new_tokens": 12}, "stream": False})
+    for target, answer in answers.items():
+        assert answer.json() == {"generated_text": text}, target.name
+    assert_same_answer(answers)
+
+
+def test_several_prompts_stream_side_by_side(tiny):
+    body = {"inputs": ["Hello there", "Once upon a time"], "parameters": {"max_new_tokens": 6}}
+    streamed = tiny.ask_all({**body, "stream": True})
+    whole = tiny.ask_all({**body, "stream": False})
+    for target in ALL:
+        steps = output_tokens(streamed[target])
+        assert all(len(step) == 2 for step in steps), target.name
+        texts = ["".join(step[i] for step in steps) for i in range(2)]
+        assert whole[target].json() == {"generated_text": texts}, target.name
+    assert_same_answer(streamed, targets=(SYNC_030, ASYNC_033, LOCAL))
+    assert_same_answer(whole)
+
+
+def test_an_error_before_the_first_item_is_a_424(tiny):
+    answers = tiny.ask_all({"inputs": "fail at 0", "stream": True})
+    for target in (SYNC_033, SYNC_030, LOCAL):
+        assert answers[target].status == 424, (target.name, answers[target].body)
+        assert answers[target].json() == {"code": 424, "message": "invoke handler failure",
+                                          "error": "injected failure at step 0"}
+    assert answers[ASYNC_033].status == 424
+    assert answers[ASYNC_033].json() == {"code": 424, "error": "injected failure at step 0"}
+    assert_same_answer(answers)
+
+
+def test_an_error_mid_stream_ends_it_with_one_error_line(tiny):
+    answers = tiny.ask_all({"inputs": "fail at 2", "stream": True})
+    for target, answer in answers.items():
+        assert answer.status == 200, target.name
+        records = [json.loads(line) for line in answer.lines()]
+        assert len(records) == 3 and all("output_tokens" in r for r in records[:2])
+        assert records[2] == {"error": "RuntimeError: injected failure at step 2"}
+    assert_same_answer(answers, targets=(SYNC_030, ASYNC_033, LOCAL))
+
+
+@pytest.mark.parametrize("formatter, content_type", [("upper_lines", "text/plain"),
+                                                     ("sse", "text/event-stream")])
+def test_output_formatters_from_model_py_and_built_in(djl_src, tiny_dir, formatter, content_type):
+    fleet = Fleet(tiny_dir, djl_src, {"OPTION_OUTPUT_FORMATTER": formatter})
+    try:
+        answers = fleet.ask_all({"inputs": "Hello there", "parameters": {"max_new_tokens": 6},
+                                 "stream": True})
+        plain = fleet[SYNC_033].ask({"inputs": "Hello there", "parameters": {"max_new_tokens": 6},
+                                     "stream": False}).json()["generated_text"]
+    finally:
+        fleet.stop()
+    for target, answer in answers.items():
+        assert (answer.status, answer.content_type) == (200, content_type), target.name
+    body = answers[SYNC_033].body.decode()
+    if formatter == "sse":
+        events = [event for event in body.split("\n\n") if event]
+        assert all(event.startswith("data: ") for event in events)
+        assert "".join(json.loads(e[len("data: "):])["output_tokens"][0] for e in events) == plain
+    else:
+        assert body.endswith("\n") and body.replace("\n", "") == plain.upper().replace("\n", "")
+    assert_same_answer(answers, targets=(SYNC_030, ASYNC_033, LOCAL))
+
+
+def test_async_mode_as_lmi_starts_it_serves_concurrent_streams(djl_src, tiny_dir, tmp_path):
+    """What LMI images start when SERVING_FEATURES=vllm and serving.properties names no entry
+    point: the 0.33 worker in async mode, awaiting handle(). Concurrent requests overlap
+    there, and each still gets exactly its own text."""
+    import shutil
+
+    directory = tmp_path / "no-entry-point"
+    shutil.copytree(tiny_dir, directory)
+    properties = directory / "serving.properties"
+    properties.write_text(properties.read_text().replace("option.entryPoint=model.py\n", ""))
+    prompts = ["Hello there", "Once upon a time", "The weather today", "In a galaxy"]
+    solo = Fleet(tiny_dir, djl_src)
+    worker = DjlWorker(djl_src, "0.33.0-dlc", directory, {"SERVING_FEATURES": "vllm"})
+    try:
+        expected = [solo[SYNC_033].ask({"inputs": p, "parameters": {"max_new_tokens": 8},
+                                        "stream": True}).body for p in prompts]
+        worker.start()
+        assert worker.async_mode
+        assert worker.config.recommended_entry_point == "djl_python.lmi_vllm.vllm_async_service"
+        got = [None] * len(prompts)
+
+        def ask(i):
+            got[i] = worker.invoke({"inputs": prompts[i], "parameters": {"max_new_tokens": 8},
+                                    "stream": True}).body
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(300)
+    finally:
+        solo.stop()
+        worker.stop()
+    assert got == expected
