@@ -215,7 +215,8 @@ def _generate(args: argparse.Namespace) -> int:
 # -- embed --
 
 def _embed(args: argparse.Namespace) -> int:
-    from djl_stream.embedded import EmbeddedModelMissing, embed_default_model
+    from djl_stream.embedded import (FORMAT, EmbeddedModelMissing, embed_default_model,
+                                     embedded_format)
 
     try:
         wrote = embed_default_model(args.model_dir, force=args.force)
@@ -224,6 +225,9 @@ def _embed(args: argparse.Namespace) -> int:
         return 1
     if wrote:
         print(f"wrote SmolLM2-135M-Instruct to {args.model_dir}")
+    elif embedded_format(args.model_dir) == FORMAT:
+        print(f"{args.model_dir} already holds a model: the embedded SmolLM2-135M-Instruct, "
+              f"in the current layout (format {FORMAT})")
     else:
         print(f"{args.model_dir} already holds a model (config.json); "
               "pass --force to overwrite it")

@@ -13,8 +13,12 @@ MODEL_DIR = REPO / "model"
 
 
 def _require_embedded_model() -> Path:
+    from djl_stream.embedded import is_outdated
+
     if not (MODEL_DIR / "config.json").is_file():
         pytest.fail("the embedded model is missing from model/: run `make model` first")
+    if is_outdated(MODEL_DIR):
+        pytest.fail("model/ holds the embedded model in an outdated layout: run `make model`")
     return MODEL_DIR
 
 
