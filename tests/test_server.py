@@ -50,8 +50,9 @@ FIXTURE_MODEL = textwrap.dedent('''
     class WordStream:
         """An iterator with close(), recording what the server did with it."""
 
-        def __init__(self, words, delay, fail_after, tag):
+        def __init__(self, words, delay, fail_after, tag, gate=None):
             self.words, self.delay, self.fail_after, self.tag = words, delay, fail_after, tag
+            self.gate = gate
             self.produced = 0
             self.closed = False
             self.close_during_next = False
@@ -75,6 +76,13 @@ FIXTURE_MODEL = textwrap.dedent('''
                     raise StopIteration
                 if self.fail_after is not None and self.produced >= self.fail_after:
                     raise RuntimeError(f"failed after {self.produced} items")
+                if self.gate and self.produced == 1:
+                    # after the first item, wait until the test opens the gate
+                    deadline = time.monotonic() + 60
+                    while not (HERE / f"gate-{self.gate}").exists():
+                        if time.monotonic() > deadline:
+                            raise RuntimeError("the gate never opened")
+                        time.sleep(0.01)
                 time.sleep(self.delay)
                 word = self.words[self.produced]
                 self.produced += 1
@@ -116,7 +124,7 @@ FIXTURE_MODEL = textwrap.dedent('''
         else:
             stream = WordStream(request.get("words", ["a", "b", "c"]),
                                 request.get("delay", 0.0), request.get("fail_after"),
-                                request.get("tag"))
+                                request.get("tag"), request.get("gate"))
         formatter = resolve_formatter("sse") if request.get("format") == "sse" else jsonlines
         out = Output()
         if request.get("format") != "sse":
@@ -151,6 +159,17 @@ class Server(ServerProcess):
 
     def record(self, tag: str) -> dict:
         return json.loads((self.model_dir / f"record-{tag}.json").read_text())
+
+    def open_gate(self, gate: str) -> None:
+        """Let the streams started with ``"gate": gate`` go past their first item."""
+        (self.model_dir / f"gate-{gate}").touch()
+
+    def wait_for(self, tag: str, produced: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        path = self.model_dir / f"record-{tag}.json"
+        while not path.exists() or self.record(tag)["produced"] < produced:
+            assert time.monotonic() < deadline, f"stream {tag} never produced {produced} items"
+            time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
@@ -212,20 +231,21 @@ def test_failed_load_is_reported_by_ping_and_models(tmp_path: Path) -> None:
 
 def test_each_item_is_its_own_chunk_sent_as_soon_as_it_exists(server: Server) -> None:
     words = ["one", "two", "three", "four", "five"]
-    start = time.monotonic()
-    arrivals: list[tuple[float, bytes]] = []
-    with server.http.stream("POST", "/invocations", json={"words": words, "delay": 0.2}) as response:
+    payload = {"words": words, "tag": "chunks", "gate": "chunks"}
+    with server.http.stream("POST", "/invocations", json=payload) as response:
         assert response.status_code == 200
         assert response.headers["transfer-encoding"] == "chunked"
         assert response.headers["content-type"] == "application/jsonlines"
         assert response.headers["x-fixture"] == "yes"
-        for chunk in response.iter_raw():
-            arrivals.append((time.monotonic() - start, chunk))
-    assert [json.loads(chunk) for _, chunk in arrivals] == [{"output_tokens": [w]} for w in words]
-    first, last = arrivals[0][0], arrivals[-1][0]
-    # Generation takes 5 x 0.2 s; the first token must not wait for the rest.
-    assert last - first >= 0.6
-    assert first < 0.6
+        chunks = response.iter_raw()
+        # the stream waits behind the gate after its first item: the first chunk must
+        # reach the client without waiting for the rest
+        first = next(chunks)
+        assert server.record("chunks")["produced"] == 1
+        server.open_gate("chunks")
+        rest = list(chunks)
+    assert b"".join([first] + rest).decode().splitlines() == \
+        [json.dumps({"output_tokens": [w]}) for w in words]
 
 
 # A handler's stream that raises is answered as djl-serving answers it (make conformance
@@ -274,35 +294,37 @@ def test_client_disconnect_stops_generation(server: Server) -> None:
 
 
 def test_ping_answers_during_a_long_generation(server: Server) -> None:
-    payload = {"words": [f"w{i}" for i in range(40)], "delay": 0.1, "tag": "long"}
-    with httpx.Client(base_url=server.url, timeout=10.0) as client:
+    payload = {"words": ["a", "b", "c"], "tag": "long", "gate": "long"}
+    with httpx.Client(base_url=server.url, timeout=30.0) as client:
         with client.stream("POST", "/invocations", json=payload) as response:
             lines = response.iter_lines()
             next(lines)
-            start = time.monotonic()
-            ping = server.http.get("/ping")
-            elapsed = time.monotonic() - start
-            assert ping.status_code == 200
-            assert elapsed < 0.5
-            assert server.record("long")["produced"] < 40
+            # the generation is held mid-stream; the server must still answer
+            assert server.http.get("/ping").status_code == 200
+            assert server.record("long")["produced"] == 1
+            server.open_gate("long")
+            assert len(list(lines)) == 2
 
 
 def test_concurrent_streams_run_together(server: Server) -> None:
-    payload = {"words": ["a", "b", "c", "d", "e"], "delay": 0.2}
-    results: list[int] = []
+    results: dict[int, list[str]] = {}
 
-    def one() -> None:
-        with httpx.Client(base_url=server.url, timeout=20.0) as client:
-            results.append(len(lines_of(client.post("/invocations", json=payload))))
+    def one(i: int) -> None:
+        payload = {"words": ["a", "b", "c"], "tag": f"together-{i}", "gate": "together"}
+        with httpx.Client(base_url=server.url, timeout=60.0) as client:
+            results[i] = client.post("/invocations", json=payload).text.splitlines()
 
-    start = time.monotonic()
-    threads = [threading.Thread(target=one) for _ in range(8)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
     for thread in threads:
         thread.start()
+    # every stream stops after its first item until the gate opens: all eight get there
+    # only if the server runs them at the same time
+    for i in range(8):
+        server.wait_for(f"together-{i}", produced=1)
+    server.open_gate("together")
     for thread in threads:
-        thread.join()
-    assert results == [5] * 8
-    assert time.monotonic() - start < 4.0  # one after another would take 8 s
+        thread.join(60)
+    assert [len(results[i]) for i in range(8)] == [3] * 8
 
 
 # -- non-streaming answers and errors --
