@@ -4,7 +4,11 @@ Everything here is found out on the machine you ship from, in seconds, instead o
 container log minutes after an endpoint started. One :class:`Finding` per check:
 
 - ``serving.properties`` parses; its framework keys (``engine``, ``job_queue_size``,
-  ``batch_size``...) are djl-serving's and well typed; ``engine=Python`` is set;
+  ``batch_size``...) are djl-serving's and well typed;
+- djl-serving's engine is ``Python``: ``engine`` in ``serving.properties``, else
+  ``OPTION_ENGINE`` (what djl-serving uses then); a stream engine's name there, or in
+  ``option.engine`` (djl-stream's old name for the choice), fails with a pointer to
+  ``option.stream_engine``;
 - every ``option.*`` key (and ``OPTION_*`` variable) is one djl-stream knows, with a value
   of the right type and range — a typo names the closest valid key;
 - ``option.rolling_batch=disable``: djl-serving's LMI images otherwise switch on their own
@@ -12,9 +16,21 @@ container log minutes after an endpoint started. One :class:`Finding` per check:
 - the entry point exists and imports cheaply in a fresh interpreter (djl imports it three
   times while the worker starts): within ``max_import_seconds`` and without pulling in
   torch or transformers, which belong in the init call; it defines ``handle``;
+- ``option.entryPoint`` is set: without it the LMI 0.33 image starts its worker in async
+  mode (``SERVING_FEATURES=vllm``) instead of the synchronous one djl-stream is tested in;
 - ``option.output_formatter`` and ``option.stream_engine`` resolve;
 - there are weights: a Hugging Face folder in the directory (config, weights, tokenizer),
-  or an ``option.model_id`` that is an existing path, a well-formed S3 URI or a hub id.
+  or an ``option.model_id`` that is an existing path, a well-formed S3 URI or a hub id;
+- the image's transformers reads that folder as it was written (see
+  :mod:`djl_stream.model_files`): ``rope_theta`` beside ``rope_parameters``, a
+  ``tokenizer_class`` that release has, a chat template it can find;
+- on Neuron (``option.stream_engine=transformers-neuronx``, or ``--image neuron``):
+  ``option.n_positions``, ``option.max_rolling_batch_size`` and
+  ``option.tensor_parallel_degree`` are set, rather than left to the image's smart
+  defaults (see :mod:`djl_stream.smart_defaults`): they are the compiled shapes.
+
+The image checks run against every image in :data:`djl_stream.images.IMAGES`, or the ones
+named (``images=["lmi"]``, ``djl-stream check --image lmi``).
 
 Example::
 
@@ -40,15 +56,19 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
+from djl_stream.images import IMAGES, ContainerImage
+from djl_stream.model_files import model_file_problems
 from djl_stream.properties import (
     DJL_KEYS,
+    DJL_PYTHON_ENGINES,
     ModelProperties,
     PropertyError,
     djl_init_properties,
     read_serving_properties,
 )
+from djl_stream.smart_defaults import INF2_XLARGE_CORES, NEURON_SMART_DEFAULTS, neuron_smart_defaults
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 SYMBOLS = {OK: "✓", WARN: "!", FAIL: "✗"}
@@ -76,6 +96,9 @@ FRAMEWORK_KEYS: Mapping[str, str] = {
 #: ``option.*`` keys that only djl-serving's front end reads; djl-stream passes them by.
 SERVER_OPTION_KEYS = frozenset({"pythonExecutable", "enable_venv", "max_output_size",
                                 "mpi_mode", "async_mode", "model_name", "s3url"}) | DJL_KEYS
+
+#: The stream engine whose shapes are compiled in (see _check_neuron_shapes).
+NEURON_ENGINE = "transformers-neuronx"
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -145,14 +168,21 @@ def check_model_dir(
     environ: Optional[Mapping[str, str]] = None,
     max_import_seconds: float = DEFAULT_MAX_IMPORT_SECONDS,
     python: str = sys.executable,
+    images: Optional[Sequence[str]] = None,
 ) -> CheckReport:
     """Run every check on ``model_dir`` and return the report (never raises for the
     directory's problems).
 
     ``environ`` supplies ``OPTION_*`` variables as djl-serving would see them (default: this
     process's environment); ``python`` is the interpreter the entry point is imported
-    with, in a subprocess so that its imports and timing are those of a fresh worker.
+    with, in a subprocess so that its imports and timing are those of a fresh worker;
+    ``images`` names the djl-serving images to check against (keys of
+    :data:`~djl_stream.images.IMAGES`; default: all of them).
     """
+    unknown = sorted(set(images or ()) - set(IMAGES))
+    if unknown:
+        raise ValueError(f"unknown image(s) {', '.join(unknown)}; known: {', '.join(IMAGES)}")
+    targets = [IMAGES[name] for name in (images or IMAGES)]
     report = CheckReport(str(model_dir))
     root = Path(model_dir)
     if not root.is_dir():
@@ -162,11 +192,17 @@ def check_model_dir(
 
     raw = _check_serving_properties(root, report)
     _check_framework_keys(raw, report)
+    _check_engine(raw, environ, report)
     options = djl_init_properties(root, environ)
     props = _check_options(options, environ, raw, report)
     _check_rolling_batch(options, report)
     _check_entry_point(root, options, props, report, max_import_seconds, python)
+    _check_worker_mode(options, environ, targets, report)
     _check_weights(root, options, report)
+    weights = _local_weights(root, options)
+    _check_model_files(weights, targets, report)
+    if options.get("stream_engine") == NEURON_ENGINE or "neuron" in (images or ()):
+        _check_neuron_shapes(weights, options, report)
     return report
 
 
@@ -228,20 +264,76 @@ def _check_framework_keys(raw: Mapping[str, str], report: CheckReport) -> None:
                    f"batch_size={batch_size} turns on djl-serving's dynamic batching, which "
                    "refuses streaming; djl-stream batches by itself "
                    "(option.max_rolling_batch_size)")
-    engine = raw.get("engine")
-    if engine is None:
-        report.add(WARN, "engine", "not set: djl-serving guesses it from the directory, and "
-                                   "LMI images may pick another engine for a Hugging Face "
-                                   "model; set engine=Python")
-    elif engine.strip() == "Python":
-        report.add(OK, "engine", "engine=Python: djl-serving's Python engine runs the entry point")
-    else:
-        bad += 1
-        report.add(FAIL, "engine", f"engine={engine}: djl-stream's handler runs on "
-                                   "djl-serving's Python engine; set engine=Python")
     others = [key for key in raw if not key.startswith("option.") and key != "engine"]
     if others and not bad:
         report.add(OK, "framework keys", ", ".join(f"{k}={raw[k]}" for k in others))
+
+
+# -- djl-serving's engine --
+
+def stream_engine_named(value: str) -> Optional[str]:
+    """The built-in or registered stream engine ``value`` names, whatever its case.
+
+    >>> stream_engine_named("Transformers-NeuronX"), stream_engine_named("Python")
+    ('transformers-neuronx', None)
+    """
+    from djl_stream.streaming_utils import StreamingUtils
+
+    wanted = value.strip().lower()
+    return next((name for name in StreamingUtils.engines() if name.lower() == wanted), None)
+
+
+def _judge_engine(subject: str, value: str, report: CheckReport) -> None:
+    value = value.strip()
+    in_env = subject == "OPTION_ENGINE"
+    engine_key = "OPTION_ENGINE" if in_env else "engine"
+    stream_key = "OPTION_STREAM_ENGINE" if in_env else "option.stream_engine"
+    if value == "Python":
+        report.add(OK, subject, f"{subject}=Python: djl-serving's Python engine runs the "
+                                "entry point")
+        return
+    stream = stream_engine_named(value)
+    if stream:
+        report.add(FAIL, subject, f"{subject}={value} is djl-serving's engine key, not "
+                                  f"djl-stream's stream engine: set {engine_key}=Python and "
+                                  f"{stream_key}={stream}")
+    else:
+        report.add(FAIL, subject, f"{subject}={value}: djl-stream's handler runs on "
+                                  f"djl-serving's Python engine; set {engine_key}=Python")
+
+
+def _check_engine(raw: Mapping[str, str], environ: Mapping[str, str],
+                  report: CheckReport) -> None:
+    """djl-serving's own ``engine``: serving.properties' key, else ``OPTION_ENGINE`` (as in
+    ``ModelInfo.loadServingProperties``); and the old ``option.engine``."""
+    engine = raw.get("engine")
+    from_env = (environ.get("OPTION_ENGINE") or "").strip()
+    if engine is not None:
+        _judge_engine("engine", engine, report)
+        stream = stream_engine_named(from_env) if from_env else None
+        if stream:
+            report.add(FAIL, "OPTION_ENGINE",
+                       f"OPTION_ENGINE={from_env} is djl-serving's engine key (and ignored, "
+                       f"serving.properties sets engine), not djl-stream's stream engine: "
+                       f"set OPTION_STREAM_ENGINE={stream} instead")
+    elif from_env:
+        _judge_engine("OPTION_ENGINE", from_env, report)
+    else:
+        report.add(WARN, "engine", "not set: djl-serving guesses it from the directory, and "
+                                   "LMI images may pick another engine for a Hugging Face "
+                                   "model; set engine=Python")
+    old = raw.get("option.engine")
+    if old is None:
+        return
+    if old.strip() in DJL_PYTHON_ENGINES:
+        report.add(FAIL, "option.engine", f"option.engine={old}: djl-serving's engine key has "
+                                          f"no option. prefix; write engine={old.strip()}")
+    else:
+        stream = stream_engine_named(old) or old.strip()
+        report.add(FAIL, "option.engine",
+                   f"option.engine={old} is djl-stream's old name for the stream engine; "
+                   "djl-serving passes every key to the handler, so the choice is now "
+                   f"option.stream_engine: write option.stream_engine={stream}")
 
 
 # -- option.* --
@@ -414,6 +506,30 @@ def _check_entry_point(root: Path, options: Mapping[str, str],
                                                f"(registered: {', '.join(engines)})")
 
 
+# -- the worker djl-serving starts --
+
+def _check_worker_mode(options: Mapping[str, str], environ: Mapping[str, str],
+                       targets: Sequence[ContainerImage], report: CheckReport) -> None:
+    """djl-serving 0.33 (PyModel) starts the async worker when no entry point is configured
+    (``option.entryPoint``, ``OPTION_ENTRYPOINT`` or ``DJL_ENTRY_POINT``) and the image's
+    ``SERVING_FEATURES`` is ``vllm``."""
+    entry = (options.get("entryPoint") or options.get("entrypoint")
+             or environ.get("DJL_ENTRY_POINT") or "").strip()
+    if entry:
+        report.add(OK, "option.entryPoint", f"{entry}: djl-serving starts the synchronous "
+                                            "worker, which calls handle()")
+        return
+    for image in targets:
+        if image.async_without_entry_point:
+            report.add(WARN, "option.entryPoint",
+                       f"unset: the {image.name} image (djl-serving {image.djl_serving}, "
+                       f"SERVING_FEATURES={image.serving_features}) then starts the Python "
+                       "worker in async mode and awaits handle(); djl-stream supports that, "
+                       "but the synchronous worker is the tested default: add "
+                       f"option.entryPoint={DEFAULT_ENTRY_POINT} to serving.properties (or "
+                       f"set OPTION_ENTRYPOINT={DEFAULT_ENTRY_POINT})")
+
+
 # -- weights --
 
 def missing_model_files(directory: Path) -> list[str]:
@@ -496,6 +612,86 @@ def _check_weights(root: Path, options: Mapping[str, str], report: CheckReport) 
         report.add(WARN, "unused weights", f"{', '.join(unused)} in {root} are not used "
                                            "(option.model_id points elsewhere); djl-stream "
                                            "package leaves them out")
+
+
+def _local_weights(root: Path, options: Mapping[str, str]) -> Optional[Path]:
+    """The local Hugging Face folder the model loads from, if it is local."""
+    model_id = (options.get("model_id") or "").strip()
+    if not model_id:
+        return root
+    local = Path(model_id).expanduser()
+    local = local if local.is_absolute() else root / model_id
+    return local if local.is_dir() else None
+
+
+# -- what the image's transformers reads --
+
+def _check_model_files(weights: Optional[Path], targets: Sequence[ContainerImage],
+                       report: CheckReport) -> None:
+    if weights is None or not (weights / "config.json").is_file():
+        return  # nothing local to read (a hub id or S3 URI), or already reported missing
+    problems = 0
+    for image in targets:
+        for problem in model_file_problems(weights, image.transformers):
+            problems += 1
+            report.add(FAIL, problem.file, f"on the {image.name} image: {problem.message}; "
+                                           f"{problem.fix}")
+    if not problems:
+        versions = ", ".join(f"{image.transformers} ({image.name})" for image in targets)
+        report.add(OK, "model files", f"config and tokenizer read as written by "
+                                      f"transformers {versions}")
+
+
+# -- Neuron's compiled shapes --
+
+
+def _read_config(weights: Optional[Path]) -> dict[str, Any]:
+    try:
+        data = json.loads((weights / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _check_neuron_shapes(weights: Optional[Path], options: Mapping[str, str],
+                         report: CheckReport) -> None:
+    """The options djl-serving's Neuron image fills in by itself (``NeuronSmartDefaultUtils``)
+    unless set in serving.properties or as ``OPTION_*``; for the transformers-neuronx
+    engine they are the shapes the model is compiled for."""
+    image = IMAGES["neuron"]
+    unset = [key for key in NEURON_SMART_DEFAULTS if key not in options]
+    if not unset:
+        shapes = ", ".join(f"{key}={options[key]}" for key in NEURON_SMART_DEFAULTS)
+        report.add(OK, "Neuron shapes", f"{shapes}: compiled as set, not left to the "
+                                        "image's smart defaults")
+        return
+    config = _read_config(weights)
+    picks = neuron_smart_defaults(config, options, INF2_XLARGE_CORES) if config else {}
+    on = f"djl-serving {image.djl_serving}'s Neuron image"
+    xlarge = f"on an inf2.xlarge's {INF2_XLARGE_CORES} NeuronCores"
+    why = {
+        "n_positions": (
+            f"{on} sets it to min(max_position_embeddings, 4096)"
+            + (f" = {picks['n_positions']} for this model" if "n_positions" in picks else "")
+            + ". It is compiled in: a prompt plus max_new_tokens beyond it is refused, and "
+              "every position costs compile time and device memory (djl-stream's own "
+              "default, 2048, is not what the image uses)"),
+        "tensor_parallel_degree": (
+            f"{on} picks it from the host's NeuronCores and its estimate of the model's size"
+            + (f" ({picks['tensor_parallel_degree']} {xlarge})"
+               if "tensor_parallel_degree" in picks else "")
+            + ". The graphs are compiled for it, and djl-serving starts one worker per group "
+              "of that many cores, each compiling and holding its own copy"),
+        "max_rolling_batch_size": (
+            f"{on} picks up to 32 from its memory estimate"
+            + (f" ({picks['max_rolling_batch_size']} {xlarge})"
+               if "max_rolling_batch_size" in picks else "")
+            + ". It is the transformers-neuronx engine's compiled batch size: every request "
+              "is padded to it, so one prompt costs that many rows at every step"),
+    }
+    for key in unset:
+        report.add(WARN, f"option.{key}", f"unset: {why[key]}; set option.{key} (or "
+                                          f"OPTION_{key.upper()})")
 
 
 def format_report(report: CheckReport, stream: Any = None) -> str:

@@ -7,6 +7,7 @@ placeholder weight files: the check looks for files, it does not load them.
 
 from __future__ import annotations
 
+import json
 import shutil
 import textwrap
 from pathlib import Path
@@ -132,6 +133,52 @@ def test_engine_python_is_expected(tmp_path: Path) -> None:
     assert "set engine=Python" in line(check_model_dir(mpi, environ=CONTAINER_ENV), "engine")
 
 
+@pytest.mark.parametrize("engine", ["transformers-neuronx", "Accelerate", "accelerate"])
+def test_a_stream_engine_in_djls_engine_key_points_to_option_stream_engine(
+        tmp_path: Path, engine: str) -> None:
+    directory = make_model_dir(tmp_path, f"engine={engine}\n")
+    message = line(check_model_dir(directory, environ=CONTAINER_ENV), "engine")
+    canonical = "Accelerate" if engine.lower() == "accelerate" else engine
+    assert message == (f"engine={engine} is djl-serving's engine key, not djl-stream's stream "
+                       f"engine: set engine=Python and option.stream_engine={canonical}")
+
+
+def test_option_engine_in_the_environment_is_djls_engine_when_serving_properties_has_none(
+        tmp_path: Path) -> None:
+    directory = make_model_dir(tmp_path, "option.dtype=fp32\n")
+    mpi = check_model_dir(directory, environ={**CONTAINER_ENV, "OPTION_ENGINE": "MPI"})
+    assert line(mpi, "OPTION_ENGINE") == ("OPTION_ENGINE=MPI: djl-stream's handler runs on "
+                                          "djl-serving's Python engine; set OPTION_ENGINE=Python")
+    stream = check_model_dir(directory, environ={**CONTAINER_ENV,
+                                                 "OPTION_ENGINE": "transformers-neuronx"})
+    assert line(stream, "OPTION_ENGINE").endswith(
+        "set OPTION_ENGINE=Python and OPTION_STREAM_ENGINE=transformers-neuronx")
+    python = check_model_dir(directory, environ={**CONTAINER_ENV, "OPTION_ENGINE": "Python"})
+    assert python.ok and line(python, "OPTION_ENGINE", OK).startswith("OPTION_ENGINE=Python")
+    assert not [f for f in python.warnings if f.subject == "engine"]
+
+
+def test_a_stream_engine_in_option_engine_fails_even_beside_engine_python(tmp_path: Path) -> None:
+    """djl-serving ignores OPTION_ENGINE when serving.properties has engine, so the stream
+    engine it was meant to choose would silently not be chosen."""
+    directory = make_model_dir(tmp_path)
+    report = check_model_dir(directory, environ={**CONTAINER_ENV,
+                                                 "OPTION_ENGINE": "transformers-neuronx"})
+    assert line(report, "engine", OK).startswith("engine=Python")
+    assert line(report, "OPTION_ENGINE").endswith(
+        "set OPTION_STREAM_ENGINE=transformers-neuronx instead")
+
+
+def test_the_old_option_engine_points_to_option_stream_engine(tmp_path: Path) -> None:
+    old = make_model_dir(tmp_path / "a", "engine=Python\noption.engine=transformers-neuronx\n")
+    assert line(check_model_dir(old, environ=CONTAINER_ENV), "option.engine").endswith(
+        "write option.stream_engine=transformers-neuronx")
+    prefixed = make_model_dir(tmp_path / "b", "option.engine=Python\n")
+    assert line(check_model_dir(prefixed, environ=CONTAINER_ENV), "option.engine") == (
+        "option.engine=Python: djl-serving's engine key has no option. prefix; write "
+        "engine=Python")
+
+
 def test_rolling_batch_left_to_lmi_is_a_warning(tmp_path: Path) -> None:
     directory = make_model_dir(tmp_path, "engine=Python\noption.dtype=fp32\n")
     report = check_model_dir(directory, environ={})
@@ -227,6 +274,173 @@ def test_the_check_leaves_no_pycache_behind(tmp_path: Path) -> None:
     assert not (directory / "__pycache__").exists()
 
 
+# -- the worker mode --
+
+def test_no_entry_point_warns_that_lmi_starts_the_async_worker(tmp_path: Path) -> None:
+    directory = make_model_dir(tmp_path, "engine=Python\n")
+    report = check_model_dir(directory, environ=CONTAINER_ENV)
+    assert report.ok
+    message = line(report, "option.entryPoint", WARN)
+    assert message.startswith("unset: the lmi image (djl-serving 0.33.0, SERVING_FEATURES=vllm)"
+                              " then starts the Python worker in async mode")
+    assert message.endswith("add option.entryPoint=model.py to serving.properties (or set "
+                            "OPTION_ENTRYPOINT=model.py)")
+    # The Neuron image (djl-serving 0.30) has no async worker.
+    neuron = check_model_dir(directory, environ=CONTAINER_ENV, images=["neuron"])
+    assert not [f for f in neuron.findings if f.subject == "option.entryPoint"]
+
+
+@pytest.mark.parametrize("environ", [{"OPTION_ENTRYPOINT": "model.py"},
+                                     {"DJL_ENTRY_POINT": "model.py"}])
+def test_an_entry_point_from_the_environment_keeps_the_sync_worker(tmp_path: Path,
+                                                                   environ: dict) -> None:
+    directory = make_model_dir(tmp_path, "engine=Python\n")
+    report = check_model_dir(directory, environ={**CONTAINER_ENV, **environ})
+    assert line(report, "option.entryPoint", OK) == (
+        "model.py: djl-serving starts the synchronous worker, which calls handle()")
+
+
+# -- Neuron's compiled shapes --
+
+SMOLLM2_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                  "hidden_size": 576, "intermediate_size": 1536,
+                  "max_position_embeddings": 8192, "num_attention_heads": 9,
+                  "num_hidden_layers": 30, "num_key_value_heads": 3, "vocab_size": 49152,
+                  "rope_theta": 100000.0}
+NEURON_PROPERTIES = "engine=Python\noption.entryPoint=model.py\n" \
+                    "option.stream_engine=transformers-neuronx\n"
+
+
+def neuron_model_dir(tmp_path: Path, properties: str = NEURON_PROPERTIES) -> Path:
+    directory = make_model_dir(tmp_path, properties)
+    (directory / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    return directory
+
+
+def test_neuron_shapes_left_to_smart_defaults_say_what_the_image_picks(tmp_path: Path) -> None:
+    report = check_model_dir(neuron_model_dir(tmp_path), environ=CONTAINER_ENV)
+    assert report.ok
+    n_positions = line(report, "option.n_positions", WARN)
+    assert "sets it to min(max_position_embeddings, 4096) = 4096 for this model" in n_positions
+    assert "a prompt plus max_new_tokens beyond it is refused" in n_positions
+    assert n_positions.endswith("set option.n_positions (or OPTION_N_POSITIONS)")
+    batch = line(report, "option.max_rolling_batch_size", WARN)
+    assert "(32 on an inf2.xlarge's 2 NeuronCores)" in batch
+    assert "compiled batch size: every request is padded to it" in batch
+    tp = line(report, "option.tensor_parallel_degree", WARN)
+    assert "(1 on an inf2.xlarge's 2 NeuronCores)" in tp
+
+
+def test_neuron_shapes_set_in_the_environment_count_as_set(tmp_path: Path) -> None:
+    environ = {**CONTAINER_ENV, "OPTION_N_POSITIONS": "2048", "OPTION_MAX_ROLLING_BATCH_SIZE": "4",
+               "OPTION_TENSOR_PARALLEL_DEGREE": "1"}
+    report = check_model_dir(neuron_model_dir(tmp_path), environ=environ)
+    assert not report.warnings, report.render()
+    assert line(report, "Neuron shapes", OK).startswith(
+        "n_positions=2048, tensor_parallel_degree=1, max_rolling_batch_size=4: compiled as set")
+
+
+def test_neuron_shapes_are_checked_when_asked_about_the_neuron_image(tmp_path: Path) -> None:
+    directory = neuron_model_dir(tmp_path, "engine=Python\noption.entryPoint=model.py\n")
+    every_image = check_model_dir(directory, environ=CONTAINER_ENV)  # a GPU model: no word
+    assert not [f for f in every_image.findings if "Neuron" in f.subject or "n_positions" in f.subject]
+    asked = check_model_dir(directory, environ=CONTAINER_ENV, images=["neuron"])
+    assert "= 4096 for this model" in line(asked, "option.n_positions", WARN)
+
+
+# -- what the image's transformers reads --
+
+def test_rope_parameters_without_rope_theta_fail_on_both_images(tmp_path: Path) -> None:
+    directory = make_model_dir(tmp_path)
+    config = {"model_type": "llama", "rope_parameters": {"rope_theta": 100000.0,
+                                                         "rope_type": "default"}}
+    (directory / "config.json").write_text(json.dumps(config))
+    report = check_model_dir(directory, environ=CONTAINER_ENV)
+    messages = [f.message for f in report.failures if f.subject == "config.json"]
+    assert len(messages) == 2
+    assert messages[0].startswith("on the lmi image: rope_parameters without rope_theta: "
+                                  "transformers 4.51.3 reads only rope_theta")
+    assert "default theta (10000.0 for Llama) instead of 100000.0: no error, wrong output" \
+        in messages[0]
+    assert messages[0].endswith('add "rope_theta": 100000.0 to config.json')
+    assert messages[1].startswith("on the neuron image:")
+
+    (directory / "config.json").write_text(json.dumps({**config, "rope_theta": 100000.0}))
+    fixed = check_model_dir(directory, environ=CONTAINER_ENV)
+    assert fixed.ok and line(fixed, "model files", OK).endswith("4.51.3 (lmi), 4.45.2 (neuron)")
+
+
+@pytest.mark.parametrize("tokenizer_class, failing_images", [
+    ("TokenizersBackend", ["lmi", "neuron"]),   # new in transformers 5.0
+    ("MyT5Tokenizer", ["neuron"]),              # in 4.51.3, not in 4.45.2
+    ("GPT2Tokenizer", []),
+    ("PreTrainedTokenizerFast", []),
+])
+def test_a_tokenizer_class_the_images_transformers_lacks_fails(tmp_path: Path, tokenizer_class: str,
+                                                               failing_images: list) -> None:
+    directory = make_model_dir(tmp_path)
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": tokenizer_class}))
+    report = check_model_dir(directory, environ=CONTAINER_ENV)
+    failed = [f.message for f in report.failures if f.subject == "tokenizer_config.json"]
+    assert [m.split(":")[0].split()[-2] for m in failed] == failing_images
+    for message in failed:
+        assert f"tokenizer_class {tokenizer_class}" in message
+        assert f'"Tokenizer class {tokenizer_class} does not exist or is not currently ' \
+               'imported."' in message
+
+
+def test_a_chat_template_only_in_its_jinja_file_fails_on_transformers_before_4_47(
+        tmp_path: Path) -> None:
+    directory = make_model_dir(tmp_path)
+    (directory / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    report = check_model_dir(directory, environ=CONTAINER_ENV)
+    [message] = [f.message for f in report.failures if f.subject == "chat_template.jinja"]
+    assert message.startswith("on the neuron image: the chat template is only in "
+                              "chat_template.jinja, which transformers 4.45.2 does not read "
+                              "(it does from 4.47.0)")
+    assert message.endswith('copy the template into tokenizer_config.json as "chat_template"')
+    assert check_model_dir(directory, environ=CONTAINER_ENV, images=["lmi"]).ok
+
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "GPT2Tokenizer", "chat_template": "{{ messages[0]['content'] }}"}))
+    assert check_model_dir(directory, environ=CONTAINER_ENV).ok
+
+
+def test_the_model_files_of_a_local_model_id_are_read(tmp_path: Path) -> None:
+    directory = make_model_dir(tmp_path, "engine=Python\noption.model_id=weights\n",
+                               weights=False)
+    weights = directory / "weights"
+    weights.mkdir()
+    (weights / "config.json").write_text(json.dumps({"rope_parameters": {"rope_theta": 5e5}}))
+    (weights / "model.safetensors").write_bytes(b"placeholder")
+    (weights / "tokenizer.json").write_text("{}")
+    report = check_model_dir(directory, environ=CONTAINER_ENV, images=["lmi"])
+    assert "rope_parameters without rope_theta" in line(report, "config.json")
+
+
+def test_unknown_images_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown image"):
+        check_model_dir(make_model_dir(tmp_path), environ=CONTAINER_ENV, images=["tpu"])
+
+
+def test_the_cli_checks_against_the_image_asked_for(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPTION_ROLLING_BATCH", "disable")
+    directory = make_model_dir(tmp_path)
+    (directory / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert cli.main(["check", str(directory), "--image", "lmi"]) == 0
+    assert "✓ model files" in capsys.readouterr().out
+    assert cli.main(["check", str(directory), "--image", "neuron"]) == 1
+    out = capsys.readouterr().out
+    assert "✗ chat_template.jinja" in out and "! option.n_positions" in out
+    assert cli.main(["check", str(directory)]) == 1  # every image by default
+    with pytest.raises(SystemExit):
+        cli.main(["check", str(directory), "--image", "tpu"])
+
+
 # -- weights --
 
 def test_no_weights_and_no_model_id_fails(tmp_path: Path) -> None:
@@ -277,7 +491,7 @@ def test_a_failing_directory_exits_1_with_the_reason(tmp_path: Path,
     out = capsys.readouterr().out
     assert "✗ option.dtpye" in out and "did you mean option.dtype?" in out
     assert "✗ weights" in out and "! option.rolling_batch" in out
-    assert out.rstrip().endswith("FAIL: 2 checks failed (1 warning)")
+    assert out.rstrip().endswith("FAIL: 2 checks failed (2 warnings)")  # + option.entryPoint
 
 
 def test_the_report_renders_in_plain_ascii_too() -> None:
