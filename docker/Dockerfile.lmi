@@ -13,23 +13,24 @@
 ARG BASE_IMAGE=763104351884.dkr.ecr.us-west-2.amazonaws.com/djl-inference:0.33.0-lmi15.0.0-cu128
 FROM ${BASE_IMAGE}
 
-# Base-image packages that installing djl-stream must never replace: pip fails the build
-# rather than swap the CUDA build of torch for another one.
-ARG KEEP_PACKAGES="torch|torchvision|torchaudio"
 # 1 skips `djl-stream check` below, for an image whose option.model_id only arrives at run
 # time (OPTION_MODEL_ID on the endpoint) and which has no weights of its own.
 ARG SKIP_CHECK=0
 
-# djl-stream is installed into the image's Python (the one djl-serving starts its workers
-# with) at build time, with its dependencies: nothing is fetched when the container
-# starts, so it also runs on endpoints without internet access. With --no-deps the image's
-# older transformers would stay, and djl-stream's loading (transformers >= 4.56) would
-# only fail on the first request.
+# djl-stream's core (not the [serve] extra: djl-serving's own front end serves model.py) is
+# installed into the image's Python, the one djl-serving starts its workers with, at build
+# time: nothing is fetched when the container starts, so it also runs on endpoints without
+# internet access. djl-stream's floors are at or below what the image carries (transformers
+# 4.51.3, torch 2.6, accelerate 1.0.1, pydantic 2.9.2), so it should add packages and change
+# none: every installed package is a constraint at its installed version, and pip fails the
+# build rather than replace one (the CUDA torch above all). --exclude-editable: pip refuses
+# editable constraints. --constraint, not PIP_CONSTRAINT: the variable would also pin pip's
+# isolated build environment, where pyproject.toml asks for a newer setuptools.
 COPY pyproject.toml README.md /tmp/djl-stream/
 COPY djl_stream /tmp/djl-stream/djl_stream
-RUN python3 -m pip freeze | { grep -iE "^(${KEEP_PACKAGES})==" || true; } > /tmp/keep.txt \
- && python3 -m pip install --no-cache-dir --constraint /tmp/keep.txt /tmp/djl-stream \
- && rm -rf /tmp/djl-stream /tmp/keep.txt \
+RUN python3 -m pip freeze --all --exclude-editable > /tmp/image-packages.txt \
+ && python3 -m pip install --no-cache-dir --constraint /tmp/image-packages.txt /tmp/djl-stream \
+ && rm -rf /tmp/djl-stream /tmp/image-packages.txt \
  && python3 -c "import djl_stream.service, transformers.utils as u; assert u.is_torch_available(), 'transformers cannot use this image torch'"
 
 # djl-stream batches concurrent requests itself; LMI's own rolling batch would send handle()
@@ -38,9 +39,9 @@ ENV OPTION_ROLLING_BATCH=disable
 
 COPY model/ /opt/ml/model/
 
-# The same checks as `djl-stream check model/` on your machine, now with the image's Python:
-# a broken model directory fails the build instead of the endpoint.
+# The same checks as `djl-stream check --image lmi model/` on your machine, now with the
+# image's Python: a broken model directory fails the build instead of the endpoint.
 RUN if [ "${SKIP_CHECK}" = "1" ]; then echo "djl-stream check skipped"; \
-    else python3 -m djl_stream check /opt/ml/model; fi
+    else python3 -m djl_stream check --image lmi /opt/ml/model; fi
 
 CMD ["serve"]

@@ -3,9 +3,13 @@
 Nothing here builds or runs an image. The Dockerfiles are parsed (a small reader of
 instructions: comments, line continuations, JSON and shell forms) and held to what the
 images must do: build from the repository root with every ``COPY`` source present and not
-excluded by ``.dockerignore``; put ``model/`` at ``/opt/ml/model``; install djl_stream from
-the copied sources; keep djl-serving's own ``CMD ["serve"]``; and ship a ``model/`` that
-passes ``djl-stream check`` under the environment the Dockerfile sets.
+excluded by ``.dockerignore``; put ``model/`` at ``/opt/ml/model``; install djl_stream's core
+from the copied sources, constrained by a full ``pip freeze`` of the image; keep
+djl-serving's own ``CMD ["serve"]``; set the Neuron image's compiled shapes to values that
+fit the embedded model on an inf2.xlarge; and ship a ``model/`` that passes
+``djl-stream check --image <kind>`` under the environment the Dockerfile sets. Whether pip
+really resolves inside the images is not checked here (no Docker engine); the core
+requirements are held to the images' pins (djl_stream.images).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import dataclasses
 import json
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -230,12 +236,71 @@ def test_djl_stream_is_installed_from_the_copied_sources(dockerfile) -> None:
     assert destinations["djl_stream"] == f"{package_dir}/djl_stream"
     # pyproject's readme is read while pip builds the package: it must be copied too.
     assert destinations["README.md"] == package_dir
-    installs = [i.args for i in instructions if i.name == "RUN" and "pip install" in i.args]
-    assert any(re.search(rf"pip install .*{re.escape(package_dir)}(\s|$)", run) for run in installs)
-    assert all("--no-deps" not in run for run in installs)
-    # ...with the base image's torch pinned, and a smoke import of what the worker imports.
-    assert any("--constraint" in run and "pip freeze" in run for run in installs)
-    assert any("import djl_stream.service" in run for run in installs)
+    [install] = [i.args for i in instructions if i.name == "RUN" and "pip install" in i.args]
+    steps = [step.strip() for step in install.split("&&")]
+    # The whole image, as it is, is the constraint: a full freeze (pip, setuptools and wheel
+    # included; editables left out, as pip refuses them as constraints), not a filtered one.
+    freeze = next(n for n, step in enumerate(steps) if " pip freeze" in step)
+    words = shlex.split(steps[freeze])
+    assert words[:4] == ["python3", "-m", "pip", "freeze"]
+    assert set(words[4:words.index(">")]) == {"--all", "--exclude-editable"}
+    constraints = words[words.index(">") + 1]
+    assert "|" not in steps[freeze] and "grep" not in install
+    # ...then the core package (no extra) from the copied sources, under that constraint.
+    pip = next(n for n, step in enumerate(steps) if " pip install " in step)
+    assert pip > freeze
+    words = shlex.split(steps[pip])
+    assert words[:4] == ["python3", "-m", "pip", "install"]
+    assert words[words.index("--constraint") + 1] == constraints
+    targets = [w for w in words[4:] if not w.startswith("-") and w != constraints]
+    assert targets == [package_dir]  # not f"{package_dir}[serve]"
+    for loosening in ("--no-deps", "-U", "--upgrade", "--force-reinstall", "--ignore-installed"):
+        assert loosening not in words
+    assert "PIP_CONSTRAINT" not in install  # would also pin the isolated build environment
+    # ...and a smoke import of what the worker imports.
+    assert "import djl_stream.service" in steps[-1]
+
+
+def test_no_package_pins_of_its_own(dockerfile) -> None:
+    """djl-stream fits the images' own transformers: nothing is pinned or kept by name."""
+    _, instructions = dockerfile
+    assert not {"TRANSFORMERS_PIN", "KEEP_PACKAGES"} & set(arg_defaults(instructions))
+    assert not any("==" in i.args for i in instructions if i.name == "RUN")
+
+
+@pytest.mark.parametrize("kind", sorted(DOCKERFILES))
+def test_the_core_requirements_are_met_by_the_images_pins(kind: str) -> None:
+    """What the constrained install needs: every core requirement djl-stream shares with
+    the image accepts the image's version (so pip has nothing to replace)."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    from djl_stream.images import IMAGES
+
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    pins = {canonicalize_name(name): version for name, version in IMAGES[kind].pins.items()}
+    shared = 0
+    for text in project["dependencies"]:
+        requirement = Requirement(text)
+        pinned = pins.get(canonicalize_name(requirement.name))
+        if pinned is not None:
+            shared += 1
+            assert requirement.specifier.contains(pinned, prereleases=True), (text, pinned)
+    assert shared >= 3  # torch, transformers, accelerate, pydantic at least
+
+
+def test_the_worker_needs_nothing_from_the_serve_extra() -> None:
+    """The images install the core only: what the smoke import loads must not need the
+    local server's packages."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    serve = [re.split(r"[<>=!~\[; ]", text)[0] for text in
+             project["optional-dependencies"]["serve"]]
+    assert serve
+    blocked = "; ".join(f"sys.modules[{name!r}] = None" for name in serve)
+    code = f"import sys; {blocked}; import djl_stream.service; import djl_stream.engines.neuronx"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=REPO)
 
 
 def test_djl_servings_own_entry_point_and_cmd_are_kept(dockerfile) -> None:
@@ -254,9 +319,9 @@ def test_the_image_turns_off_lmi_rolling_batch(dockerfile) -> None:
 
 
 def test_the_build_runs_djl_stream_check_on_the_model(dockerfile) -> None:
-    _, instructions = dockerfile
+    kind, instructions = dockerfile
     runs = [i.args for i in instructions if i.name == "RUN"]
-    assert any("djl_stream check /opt/ml/model" in run for run in runs)
+    assert any(f"djl_stream check --image {kind} /opt/ml/model" in run for run in runs)
     copy_model = next(i for i in instructions if i.name == "COPY" and i.args.startswith("model/"))
     check = next(i for i in instructions if i.name == "RUN" and "djl_stream check" in i.args)
     assert instructions.index(check) > instructions.index(copy_model)
@@ -284,6 +349,48 @@ def test_the_entry_points_named_exist() -> None:
 def test_model_passes_djl_stream_check_with_the_image_environment(
         kind: str, embedded_model_dir: Path) -> None:
     env = environment(parse_dockerfile(DOCKERFILES[kind].read_text()))
-    report = check_model_dir(embedded_model_dir, environ=env)
+    report = check_model_dir(embedded_model_dir, environ=env, images=[kind])
     assert report.ok, report.render()
     assert not report.warnings, report.render()
+
+
+# -- the Neuron image's compiled shapes --
+
+INF2_XLARGE = {"neuron_cores": 2, "gib_per_core": 16}
+
+
+def test_the_neuron_image_sets_the_shapes_it_would_otherwise_guess(embedded_model_dir: Path) -> None:
+    """djl-serving 0.30 fills n_positions, tensor_parallel_degree and max_rolling_batch_size
+    in by heuristics unless set; the image sets all three, and serving.properties (which
+    wins) leaves them as the image sets them."""
+    from djl_stream.properties import djl_init_properties
+    from djl_stream.smart_defaults import NEURON_SMART_DEFAULTS, neuron_smart_defaults
+
+    env = environment(parse_dockerfile(DOCKERFILES["neuron"].read_text()))
+    chosen = {key: env[f"OPTION_{key.upper()}"] for key in NEURON_SMART_DEFAULTS}
+    effective = djl_init_properties(embedded_model_dir, env)
+    assert {key: effective[key] for key in NEURON_SMART_DEFAULTS} == chosen
+    config = json.loads((embedded_model_dir / "config.json").read_text())
+    assert neuron_smart_defaults(config, chosen, INF2_XLARGE["neuron_cores"]) == {}
+    # ...and not what the image would have guessed, or setting them would change nothing.
+    assert neuron_smart_defaults(config, {}, INF2_XLARGE["neuron_cores"]) != chosen
+
+
+def test_the_neuron_shapes_fit_the_embedded_model_on_an_inf2_xlarge(embedded_model_dir: Path) -> None:
+    env = environment(parse_dockerfile(DOCKERFILES["neuron"].read_text()))
+    tp = int(env["OPTION_TENSOR_PARALLEL_DEGREE"])
+    n_positions = int(env["OPTION_N_POSITIONS"])
+    batch = int(env["OPTION_MAX_ROLLING_BATCH_SIZE"])
+    config = json.loads((embedded_model_dir / "config.json").read_text())
+    assert INF2_XLARGE["neuron_cores"] % tp == 0
+    # the heads shard evenly (transformers-neuronx pads them otherwise)
+    assert config["num_attention_heads"] % tp == 0 and config["num_key_value_heads"] % tp == 0
+    assert n_positions <= config["max_position_embeddings"]
+    assert 1 <= batch <= 32
+    # fp16 weights plus the KV cache of a full batch at n_positions, well within the cores
+    # of one copy
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    weights = (embedded_model_dir / "model.safetensors").stat().st_size / 2  # stored as fp32
+    kv_cache = (2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
+                * n_positions * batch * 2)
+    assert weights + kv_cache < 0.5 * tp * INF2_XLARGE["gib_per_core"] * 2**30
