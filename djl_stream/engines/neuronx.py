@@ -270,7 +270,8 @@ def graph_cache_key(props, location: str, versions: Mapping[str, Optional[str]])
 
 def writable_directory(path: Path) -> bool:
     """Whether files can be created in ``path`` (made if missing), found out by creating
-    one: permission bits say nothing of read-only mounts, nor of what root may do."""
+    one: the only answer that holds alike for read-only mounts, permission bits and root,
+    whom permission bits do not stop."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
@@ -296,8 +297,8 @@ def compiled_graph_dir(props, *, environ: Optional[Mapping[str, str]] = None,
     from ..loading import ModelLoadError
 
     roots = graph_cache_roots(environ)
-    writable = [root for root in roots if writable_directory(root)]
-    if not writable:
+    work_root = next((root for root in roots if writable_directory(root)), None)
+    if work_root is None:
         raise ModelLoadError(
             "the transformers-neuronx engine needs a writable directory for the Neuron "
             f"compiler and its graph cache; none of {', '.join(map(str, roots))} is "
@@ -311,9 +312,9 @@ def compiled_graph_dir(props, *, environ: Optional[Mapping[str, str]] = None,
         path = Path(props.compiled_graph_path).expanduser()
         if not path.is_absolute():
             path = Path(props.model_dir) / path
-        return GraphPlace(path, configured=True, work_root=writable[0])
+        return GraphPlace(path, configured=True, work_root=work_root)
     key = graph_cache_key(props, props.weights_location(), versions or {})
-    return GraphPlace(writable[0] / key, configured=False, work_root=writable[0])
+    return GraphPlace(work_root / key, configured=False, work_root=work_root)
 
 
 def has_compiled_artifacts(directory: Optional[Path]) -> bool:
