@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the archive to write (default: %(default)s)")
     package.add_argument("--skip-check", action="store_true",
                          help="write the archive even if djl-stream check fails")
+    package.add_argument("--image", action="append", dest="images", choices=sorted(IMAGES),
+                         help="check for this djl-serving image only (as djl-stream check)")
     package.set_defaults(run=_package)
     return parser
 
@@ -258,7 +260,7 @@ def _package(args: argparse.Namespace) -> int:
     from djl_stream.sagemaker import write_package
 
     if not args.skip_check:
-        report = check_model_dir(args.model_dir)
+        report = check_model_dir(args.model_dir, images=args.images)
         if not report.ok:
             print(format_report(report), file=sys.stderr)
             print("djl-stream: not packaging a model directory that fails its checks "

@@ -439,6 +439,12 @@ def test_the_cli_checks_against_the_image_asked_for(tmp_path: Path,
     assert cli.main(["check", str(directory)]) == 1  # every image by default
     with pytest.raises(SystemExit):
         cli.main(["check", str(directory), "--image", "tpu"])
+    # package checks for the image it is meant for, too
+    archive = tmp_path / "m.tar.gz"
+    assert cli.main(["package", str(directory), "-o", str(archive)]) == 1
+    assert not archive.exists()
+    assert cli.main(["package", str(directory), "-o", str(archive), "--image", "lmi"]) == 0
+    assert archive.exists()
 
 
 # -- weights --
