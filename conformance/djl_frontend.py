@@ -225,20 +225,13 @@ def _configure_lmi(prop: Dict[str, str], config: Mapping[str, Any], environ: Map
 
 
 def _neuron_smart_defaults(prop: Dict[str, str], config: Mapping[str, Any], cores: int) -> None:
-    """NeuronSmartDefaultUtils.applySmartDefaults, as far as which keys it fills: the values
-    of its memory heuristics are not modelled (the keys being filled is what matters)."""
-    if "option.n_positions" not in prop:
-        positions = min(int(config.get("max_position_embeddings", 0)), 4096)
-        if positions <= 0:
-            return
-        prop["option.n_positions"] = str(positions)
-    if prop.get("option.tensor_parallel_degree") == "max":
-        prop["option.tensor_parallel_degree"] = str(cores)
-        return
-    if "option.tensor_parallel_degree" not in prop:
-        prop["option.tensor_parallel_degree"] = str(cores)
-    if "option.max_rolling_batch_size" not in prop:
-        prop["option.max_rolling_batch_size"] = "32"
+    """NeuronSmartDefaultUtils.applySmartDefaults. Its memory heuristics are djl-stream's
+    port (djl_stream.smart_defaults), which test_smart_defaults_java.py holds to the Java."""
+    from djl_stream.smart_defaults import neuron_smart_defaults
+
+    options = {key[len("option."):]: value for key, value in prop.items() if key.startswith("option.")}
+    for key, value in neuron_smart_defaults(config, options, cores).items():
+        prop[f"option.{key}"] = value
 
 
 def worker_command(config: WorkerConfig, engine_dir: Path, model_dir: Path,

@@ -13,6 +13,7 @@ import shutil
 import pytest
 
 from djl_frontend import compose_worker_config
+from djl_stream.images import IMAGES
 from djl_stream.properties import djl_init_properties
 
 #: Keys the LMI recommender and PyModel add on their own (not from serving.properties).
@@ -63,3 +64,20 @@ def test_djl_stream_serve_sends_the_init_call_djl_serving_sends(request, which, 
     theirs = compose_worker_config(directory, environ, branch="0.33.0-dlc").init_properties
     assert {key: theirs.get(key) for key in ours} == ours
     assert set(theirs) - set(ours) <= FRONT_END_ADDITIONS
+
+
+def test_the_neuron_image_compiles_the_shapes_its_dockerfile_sets(embedded_dir):
+    """On an inf2.xlarge (2 NeuronCores) djl-serving 0.30 fills in n_positions, the tensor
+    parallel degree and the batch size by its heuristics unless they are set: the
+    Dockerfile's ENV sets them, and they are what the init call carries."""
+    from test_docker_files import DOCKERFILES, environment, parse_dockerfile
+
+    base = {"SERVING_FEATURES": IMAGES["neuron"].serving_features}  # the base image's ENV
+    env = {**base, **environment(parse_dockerfile(DOCKERFILES["neuron"].read_text()))}
+    keys = ("n_positions", "tensor_parallel_degree", "max_rolling_batch_size")
+    guessed = compose_worker_config(embedded_dir, base, branch="0.30.0-dlc",
+                                    neuron_cores=2).init_properties
+    image = compose_worker_config(embedded_dir, env, branch="0.30.0-dlc",
+                                  neuron_cores=2).init_properties
+    assert {key: image[key] for key in keys} == {key: env[f"OPTION_{key.upper()}"] for key in keys}
+    assert {key: guessed.get(key) for key in keys} != {key: image[key] for key in keys}
