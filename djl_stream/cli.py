@@ -181,7 +181,9 @@ def _generate(args: argparse.Namespace) -> int:
     body = json.dumps(generation_request(args)).encode("utf-8")
     output = worker.invoke(worker.make_input(body, {"content-type": "application/json"}))
     if int(output.code) >= 400:
-        print(output_body(output).decode("utf-8", errors="replace"), file=sys.stderr)
+        # a 507 (out of memory) has no body, only its message
+        body = output_body(output).decode("utf-8", errors="replace")
+        print(body or f"{output.code} {output.message}", file=sys.stderr)
         return 1
     if output.stream_content is None:
         # The handler answered without streaming (e.g. a model that does not stream).

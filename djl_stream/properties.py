@@ -116,8 +116,11 @@ class ModelProperties:
         n_positions: transformers-neuronx only: the longest sequence (prompt + new tokens)
             the model is compiled for; the compiled batch size is ``max_rolling_batch_size``.
         compiled_graph_path: transformers-neuronx only: directory of compiled Neuron
-            artifacts (relative to ``model_dir`` or absolute), loaded when it holds some,
-            written after compiling otherwise; ``None`` compiles at every start.
+            graphs (relative to ``model_dir`` or absolute), loaded when it holds some,
+            written after compiling otherwise; ``None`` caches them under
+            ``$DJL_CACHE_DIR/djl-stream/neuronx-graphs/<key>`` (see
+            :func:`djl_stream.engines.neuronx.compiled_graph_dir`), never in the model
+            directory, which is read-only on SageMaker.
         context_length_estimate: transformers-neuronx only: prompt length(s) to compile
             context-encoding graphs for (``512`` or ``256,1024``); ``None`` leaves it to
             the library.
