@@ -47,12 +47,14 @@ def dtype_keyword() -> str:
     has it (4.56 on, where ``torch_dtype`` is a deprecated alias), ``torch_dtype`` before.
 
     Older releases take an unknown ``dtype=`` as a config override and load in float32
-    without a word, so the name must be right. The rename came with the config's own
-    ``dtype`` attribute, which is what is asked for here rather than a version number.
+    without a word, so the name must be right. The rename turned the config's
+    ``torch_dtype`` into a property aliasing ``dtype``; that property is what is asked
+    for here rather than a version number.
     """
     from transformers import PretrainedConfig
 
-    return "dtype" if hasattr(PretrainedConfig, "dtype") else "torch_dtype"
+    renamed = isinstance(getattr(PretrainedConfig, "torch_dtype", None), property)
+    return "dtype" if renamed else "torch_dtype"
 
 
 def placement(props: ModelProperties) -> Dict[str, Any]:
