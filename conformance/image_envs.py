@@ -7,11 +7,12 @@ per image (:data:`djl_stream.images.IMAGES`):
 
 - the image's **pins** (:func:`read_image`), parsed from the real files;
 - a **resolution venv**: the image's Python, the image's versions of every package
-  djl-stream depends on directly or through transformers, really installed, and torch as
-  a metadata-only stub (its wheels are gigabytes, and PyPI serves no separate metadata
-  file for them, so resolving against a real pin would download them). ``pip install
-  --dry-run --report`` of a djl-stream wheel there shows what installing djl-stream in the
-  image would change (:func:`dry_run`);
+  djl-stream depends on directly or through transformers, really installed, and every
+  other package the image pins (torch, vllm, the Neuron SDK's ...) as a metadata-only stub:
+  torch's wheels are gigabytes and PyPI serves no separate metadata file for them, so
+  resolving against a real pin would download them, and several of the others are not on
+  PyPI at all. ``pip install --dry-run --report`` of a djl-stream wheel there shows what
+  installing djl-stream in the image would change (:func:`dry_run`);
 - a **runtime venv**: this machine's Python 3.11 with the image's transformers,
   tokenizers, accelerate, pydantic and huggingface-hub, and djl-stream installed without
   its dependencies, to run djl-stream's code on the image's libraries. torch there is the
@@ -55,7 +56,8 @@ PYENV_ROOT = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
 
 #: The Dockerfile of each image in its release branch's ``serving/docker/``.
 DOCKERFILES = {"lmi": "lmi.Dockerfile", "neuron": "pytorch-inf2.Dockerfile"}
-#: Packages only present as metadata in the resolution venv (see the module docstring).
+#: Dependencies of djl-stream only present as metadata in the resolution venv (see the
+#: module docstring); the image's other pins are stubbed too (:func:`stubbed_pins`).
 STUBBED = ("torch",)
 #: Dependencies of transformers that djl-stream imports itself, so their image versions count.
 THROUGH_TRANSFORMERS = ("huggingface-hub",)
@@ -247,6 +249,14 @@ def image_requirements(pins: ImagePins, *, runtime: bool) -> List[str]:
     return requirements
 
 
+def stubbed_pins(pins: ImagePins) -> Dict[str, str]:
+    """The image's pins that the resolution venv holds as metadata only: every pin but
+    those :func:`image_requirements` installs for real. A stub keeps the image's version in
+    view should djl-stream ever depend on one of them."""
+    real = {canonicalize_name(Requirement(r).name) for r in image_requirements(pins, runtime=False)}
+    return {name: version for name, version in sorted(pins.pins.items()) if name not in real}
+
+
 def write_stub(site_packages: Path, name: str, version: str) -> Path:
     """A metadata-only installation of ``name`` ``version``: a ``.dist-info`` with METADATA,
     INSTALLER and RECORD (so pip sees it installed and could uninstall it), no code. It
@@ -320,7 +330,7 @@ def cache_key(pins: ImagePins, kind: str) -> str:
         "recipe": RECIPE, "kind": kind, "python": pins.python,
         "pins": dict(sorted(pins.pins.items())),
         "requirements": image_requirements(pins, runtime=kind == "runtime"),
-        "stubs": {n: pins.pins.get(n) for n in STUBBED},
+        "stubs": stubbed_pins(pins),
         "pyproject": (REPO / "pyproject.toml").read_text(),
     }
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
@@ -361,10 +371,11 @@ def build_venv(pins: ImagePins, kind: str, cache: Path = CACHE) -> Venv:
             run(pip + ["--upgrade", "pip"])
             site = Path(run([venv.python, "-c",
                              "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip())
-            for name in STUBBED:
-                if name not in pins.pins:
-                    raise ImageEnvError(f"{pins.image}: no pin of {name} to stub")
-                write_stub(site, name, pins.pins[name])
+            missing = [name for name in STUBBED if name not in pins.pins]
+            if missing:
+                raise ImageEnvError(f"{pins.image}: no pin of {', '.join(missing)} to stub")
+            for name, version in stubbed_pins(pins).items():
+                write_stub(site, name, version)
         run(pip + image_requirements(pins, runtime=kind == "runtime"))
         (path / ".complete").write_text(json.dumps(venv.installed(), indent=1, sort_keys=True))
     return venv

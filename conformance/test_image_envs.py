@@ -143,10 +143,9 @@ def test_the_resolution_venv_holds_the_image_versions(image, image_pins, venvs):
                             capture_output=True, text=True, check=True).stdout.strip()
     assert python == pins.python
     installed = venv.installed()
-    for name in core_dependencies():
-        assert name in installed, name
-        if name in pins.pins:
-            assert installed[name] == pins.pins[name], name
+    assert set(core_dependencies()) <= set(installed)
+    # every pin of the image, installed for real or as a stub, and none replaced since
+    assert {name: installed.get(name) for name in pins.pins} == dict(pins.pins)
     transformers_deps = json.loads(subprocess.run(
         [str(venv.python), "-c", "import importlib.metadata as m, json; "
          "print(json.dumps(m.requires('transformers')))"],
@@ -157,7 +156,8 @@ def test_the_resolution_venv_holds_the_image_versions(image, image_pins, venvs):
 
 @pytest.mark.parametrize("image", IMAGE_NAMES)
 def test_installing_djl_stream_installs_djl_stream_only(image, venvs, wheels):
-    assert dry_run(venvs[image, "resolve"], wheels["djl-stream"]) == [("djl-stream", "0.1.0")]
+    version = wheels["djl-stream"].name.split("-")[1]
+    assert dry_run(venvs[image, "resolve"], wheels["djl-stream"]) == [("djl-stream", version)]
 
 
 @pytest.mark.parametrize("image", IMAGE_NAMES)
