@@ -33,8 +33,12 @@ PROBE = Path(__file__).with_name("runtime_probe.py")
 #: batching) runs in both; the transformers-neuronx engine only in the Neuron one.
 ACCELERATE_TESTS = ("test_batch.py", "test_scheduler.py", "test_engine_accelerate.py",
                     "test_service.py", "test_loading.py")
+# test_model_files.py holds djl-stream check's rules to the transformers it runs under; its
+# tokenizer-class test only has lists for the images' releases, so it runs here, not in
+# the main venv.
 COMMON_TESTS = ("test_request.py", "test_detokenize.py", "test_stopping.py",
-                "test_formatters.py", "test_embedded.py", "test_streaming_utils.py")
+                "test_formatters.py", "test_embedded.py", "test_streaming_utils.py",
+                "test_model_files.py")
 UNIT_TESTS = {
     "lmi": ACCELERATE_TESTS + COMMON_TESTS,
     "neuron": ("test_engine_neuronx.py",) + ACCELERATE_TESTS + COMMON_TESTS,
