@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml
 
 model: $(MODEL_DIR)/config.json
 
-$(MODEL_DIR)/config.json: djl_stream/embedded.py | $(STAMP)
+$(MODEL_DIR)/config.json: djl_stream/shipping/embedded.py | $(STAMP)
 	$(BIN)/djl-stream embed $(MODEL_DIR)
 
 serve: $(STAMP) model

@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import httpx
 
-from djl_stream.properties import read_serving_properties
+from djl_stream.serving.properties import read_serving_properties
 
 from .measure import ProcessMemory, StreamTiming, all_inter_token, percentile
 

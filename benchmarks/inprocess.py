@@ -36,9 +36,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, TextIteratorStreamer
 
 from djl_stream import StreamingUtils
-from djl_stream.batch import last_logits_only
-from djl_stream.loading import torch_dtype
-from djl_stream.properties import ModelProperties, djl_init_properties
+from djl_stream.generation.batch import last_logits_only
+from djl_stream.generation.loading import torch_dtype
+from djl_stream.serving.properties import ModelProperties, djl_init_properties
 
 from .measure import StreamTiming
 

@@ -18,7 +18,7 @@ sources of the same branch function by function:
   in async mode ``AsyncRequestManager`` and ``Request.addResponse`` first).
 
 It is scaffolding for the conformance suite, written apart from djl-stream's own emulation
-(``djl_stream.properties``, ``djl_stream.worker``, ``djl_stream.server``), which the suite
+(``djl_stream.serving.properties``, ``djl_stream.serving.worker``, ``djl_stream.serving.server``), which the suite
 holds to it. Example::
 
     with DjlWorker(src, "0.33.0-dlc", Path("model")) as worker:
@@ -226,8 +226,8 @@ def _configure_lmi(prop: Dict[str, str], config: Mapping[str, Any], environ: Map
 
 def _neuron_smart_defaults(prop: Dict[str, str], config: Mapping[str, Any], cores: int) -> None:
     """NeuronSmartDefaultUtils.applySmartDefaults. Its memory heuristics are djl-stream's
-    port (djl_stream.smart_defaults), which test_smart_defaults_java.py holds to the Java."""
-    from djl_stream.smart_defaults import neuron_smart_defaults
+    port (djl_stream.shipping.smart_defaults), which test_smart_defaults_java.py holds to the Java."""
+    from djl_stream.shipping.smart_defaults import neuron_smart_defaults
 
     options = {key[len("option."):]: value for key, value in prop.items() if key.startswith("option.")}
     for key, value in neuron_smart_defaults(config, options, cores).items():

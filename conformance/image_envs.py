@@ -3,7 +3,7 @@
 The images cannot run here (CUDA, Neuron devices, gigabytes of layers), but what matters
 about them for djl-stream is their Python and the packages they pin, and both are written
 in their Dockerfiles and pin files (``DJL_SERVING_SRC``). From those this module builds,
-per image (:data:`djl_stream.images.IMAGES`):
+per image (:data:`djl_stream.shipping.images.IMAGES`):
 
 - the image's **pins** (:func:`read_image`), parsed from the real files;
 - a **resolution venv**: the image's Python, the image's versions of every package
@@ -165,7 +165,7 @@ def read_image(image: str, djl_src: Path) -> ImagePins:
     torch counts too when it comes from djl's install script (the Neuron image's
     ``install_djl_serving.sh ... ${torch_version}``) rather than pip.
     """
-    from djl_stream.images import IMAGES
+    from djl_stream.shipping.images import IMAGES
 
     branch = f"{IMAGES[image].djl_serving}-dlc"
     docker_dir = djl_src / branch / "serving" / "docker"

@@ -101,8 +101,8 @@ def tokenizer_facts(model_dir: Path) -> dict:
 
 def service_answers(model_dir: Path) -> dict:
     """Load ``model_dir/model.py`` and answer :data:`REQUESTS` through its ``handle()``."""
-    from djl_stream.inputs import Input
-    from djl_stream.properties import djl_init_properties
+    from djl_stream.serving.inputs import Input
+    from djl_stream.serving.properties import djl_init_properties
 
     name = f"probed_model_{uuid.uuid4().hex}"
     spec = importlib.util.spec_from_file_location(name, model_dir / "model.py")

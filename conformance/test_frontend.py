@@ -2,7 +2,7 @@
 directories: which worker mode starts, and which properties the init call carries.
 
 Computed by :mod:`djl_frontend` from the Java sources' rules; djl-stream's own emulation
-(``djl_stream.properties.djl_init_properties``, used by ``djl-stream serve``) must send the
+(``djl_stream.serving.properties.djl_init_properties``, used by ``djl-stream serve``) must send the
 same values.
 """
 
@@ -13,8 +13,8 @@ import shutil
 import pytest
 
 from djl_frontend import compose_worker_config
-from djl_stream.images import IMAGES
-from djl_stream.properties import djl_init_properties
+from djl_stream.shipping.images import IMAGES
+from djl_stream.serving.properties import djl_init_properties
 
 #: Keys the LMI recommender and PyModel add on their own (not from serving.properties).
 FRONT_END_ADDITIONS = {"pipeline_parallel_degree", "max_rolling_batch_size", "gpu.minWorkers",

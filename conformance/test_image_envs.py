@@ -1,6 +1,6 @@
 """djl-stream with the Python and the packages of the djl-serving images it ships on.
 
-The facts in ``djl_stream/images.py`` must be the images' real pins; installing djl-stream
+The facts in ``djl_stream/shipping/images.py`` must be the images' real pins; installing djl-stream
 into an image must replace none of its packages (a ``pip --dry-run`` in a venv holding the
 image's versions, see :mod:`image_envs`); and djl-stream must behave under the images'
 transformers, tokenizers, accelerate and pydantic as it does under the local ones: the
@@ -24,7 +24,7 @@ from packaging.specifiers import SpecifierSet
 import image_envs
 from image_envs import REPO, ImageEnvError, core_dependencies, dry_run, read_image
 
-from djl_stream.images import IMAGES
+from djl_stream.shipping.images import IMAGES
 
 IMAGE_NAMES = ("lmi", "neuron")
 MODEL_DIR = REPO / "model"

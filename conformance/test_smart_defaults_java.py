@@ -1,4 +1,4 @@
-"""The port of the Neuron image's smart defaults (djl_stream.smart_defaults) computes what
+"""The port of the Neuron image's smart defaults (djl_stream.shipping.smart_defaults) computes what
 djl-serving 0.30's own Java computes.
 
 It compiles djl-serving's ``NeuronSmartDefaultUtils.java`` and
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from djl_stream.smart_defaults import neuron_smart_defaults
+from djl_stream.shipping.smart_defaults import neuron_smart_defaults
 
 from test_smart_defaults import GPT2, LLAMA_2_70B, LLAMA_3_8B, SMOLLM2_135M
 

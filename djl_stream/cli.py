@@ -8,7 +8,7 @@ Subcommands::
     djl-stream check model/                      # is model/ ready to ship? (exit 0 or 1)
     djl-stream package model/ -o model.tar.gz    # SageMaker's model.tar.gz
 
-``generate`` goes through :class:`~djl_stream.worker.ModelWorker` and the model's own
+``generate`` goes through :class:`~djl_stream.serving.worker.ModelWorker` and the model's own
 ``handle()``, exactly as the server would, so it tests the model directory without HTTP.
 Importing this module is cheap: each command imports what it needs when it runs.
 """
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="overwrite a model already in MODEL_DIR")
     embed.set_defaults(run=_embed)
 
-    from djl_stream.images import IMAGES
+    from djl_stream.shipping.images import IMAGES
 
     check = commands.add_parser(
         "check", help="validate a model directory before shipping it (exit status 0 or 1)",
@@ -122,7 +122,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 # -- serve --
 
 def _serve(args: argparse.Namespace) -> int:
-    from djl_stream.server import serve
+    from djl_stream.serving.server import serve
 
     serve(args.model_dir, host=args.host, port=args.port, log_level=args.log_level)
     return 0
@@ -171,8 +171,8 @@ def token_text(record: dict) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from djl_stream.client import LineDecoder, StreamingError, parse_json_line
-    from djl_stream.worker import READY, ModelWorker, encode_stream_item, output_body
+    from djl_stream.shipping.client import LineDecoder, StreamingError, parse_json_line
+    from djl_stream.serving.worker import READY, ModelWorker, encode_stream_item, output_body
 
     worker = ModelWorker(args.model_dir)
     if worker.load() != READY:
@@ -227,7 +227,7 @@ def _generate(args: argparse.Namespace) -> int:
 # -- embed --
 
 def _embed(args: argparse.Namespace) -> int:
-    from djl_stream.embedded import (FORMAT, EmbeddedModelMissing, embed_default_model,
+    from djl_stream.shipping.embedded import (FORMAT, EmbeddedModelMissing, embed_default_model,
                                      embedded_format)
 
     try:
@@ -249,7 +249,7 @@ def _embed(args: argparse.Namespace) -> int:
 # -- check / package --
 
 def _check(args: argparse.Namespace) -> int:
-    from djl_stream.check import DEFAULT_MAX_IMPORT_SECONDS, check_model_dir, format_report
+    from djl_stream.shipping.check import DEFAULT_MAX_IMPORT_SECONDS, check_model_dir, format_report
 
     limit = args.max_import_seconds or DEFAULT_MAX_IMPORT_SECONDS
     report = check_model_dir(args.model_dir, max_import_seconds=limit, images=args.images)
@@ -258,8 +258,8 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _package(args: argparse.Namespace) -> int:
-    from djl_stream.check import check_model_dir, format_report
-    from djl_stream.sagemaker import write_package
+    from djl_stream.shipping.check import check_model_dir, format_report
+    from djl_stream.shipping.sagemaker import write_package
 
     if not args.skip_check:
         report = check_model_dir(args.model_dir, images=args.images)

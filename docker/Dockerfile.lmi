@@ -31,7 +31,7 @@ COPY djl_stream /tmp/djl-stream/djl_stream
 RUN python3 -m pip freeze --all --exclude-editable > /tmp/image-packages.txt \
  && python3 -m pip install --no-cache-dir --constraint /tmp/image-packages.txt /tmp/djl-stream \
  && rm -rf /tmp/djl-stream /tmp/image-packages.txt \
- && python3 -c "import djl_stream.service, transformers.utils as u; assert u.is_torch_available(), 'transformers cannot use this image torch'"
+ && python3 -c "import djl_stream.serving.service, transformers.utils as u; assert u.is_torch_available(), 'transformers cannot use this image torch'"
 
 # djl-stream batches concurrent requests itself; LMI's own rolling batch would send handle()
 # LMI's batched requests instead. serving.properties can still override it.

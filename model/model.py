@@ -10,7 +10,7 @@ decode iteration and returning bytes or str; select it with
 ``option.output_formatter=<function name>`` in ``serving.properties``.
 """
 
-from djl_stream.service import StreamingService
+from djl_stream.serving.service import StreamingService
 
 _service = StreamingService(entry_module=__name__)
 

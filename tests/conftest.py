@@ -13,7 +13,7 @@ MODEL_DIR = REPO / "model"
 
 
 def _require_embedded_model() -> Path:
-    from djl_stream.embedded import is_outdated
+    from djl_stream.shipping.embedded import is_outdated
 
     if not (MODEL_DIR / "config.json").is_file():
         pytest.fail("the embedded model is missing from model/: run `make model` first")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from djl_stream import kv_cache
-from djl_stream.batch import CausalLMBatch, generate_token
-from djl_stream.engines.accelerate import build_sequences, encode_prompts
+from djl_stream.generation import kv_cache
+from djl_stream.generation.batch import CausalLMBatch, generate_token
+from djl_stream.generation.engines.accelerate import build_sequences, encode_prompts
 
 PROMPTS = ["A", "One two three four five six seven eight nine ten", "Colours of the rainbow are"]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from djl_stream import cli
-from djl_stream.check import FAIL, OK, WARN, CheckReport, check_model_dir
+from djl_stream.shipping.check import FAIL, OK, WARN, CheckReport, check_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "model"

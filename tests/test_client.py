@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from djl_stream.client import LineDecoder, StreamingError, iter_json_lines, stream
+from djl_stream.shipping.client import LineDecoder, StreamingError, iter_json_lines, stream
 
 RECORDS = [{"output_tokens": ["Hello"]}, {"output_tokens": [" 👋🏽"]},
            {"output_tokens": ["你好，世界"]}, {"output_tokens": [" café ñ"]}]

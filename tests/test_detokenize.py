@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import djl_stream.detokenize as detokenize_module
-from djl_stream.detokenize import PROMPT_CONTEXT, IncrementalDetokenizer
+import djl_stream.generation.detokenize as detokenize_module
+from djl_stream.generation.detokenize import PROMPT_CONTEXT, IncrementalDetokenizer
 
 REPLACEMENT = "\ufffd"
 

@@ -9,7 +9,7 @@ djl-serving's own ``CMD ["serve"]``; set the Neuron image's compiled shapes to v
 fit the embedded model on an inf2.xlarge; and ship a ``model/`` that passes
 ``djl-stream check --image <kind>`` under the environment the Dockerfile sets. Whether pip
 really resolves inside the images is not checked here (no Docker engine); the core
-requirements are held to the images' pins (djl_stream.images).
+requirements are held to the images' pins (djl_stream.shipping.images).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Optional
 
 import pytest
 
-from djl_stream.check import check_model_dir
+from djl_stream.shipping.check import check_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILES = {"lmi": REPO / "docker" / "Dockerfile.lmi",
@@ -258,7 +258,7 @@ def test_djl_stream_is_installed_from_the_copied_sources(dockerfile) -> None:
         assert loosening not in words
     assert "PIP_CONSTRAINT" not in install  # would also pin the isolated build environment
     # ...and a smoke import of what the worker imports.
-    assert "import djl_stream.service" in steps[-1]
+    assert "import djl_stream.serving.service" in steps[-1]
 
 
 def test_no_package_pins_of_its_own(dockerfile) -> None:
@@ -275,7 +275,7 @@ def test_the_core_requirements_are_met_by_the_images_pins(kind: str) -> None:
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
-    from djl_stream.images import IMAGES
+    from djl_stream.shipping.images import IMAGES
 
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
@@ -299,7 +299,7 @@ def test_the_worker_needs_nothing_from_the_serve_extra() -> None:
              project["optional-dependencies"]["serve"]]
     assert serve
     blocked = "; ".join(f"sys.modules[{name!r}] = None" for name in serve)
-    code = f"import sys; {blocked}; import djl_stream.service; import djl_stream.engines.neuronx"
+    code = f"import sys; {blocked}; import djl_stream.serving.service; import djl_stream.generation.engines.neuronx"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=REPO)
 
 
@@ -363,8 +363,8 @@ def test_the_neuron_image_sets_the_shapes_it_would_otherwise_guess(embedded_mode
     """djl-serving 0.30 fills n_positions, tensor_parallel_degree and max_rolling_batch_size
     in by heuristics unless set; the image sets all three, and serving.properties (which
     wins) leaves them as the image sets them."""
-    from djl_stream.properties import djl_init_properties
-    from djl_stream.smart_defaults import NEURON_SMART_DEFAULTS, neuron_smart_defaults
+    from djl_stream.serving.properties import djl_init_properties
+    from djl_stream.shipping.smart_defaults import NEURON_SMART_DEFAULTS, neuron_smart_defaults
 
     env = environment(parse_dockerfile(DOCKERFILES["neuron"].read_text()))
     chosen = {key: env[f"OPTION_{key.upper()}"] for key in NEURON_SMART_DEFAULTS}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from djl_stream.embedded import (
+from djl_stream.shipping.embedded import (
     FORMAT,
     MARKER,
     TOKENIZER_CLASS,

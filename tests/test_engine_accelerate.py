@@ -7,9 +7,10 @@ import time
 import pytest
 import torch
 
-from djl_stream import StreamingUtils, kv_cache
-from djl_stream.batch import CausalLMBatch, generate_token
-from djl_stream.engines.accelerate import build_sequences, encode_prompts, start_scheduler
+from djl_stream import StreamingUtils
+from djl_stream.generation import kv_cache
+from djl_stream.generation.batch import CausalLMBatch, generate_token
+from djl_stream.generation.engines.accelerate import build_sequences, encode_prompts, start_scheduler
 
 PROMPTS = [
     "Hello",

@@ -26,16 +26,16 @@ import pytest
 import torch
 
 from djl_stream import StreamingUtils
-from djl_stream.engines.accelerate import encode_prompts
-from djl_stream.engines.neuronx import (
+from djl_stream.generation.engines.accelerate import encode_prompts
+from djl_stream.generation.engines.neuronx import (
     NeuronUnavailableError,
     import_transformers_neuronx,
     load_neuron_model,
     neuronx_stream_generator,
 )
-from djl_stream.loading import ModelLoadError
-from djl_stream.properties import ModelProperties
-from djl_stream.request import RequestError
+from djl_stream.generation.loading import ModelLoadError
+from djl_stream.serving.properties import ModelProperties
+from djl_stream.protocols.djl.request import RequestError
 
 STANDIN = Path(__file__).parent / "neuronx_standin"
 PROMPTS = [
@@ -168,7 +168,7 @@ def read_only(monkeypatch):
     engine's own probe is told the directory is read-only instead, so the test checks the
     engine's decisions rather than the operating system's refusal. Returns the mode used:
     ``"chmod"`` or ``"simulated"``."""
-    from djl_stream.engines import neuronx as engine
+    from djl_stream.generation.engines import neuronx as engine
 
     made = []
 
@@ -221,7 +221,7 @@ def test_without_compiled_graph_path_graphs_are_cached_under_djl_cache_dir(
     model_dir = model_copy(tiny_model_dir, tmp_path)
     before = files_in(model_dir)
     settings = props(model_dir, max_rolling_batch_size=2, n_positions=128)
-    with caplog.at_level("INFO", logger="djl_stream.engines.neuronx"):
+    with caplog.at_level("INFO", logger="djl_stream.generation.engines.neuronx"):
         first, _ = load_neuron_model(settings)
     [directory] = [d for d in graph_cache(djl_cache).iterdir() if d.is_dir()]
     assert directory.name.startswith("model-tp2-bs2-n128-f32-cleauto-")
@@ -248,7 +248,7 @@ def test_without_djl_cache_dir_the_cache_is_in_the_system_temp_directory(
     {"dtype": "bf16"}, {"context_length_estimate": 64}, "config.json",
 ])
 def test_the_cache_key_changes_with_everything_the_graphs_depend_on(tmp_path, change):
-    from djl_stream.engines.neuronx import compiled_graph_dir
+    from djl_stream.generation.engines.neuronx import compiled_graph_dir
 
     model_dir = tmp_path / "model"
     model_dir.mkdir()
@@ -387,7 +387,7 @@ def test_stale_graphs_in_the_cache_are_compiled_again(neuronx, tiny_model_dir, d
 def test_the_second_of_two_workers_keeps_the_graphs_the_first_published(neuronx, tiny_model,
                                                                         tmp_path):
     """djl-serving starts one worker per NeuronCore group; each compiles and saves."""
-    from djl_stream.engines.neuronx import save_compiled
+    from djl_stream.generation.engines.neuronx import save_compiled
 
     directory = tmp_path / "graphs"
     first, second = compiled(neuronx, tiny_model), compiled(neuronx, tiny_model)
@@ -399,7 +399,7 @@ def test_the_second_of_two_workers_keeps_the_graphs_the_first_published(neuronx,
 
 
 def test_working_directory_is_restored_after_an_error(tmp_path):
-    from djl_stream.engines.neuronx import working_directory
+    from djl_stream.generation.engines.neuronx import working_directory
 
     start = os.getcwd()
     with pytest.raises(KeyError):

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from djl_stream import formatters
-from djl_stream.formatters import (BUILTIN_FORMATTERS, StreamError, StreamFormatter,
+from djl_stream.protocols.djl import formatters
+from djl_stream.protocols.djl.formatters import (BUILTIN_FORMATTERS, StreamError, StreamFormatter,
                                    register_formatter, resolve_formatter)
 
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from djl_stream import compat
-from djl_stream.inputs import Input, PairList
+from djl_stream.serving import compat
+from djl_stream.serving.inputs import Input, PairList
 
 
 def request(body: str | bytes, content_type: str | None = "application/json") -> Input:
@@ -200,8 +200,8 @@ def fresh_compat():
 def test_compat_uses_our_classes_when_djl_python_is_absent(fresh_compat, monkeypatch):
     monkeypatch.setitem(sys.modules, "djl_python", None)  # None makes the import fail
 
-    from djl_stream.inputs import Input as OurInput
-    from djl_stream.outputs import Output as OurOutput
+    from djl_stream.serving.inputs import Input as OurInput
+    from djl_stream.serving.outputs import Output as OurOutput
 
     assert fresh_compat.Input is OurInput
     assert fresh_compat.Output is OurOutput

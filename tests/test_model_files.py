@@ -1,4 +1,4 @@
-"""What an image's transformers reads of a model directory (djl_stream.model_files).
+"""What an image's transformers reads of a model directory (djl_stream.shipping.model_files).
 
 The rules are facts about other releases of transformers (4.45.2, 4.51.3), read in their
 sources; this machine runs only the installed release. So the last tests hold each rule's
@@ -15,8 +15,8 @@ import pytest
 import transformers
 from packaging.version import Version
 
-from djl_stream.images import IMAGES
-from djl_stream.model_files import (
+from djl_stream.shipping.images import IMAGES
+from djl_stream.shipping.model_files import (
     CHAT_TEMPLATE_FILE_SINCE,
     TOKENIZER_CLASSES,
     model_file_problems,

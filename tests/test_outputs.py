@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from djl_stream.formatters import StreamError, resolve_formatter
-from djl_stream.outputs import Output
+from djl_stream.protocols.djl.formatters import StreamError, resolve_formatter
+from djl_stream.serving.outputs import Output
 
 
 def body(out: Output, index: int = 0) -> bytes:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from djl_stream.properties import (
+from djl_stream.serving.properties import (
     ModelProperties,
     PropertyError,
     djl_init_properties,

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from djl_stream.request import (GenerationRequest, RequestError, SamplingParameters,
+from djl_stream.protocols.djl.request import (GenerationRequest, RequestError, SamplingParameters,
                                 check_input_length, parse_json_body, parse_request)
 
 LIMIT = 2048

@@ -30,7 +30,7 @@ from botocore.parsers import EventStreamJSONParser  # noqa: E402
 from botocore.stub import Stubber  # noqa: E402
 
 from djl_stream import cli  # noqa: E402
-from djl_stream.client import (  # noqa: E402
+from djl_stream.shipping.client import (  # noqa: E402
     InternalStreamFailure,
     ModelStreamError,
     StreamingError,
@@ -38,7 +38,7 @@ from djl_stream.client import (  # noqa: E402
     iter_sagemaker_lines,
     stream,
 )
-from djl_stream.sagemaker import (  # noqa: E402
+from djl_stream.shipping.sagemaker import (  # noqa: E402
     container_environment,
     deploy,
     parse_s3_uri,

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from djl_stream.engines.accelerate import build_sequences, encode_prompts
-from djl_stream.errors import GenerationFailed, QueueFullError
-from djl_stream.scheduler import Scheduler
+from djl_stream.generation.engines.accelerate import build_sequences, encode_prompts
+from djl_stream.generation.errors import GenerationFailed, QueueFullError
+from djl_stream.generation.scheduler import Scheduler
 
 PROMPTS = [
     "Hi",

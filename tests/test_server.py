@@ -30,8 +30,8 @@ FIXTURE_MODEL = textwrap.dedent('''
     import time
     from pathlib import Path
 
-    from djl_stream.compat import Output
-    from djl_stream.formatters import resolve_formatter
+    from djl_stream.serving.compat import Output
+    from djl_stream.protocols.djl.formatters import resolve_formatter
 
     HERE = Path(__file__).parent
 
@@ -392,7 +392,7 @@ def test_one_log_line_per_request(server: Server) -> None:
 # -- the client against the real server --
 
 def test_client_stream_reads_records_and_raises_server_errors(server: Server) -> None:
-    from djl_stream.client import StreamingError, stream
+    from djl_stream.shipping.client import StreamingError, stream
 
     url = f"{server.url}/invocations"
     assert [r["output_tokens"][0] for r in stream(url, {"words": ["x", "y"]})] == ["x", "y"]

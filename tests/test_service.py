@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from djl_stream.inputs import Input
-from djl_stream.properties import djl_init_properties
+from djl_stream.serving.inputs import Input
+from djl_stream.serving.properties import djl_init_properties
 
 
 def load_entry_point(model_dir: Path):
@@ -44,7 +44,7 @@ def request(module, body):
 
 def scheduler_of(module):
     """The continuous-batching scheduler of the model that module's service loaded."""
-    from djl_stream.scheduler import _SCHEDULERS
+    from djl_stream.generation.scheduler import _SCHEDULERS
 
     return _SCHEDULERS[module._service.model]
 

@@ -1,4 +1,4 @@
-"""The Neuron image's smart defaults: the port in djl_stream.smart_defaults against values
+"""The Neuron image's smart defaults: the port in djl_stream.shipping.smart_defaults against values
 worked out by hand from ``NeuronSmartDefaultUtils.java`` (0.30.0-dlc).
 
 ``conformance/test_smart_defaults_java.py`` runs the real Java and compares many more cases.
@@ -6,7 +6,7 @@ worked out by hand from ``NeuronSmartDefaultUtils.java`` (0.30.0-dlc).
 
 from __future__ import annotations
 
-from djl_stream.smart_defaults import ModelShape, neuron_smart_defaults
+from djl_stream.shipping.smart_defaults import ModelShape, neuron_smart_defaults
 
 SMOLLM2_135M = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                 "hidden_size": 576, "intermediate_size": 1536, "max_position_embeddings": 8192,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from djl_stream.stopping import StopStringMatcher
+from djl_stream.generation.stopping import StopStringMatcher
 
 
 def run(stop, pieces):

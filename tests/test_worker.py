@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from djl_stream.compat import Output
-from djl_stream.formatters import resolve_formatter
-from djl_stream.worker import (
+from djl_stream.serving.compat import Output
+from djl_stream.protocols.djl.formatters import resolve_formatter
+from djl_stream.serving.worker import (
     FAILED,
     LOADING,
     READY,
@@ -27,7 +27,7 @@ RECORDING_MODEL = textwrap.dedent('''
     import time
     from pathlib import Path
 
-    from djl_stream.compat import Output
+    from djl_stream.serving.compat import Output
 
     with open(Path(__file__).with_name("imports.log"), "a") as log:
         log.write("imported\\n")
@@ -135,7 +135,7 @@ def test_model_name_is_the_option_or_the_directory_name(tmp_path: Path) -> None:
     ("def handle(inputs):\n    raise RuntimeError('no weights')\n", "RuntimeError: no weights"),
     ("def handle(inputs)\n", "SyntaxError"),
     ("x = 1\n", "defines no handle() function"),
-    ("from djl_stream.compat import Output\n"
+    ("from djl_stream.serving.compat import Output\n"
      "def handle(inputs):\n    return Output().error('bad dtype', code=400)\n",
      "init call answered 400: bad dtype"),
 ])

@@ -11,7 +11,7 @@ that is done:
   dropped from the output;
 - ``sample()`` runs in a background thread; a :class:`TokenQueueStreamer` hands each
   step's token row to the returned :class:`NeuronGenerationStream`, which runs every row
-  through a :class:`~djl_stream.sequence.GenerationSequence` (incremental detokenizer,
+  through a :class:`~djl_stream.generation.sequence.GenerationSequence` (incremental detokenizer,
   stop strings, every eos id of the checkpoint, ``max_new_tokens``);
 - closing the stream, or the last real row finishing, makes the streamer's next ``put()``
   raise a private exception that unwinds ``sample()``; an exception inside ``sample()`` is
@@ -68,10 +68,10 @@ from typing import (AbstractSet, Any, Dict, FrozenSet, Iterator, List, Mapping, 
 
 import torch
 
-from ..request import RequestError
-from ..sequence import GenerationSequence
-from ..streaming_utils import register_engine
-from .accelerate import DEFAULT_MAX_NEW_TOKENS, encode_prompts
+from djl_stream.protocols.djl.request import RequestError
+from djl_stream.generation.sequence import GenerationSequence
+from djl_stream.generation.streaming_utils import register_engine
+from djl_stream.generation.engines.accelerate import DEFAULT_MAX_NEW_TOKENS, encode_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def import_transformers_neuronx():
     >>> import_transformers_neuronx()  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    djl_stream.engines.neuronx.NeuronUnavailableError: the transformers-neuronx engine needs ...
+    djl_stream.generation.engines.neuronx.NeuronUnavailableError: the transformers-neuronx engine needs ...
     >>> del sys.modules["transformers_neuronx"]
     """
     try:
@@ -159,12 +159,12 @@ def from_pretrained_kwargs(props) -> Dict[str, Any]:
     The compiled batch size is ``option.max_rolling_batch_size``, as in djl-serving's LMI
     Neuron images: it is also the most prompts a request may send.
 
-    >>> from djl_stream.properties import ModelProperties
+    >>> from djl_stream.serving.properties import ModelProperties
     >>> from_pretrained_kwargs(ModelProperties(dtype="bf16", tensor_parallel_degree=2,
     ...                                        max_rolling_batch_size=4, n_positions=1024))
     {'batch_size': 4, 'tp_degree': 2, 'amp': 'bf16', 'n_positions': 1024}
     """
-    from ..loading import ModelLoadError
+    from djl_stream.generation.loading import ModelLoadError
 
     if props.tensor_parallel_degree is None:
         raise ModelLoadError(
@@ -247,7 +247,7 @@ def graph_cache_key(props, location: str, versions: Mapping[str, Optional[str]])
     weights (``from_pretrained`` reads those at every start); the model's location is part
     of the key all the same, so two model directories never share graphs.
 
-    >>> from djl_stream.properties import ModelProperties
+    >>> from djl_stream.serving.properties import ModelProperties
     >>> props = ModelProperties(tensor_parallel_degree=1, max_rolling_batch_size=4,
     ...                         n_positions=2048, dtype="bf16")
     >>> graph_cache_key(props, "/nowhere/SmolLM2", {})[:34]
@@ -292,9 +292,9 @@ def compiled_graph_dir(props, *, environ: Optional[Mapping[str, str]] = None,
       from :func:`graph_cache_key`, so that a restarted worker finds its graphs again.
 
     The compiler's work files go under the first writable cache root either way.
-    Raises :class:`~djl_stream.loading.ModelLoadError` when no candidate is writable.
+    Raises :class:`~djl_stream.generation.loading.ModelLoadError` when no candidate is writable.
     """
-    from ..loading import ModelLoadError
+    from djl_stream.generation.loading import ModelLoadError
 
     roots = graph_cache_roots(environ)
     work_root = next((root for root in roots if writable_directory(root)), None)
@@ -325,10 +325,10 @@ def has_compiled_artifacts(directory: Optional[Path]) -> bool:
 
 def check_graph_place(place: GraphPlace) -> str:
     """``"load"`` when ``place`` holds compiled graphs, ``"compile"`` when it can take
-    them; :class:`~djl_stream.loading.ModelLoadError` (before any compiling) when it holds
+    them; :class:`~djl_stream.generation.loading.ModelLoadError` (before any compiling) when it holds
     none and cannot be written, e.g. a relative ``option.compiled_graph_path`` in a
     read-only ``/opt/ml/model`` that was shipped without its graphs."""
-    from ..loading import ModelLoadError
+    from djl_stream.generation.loading import ModelLoadError
 
     if has_compiled_artifacts(place.directory):
         return "load"
@@ -402,13 +402,13 @@ def compile_or_load(model, place: GraphPlace) -> str:
     transformers-neuronx's order: ``model.load(dir)`` *before* ``model.to_neuron()`` makes
     ``to_neuron()`` take the saved graphs instead of compiling; ``model.save(dir)`` after
     ``to_neuron()`` writes them. So with artifacts in ``place`` we load them, and
-    otherwise compile (refusing first, with :class:`~djl_stream.loading.ModelLoadError`,
+    otherwise compile (refusing first, with :class:`~djl_stream.generation.loading.ModelLoadError`,
     a place that could not keep the result: see :func:`check_graph_place`) and save them
     there for the next start. Either way ``to_neuron()`` runs in a fresh directory under
     ``place.work_root`` (see :func:`working_directory`), removed afterwards unless the
     compiler failed, when it keeps the compiler's logs.
     """
-    from ..loading import ModelLoadError
+    from djl_stream.generation.loading import ModelLoadError
 
     action = check_graph_place(place)
     work = Path(tempfile.mkdtemp(prefix="compile-", dir=place.work_root))
@@ -454,7 +454,7 @@ def load_neuron_model(props) -> Tuple[Any, Any]:
     Nothing is written into the model directory unless ``option.compiled_graph_path``
     points there; the log says where the graphs come from or go. Raises
     :class:`NeuronUnavailableError` when the package is missing and
-    :class:`~djl_stream.loading.ModelLoadError` for settings it cannot honour, before
+    :class:`~djl_stream.generation.loading.ModelLoadError` for settings it cannot honour, before
     the weights are read when it can tell.
     """
     neuronx = import_transformers_neuronx()
@@ -518,7 +518,7 @@ def compilation_of(model) -> NeuronCompilation:
     if batch_size is None or n_positions is None:
         raise ValueError(
             "cannot tell the compiled batch size and n_positions of this model; load it "
-            "with djl_stream.engines.neuronx.load_neuron_model"
+            "with djl_stream.generation.engines.neuronx.load_neuron_model"
         )
     if isinstance(batch_size, (list, tuple)):  # compiled for several: the largest fits all
         batch_size = max(batch_size)
@@ -605,7 +605,7 @@ def check_batch_size(n_prompts: int, batch_size: int) -> None:
     >>> check_batch_size(5, 4)
     Traceback (most recent call last):
     ...
-    djl_stream.request.RequestError: inputs has 5 prompts; the model is compiled for a batch of 4 (option.max_rolling_batch_size)
+    djl_stream.protocols.djl.request.RequestError: inputs has 5 prompts; the model is compiled for a batch of 4 (option.max_rolling_batch_size)
     """
     if n_prompts > batch_size:
         raise RequestError(
@@ -647,7 +647,7 @@ def sample_options(
     >>> sample_options({"repetition_penalty": 1.2}, vocab_size=100)
     Traceback (most recent call last):
     ...
-    djl_stream.request.RequestError: parameters.repetition_penalty is not supported by the transformers-neuronx engine (the Neuron sampler has no repetition penalty); leave it 1
+    djl_stream.protocols.djl.request.RequestError: parameters.repetition_penalty is not supported by the transformers-neuronx engine (the Neuron sampler has no repetition penalty); leave it 1
     """
     repetition_penalty = parameters.get("repetition_penalty")
     if repetition_penalty is not None and repetition_penalty != 1.0:
@@ -872,7 +872,7 @@ def neuronx_stream_generator(
     ``parameters`` as for the Accelerate engine: ``max_new_tokens`` (default 50),
     ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``stop``; ``typical_p``,
     ``repetition_penalty`` and ``manual_seed`` only at values that change nothing (see
-    :func:`sample_options`). Raises :class:`~djl_stream.request.RequestError` at once
+    :func:`sample_options`). Raises :class:`~djl_stream.protocols.djl.request.RequestError` at once
     (before any generation) for more prompts than the compiled batch size, a prompt plus
     ``max_new_tokens`` beyond ``n_positions``, or an unsupported sampling option.
     """

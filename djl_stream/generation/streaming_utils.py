@@ -26,8 +26,8 @@ StreamGenerator = Callable[..., Iterator[List[str]]]
 
 #: Built-in engines, as "module:function" so that torch and friends load on first use.
 _BUILTIN: Dict[str, str] = {
-    "Accelerate": "djl_stream.engines.accelerate:accelerate_stream_generator",
-    "transformers-neuronx": "djl_stream.engines.neuronx:neuronx_stream_generator",
+    "Accelerate": "djl_stream.generation.engines.accelerate:accelerate_stream_generator",
+    "transformers-neuronx": "djl_stream.generation.engines.neuronx:neuronx_stream_generator",
 }
 
 

@@ -1,6 +1,6 @@
 """What the service answers, and how each djl-serving worker mode carries it.
 
-:class:`~djl_stream.service.StreamingService` decides *what* to answer: an error with a
+:class:`~djl_stream.serving.service.StreamingService` decides *what* to answer: an error with a
 status and a JSON body (:class:`ErrorReply`), a JSON document (:class:`JsonReply`), or a
 stream of wire chunks whose first chunk already exists (:class:`StreamReply`). How that
 travels depends on the worker that called ``handle()``:
@@ -26,8 +26,8 @@ import struct
 from concurrent.futures import Executor
 from typing import Any, AsyncIterator, Dict, Iterator, Mapping, Optional
 
-from . import compat
-from .outputs import djl_json
+from djl_stream.serving import compat
+from djl_stream.serving.outputs import djl_json
 
 JSON_CONTENT_TYPE = "application/json"
 #: djl_python's ``Output.error`` message; given explicitly so that every djl-serving

@@ -47,7 +47,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from djl_stream.worker import (
+from djl_stream.serving.worker import (
     READY,
     ModelWorker,
     encode_stream_item,

@@ -119,7 +119,7 @@ class ModelProperties:
             graphs (relative to ``model_dir`` or absolute), loaded when it holds some,
             written after compiling otherwise; ``None`` caches them under
             ``$DJL_CACHE_DIR/djl-stream/neuronx-graphs/<key>`` (see
-            :func:`djl_stream.engines.neuronx.compiled_graph_dir`), never in the model
+            :func:`djl_stream.generation.engines.neuronx.compiled_graph_dir`), never in the model
             directory, which is read-only on SageMaker.
         context_length_estimate: transformers-neuronx only: prompt length(s) to compile
             context-encoding graphs for (``512`` or ``256,1024``); ``None`` leaves it to

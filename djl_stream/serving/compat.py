@@ -5,7 +5,7 @@ own ``Output`` class, so a ``model.py`` must build answers with whichever is run
 Nothing is imported until a name is first used, because djl imports ``model.py`` (and so
 this module) several times at start-up.
 
-    >>> from djl_stream.compat import Output, USING_DJL_PYTHON
+    >>> from djl_stream.serving.compat import Output, USING_DJL_PYTHON
     >>> Output().add("hi").code
     200
 """
@@ -34,8 +34,8 @@ def _resolve() -> tuple[type, type, bool]:
                                                 "djl_python.outputs"):
             logger.warning("djl_python is present but failed to import (%s); using "
                            "djl_stream's Input/Output", err)
-    from djl_stream.inputs import Input
-    from djl_stream.outputs import Output
+    from djl_stream.serving.inputs import Input
+    from djl_stream.serving.outputs import Output
     return Input, Output, False
 
 

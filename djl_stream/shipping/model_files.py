@@ -2,7 +2,7 @@
 
 A model directory saved with transformers 5 (what ``pip install djl-stream`` gets locally)
 runs inside the djl-serving images under their own, older transformers: 4.51.3 on LMI,
-4.45.2 on Neuron (see :mod:`djl_stream.images`). Some of what 5.x writes those releases
+4.45.2 on Neuron (see :mod:`djl_stream.shipping.images`). Some of what 5.x writes those releases
 cannot read, and they say nothing about it. Each fact below was read in the releases' own
 sources (the wheels of 4.45.2, 4.46.0, 4.47.0, 4.51.3, 4.56.2, 4.57.1 and 5.0.0):
 

@@ -17,7 +17,7 @@ Past this module nothing checks types again.
     ...               default_max_new_tokens=50, max_new_tokens_limit=2048)
     Traceback (most recent call last):
     ...
-    djl_stream.request.RequestError: parameters.max_new_tokens must be at most 2048, got 5000
+    djl_stream.protocols.djl.request.RequestError: parameters.max_new_tokens must be at most 2048, got 5000
 """
 
 from __future__ import annotations
@@ -365,7 +365,7 @@ def check_input_length(field: str, n_tokens: int, limit: int) -> None:
     >>> check_input_length("inputs[0]", 5000, 4096)
     Traceback (most recent call last):
     ...
-    djl_stream.request.RequestError: inputs[0] is 5000 tokens long; the limit (option.max_input_length) is 4096
+    djl_stream.protocols.djl.request.RequestError: inputs[0] is 5000 tokens long; the limit (option.max_input_length) is 4096
     """
     if n_tokens > limit:
         raise RequestError(field, f"{field} is {n_tokens} tokens long; "

@@ -17,9 +17,9 @@ from __future__ import annotations
 import dataclasses
 from typing import AbstractSet, Hashable, List, Optional, Sequence
 
-from .detokenize import IncrementalDetokenizer
-from .sampling import TokenChooser
-from .stopping import StopStringMatcher
+from djl_stream.generation.detokenize import IncrementalDetokenizer
+from djl_stream.generation.sampling import TokenChooser
+from djl_stream.generation.stopping import StopStringMatcher
 
 #: Why a sequence finished: the model ended it, it reached ``max_new_tokens``, or it
 #: produced one of its stop strings.

@@ -1,4 +1,4 @@
-"""Loading a model and its tokenizer from :class:`~djl_stream.properties.ModelProperties`.
+"""Loading a model and its tokenizer from :class:`~djl_stream.serving.properties.ModelProperties`.
 
 On a GPU machine the model goes to the GPU djl assigned (``device_id``), or is spread over
 ``tensor_parallel_degree`` GPUs with accelerate's ``device_map="balanced"`` and an equal
@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Tuple
 
-from .properties import ModelProperties
+from djl_stream.serving.properties import ModelProperties
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The whole state of a batch is one :class:`CausalLMBatch`: the tokens to feed next, the
 attention mask over every cached position, the position ids, the KV cache, and the
-:class:`~djl_stream.sequence.GenerationSequence` of each row. :func:`generate_token` is the
+:class:`~djl_stream.generation.sequence.GenerationSequence` of each row. :func:`generate_token` is the
 only function that runs the model: it takes a batch and returns what each row produced and
 the batch for the next step, with finished rows already removed. Rows of different lengths
 are left-padded; the mask hides the padding and the position ids count real tokens only,
@@ -30,9 +30,9 @@ from typing import Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 import torch
 from transformers import DynamicCache
 
-from . import kv_cache
-from .sampling import choose_next_tokens
-from .sequence import Generation, GenerationSequence
+from djl_stream.generation import kv_cache
+from djl_stream.generation.sampling import choose_next_tokens
+from djl_stream.generation.sequence import Generation, GenerationSequence
 
 
 @dataclasses.dataclass

@@ -2,7 +2,7 @@
 
 Inside the djl-serving container the worker builds ``djl_python.inputs.Input`` objects;
 everywhere else (the local server, tests) these classes stand in for them with the same
-methods, so a ``model.py`` runs unchanged in both. :mod:`djl_stream.compat` picks one.
+methods, so a ``model.py`` runs unchanged in both. :mod:`djl_stream.serving.compat` picks one.
 
 A request, as the front end hands it over: HTTP headers become properties (lower-case
 names), the body is the content entry ``data``::

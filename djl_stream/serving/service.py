@@ -3,7 +3,7 @@
 djl's Python worker calls ``handle()`` once with no content (the init call, carrying the
 properties) and then once per request. :class:`StreamingService` loads on the init call
 (or on the first request, if a front end skips it), parses and validates each request at
-the edge, and answers (:mod:`djl_stream.replies`): a 400 naming the field and the limit for
+the edge, and answers (:mod:`djl_stream.serving.replies`): a 400 naming the field and the limit for
 a bad request; for a streaming one, the formatted chunks, once the first exists (so that a
 generation failing at once is still a 424, not a 200 carrying an error); else
 ``{"generated_text": ...}``.
@@ -14,7 +14,7 @@ and gets an ``Output``; djl-serving 0.33's asynchronous worker (LMI images witho
 
 Example (``model/model.py``)::
 
-    from djl_stream.service import StreamingService
+    from djl_stream.serving.service import StreamingService
 
     _service = StreamingService(entry_module=__name__)
 
@@ -34,19 +34,19 @@ import types
 from pathlib import Path
 from typing import Any, List, Optional
 
-from .errors import QueueFullError
-from .formatters import FormattedStream, StreamFormatter, resolve_formatter
-from .properties import ModelProperties
-from .replies import (ErrorReply, JsonReply, Reply, StreamReply, to_async_output,
+from djl_stream.generation.errors import QueueFullError
+from djl_stream.protocols.djl.formatters import FormattedStream, StreamFormatter, resolve_formatter
+from djl_stream.serving.properties import ModelProperties
+from djl_stream.serving.replies import (ErrorReply, JsonReply, Reply, StreamReply, to_async_output,
                       to_async_outputs, to_output)
-from .request import (
+from djl_stream.protocols.djl.request import (
     GenerationRequest,
     RequestError,
     check_input_length,
     parse_json_body,
     parse_request,
 )
-from .streaming_utils import StreamingUtils
+from djl_stream.generation.streaming_utils import StreamingUtils
 
 logger = logging.getLogger(__name__)
 
@@ -132,20 +132,20 @@ class StreamingService:
         with self._lock:
             if self.initialized:
                 return
-            from .loading import load_model_and_tokenizer
+            from djl_stream.generation.loading import load_model_and_tokenizer
 
             props = ModelProperties.from_init_properties(properties)
             self.formatter = resolve_formatter(props.output_formatter, self._module())
             self.engine = select_engine(props)
             self.stream_generator = StreamingUtils.get_stream_generator(self.engine)
             if self.engine == NEURON_ENGINE:
-                from .engines.neuronx import load_neuron_model
+                from djl_stream.generation.engines.neuronx import load_neuron_model
 
                 model, tokenizer = load_neuron_model(props)
             else:
                 model, tokenizer = load_model_and_tokenizer(props)
             if self.engine == ACCELERATE_ENGINE:
-                from .engines.accelerate import start_scheduler
+                from djl_stream.generation.engines.accelerate import start_scheduler
 
                 start_scheduler(model, tokenizer, max_batch_size=props.max_rolling_batch_size,
                                 max_queue=props.job_queue_size)

@@ -149,7 +149,7 @@ def iter_json_lines(chunks: Iterable[bytes]) -> Iterator[dict]:
     >>> next(records)
     Traceback (most recent call last):
     ...
-    djl_stream.client.StreamingError: boom
+    djl_stream.shipping.client.StreamingError: boom
     """
     for line in LineDecoder()(chunks):
         record = parse_json_line(line)
@@ -291,7 +291,7 @@ def iter_sagemaker_payloads(event_stream: Iterable[Mapping[str, Any]]) -> Iterat
     >>> next(payloads)
     Traceback (most recent call last):
     ...
-    djl_stream.client.ModelStreamError: boom
+    djl_stream.shipping.client.ModelStreamError: boom
     """
     events = iter(event_stream)
     while True:

@@ -3,7 +3,7 @@
 The stream generator keeps one KV cache for all prompts (never re-running a prompt per
 token), batches prompts of different lengths with left padding, and yields each decode
 iteration's new text per prompt as soon as the step is done. Every caller's prompts run
-on the model's one :class:`~djl_stream.scheduler.Scheduler` (continuous batching).
+on the model's one :class:`~djl_stream.generation.scheduler.Scheduler` (continuous batching).
 
 Example::
 
@@ -18,16 +18,16 @@ from typing import Any, FrozenSet, List, Optional, Sequence
 
 import torch
 
-from ..sampling import TokenChooser
-from ..scheduler import (
+from djl_stream.generation.sampling import TokenChooser
+from djl_stream.generation.scheduler import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_QUEUE,
     GenerationStream,
     Scheduler,
     scheduler_for,
 )
-from ..sequence import GenerationSequence
-from ..streaming_utils import register_engine
+from djl_stream.generation.sequence import GenerationSequence
+from djl_stream.generation.streaming_utils import register_engine
 
 DEFAULT_MAX_NEW_TOKENS = 50
 _CHOOSER_PARAMETERS = (

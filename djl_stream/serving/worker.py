@@ -4,7 +4,7 @@ djl-serving runs ``model.py`` in a worker process: it imports the entry point, s
 *init* call (an ``Input`` without content whose properties are the model options, plus
 ``handler`` and ``device_id``), then turns each HTTP request into an ``Input`` and sends the
 returned ``Output`` back to the front end. :class:`ModelWorker` does the same in-process, so
-the local server (:mod:`djl_stream.server`) and the CLI run an unchanged ``model.py``
+the local server (:mod:`djl_stream.serving.server`) and the CLI run an unchanged ``model.py``
 exactly as the container would.
 
 The module also holds the worker's half of the wire: :func:`output_body`,
@@ -39,9 +39,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Union
 
-from djl_stream.outputs import djl_json
-from djl_stream.properties import djl_init_properties
-from djl_stream.replies import is_out_of_memory
+from djl_stream.serving.outputs import djl_json
+from djl_stream.serving.properties import djl_init_properties
+from djl_stream.serving.replies import is_out_of_memory
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def _new_input(properties: Mapping[str, str], content: Iterable[tuple[str, Any]]
     Filled through the ``properties`` dict and ``content.add`` that both classes share,
     rather than a constructor only ours has.
     """
-    from djl_stream.compat import Input
+    from djl_stream.serving.compat import Input
 
     inp = Input()
     for key, value in properties.items():
@@ -107,7 +107,7 @@ def output_body(output: Any) -> bytes:
     djl sends one content entry: the one named ``data`` if there is one, else the first.
     Further entries (batched answers the front end would split) are not sent.
 
-    >>> from djl_stream.outputs import Output
+    >>> from djl_stream.serving.outputs import Output
     >>> output_body(Output().add("first").add("second")), output_body(Output())
     (b'first', b'')
     """
@@ -127,7 +127,7 @@ def encode_stream_item(output: Any, item: Any) -> bytes:
     keeps the formatter in ``stream_output_formatter``, and the item is then sent by djl's
     rules: ``str`` UTF-8 encoded, bytes as they are, anything else as its pretty JSON.
 
-    >>> from djl_stream.outputs import Output
+    >>> from djl_stream.serving.outputs import Output
     >>> out = Output().add_stream_content(iter([]), output_formatter=lambda p: p[0] + "\\n")
     >>> encode_stream_item(out, ["tok"])
     b'tok\\n'
@@ -330,7 +330,7 @@ class ModelWorker:
         """
         if self.status != READY:
             raise WorkerNotReady(self.not_ready_message())
-        from djl_stream.compat import Output
+        from djl_stream.serving.compat import Output
 
         try:
             result = self._handle(inp)

@@ -31,9 +31,9 @@ import sys
 import threading
 from typing import Deque, Dict, Iterator, List, Optional, Sequence
 
-from .batch import CausalLMBatch, generate_token
-from .errors import GenerationFailed, QueueFullError
-from .sequence import Generation, GenerationSequence
+from djl_stream.generation.batch import CausalLMBatch, generate_token
+from djl_stream.generation.errors import GenerationFailed, QueueFullError
+from djl_stream.generation.sequence import Generation, GenerationSequence
 
 logger = logging.getLogger(__name__)
 

@@ -22,14 +22,14 @@ container log minutes after an endpoint started. One :class:`Finding` per check:
 - there are weights: a Hugging Face folder in the directory (config, weights, tokenizer),
   or an ``option.model_id`` that is an existing path, a well-formed S3 URI or a hub id;
 - the image's transformers reads that folder as it was written (see
-  :mod:`djl_stream.model_files`): ``rope_theta`` beside ``rope_parameters``, a
+  :mod:`djl_stream.shipping.model_files`): ``rope_theta`` beside ``rope_parameters``, a
   ``tokenizer_class`` that release has, a chat template it can find;
 - on Neuron (``option.stream_engine=transformers-neuronx``, or ``--image neuron``):
   ``option.n_positions``, ``option.max_rolling_batch_size`` and
   ``option.tensor_parallel_degree`` are set, rather than left to the image's smart
-  defaults (see :mod:`djl_stream.smart_defaults`): they are the compiled shapes.
+  defaults (see :mod:`djl_stream.shipping.smart_defaults`): they are the compiled shapes.
 
-The image checks run against every image in :data:`djl_stream.images.IMAGES`, or the ones
+The image checks run against every image in :data:`djl_stream.shipping.images.IMAGES`, or the ones
 named (``images=["lmi"]``, ``djl-stream check --image lmi``).
 
 Example::
@@ -58,9 +58,9 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from djl_stream.images import IMAGES, ContainerImage
-from djl_stream.model_files import model_file_problems
-from djl_stream.properties import (
+from djl_stream.shipping.images import IMAGES, ContainerImage
+from djl_stream.shipping.model_files import model_file_problems
+from djl_stream.serving.properties import (
     DJL_KEYS,
     DJL_PYTHON_ENGINES,
     ModelProperties,
@@ -68,7 +68,7 @@ from djl_stream.properties import (
     djl_init_properties,
     read_serving_properties,
 )
-from djl_stream.smart_defaults import INF2_XLARGE_CORES, NEURON_SMART_DEFAULTS, neuron_smart_defaults
+from djl_stream.shipping.smart_defaults import INF2_XLARGE_CORES, NEURON_SMART_DEFAULTS, neuron_smart_defaults
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 SYMBOLS = {OK: "✓", WARN: "!", FAIL: "✗"}
@@ -177,7 +177,7 @@ def check_model_dir(
     process's environment); ``python`` is the interpreter the entry point is imported
     with, in a subprocess so that its imports and timing are those of a fresh worker;
     ``images`` names the djl-serving images to check against (keys of
-    :data:`~djl_stream.images.IMAGES`; default: all of them).
+    :data:`~djl_stream.shipping.images.IMAGES`; default: all of them).
     """
     unknown = sorted(set(images or ()) - set(IMAGES))
     if unknown:
@@ -277,7 +277,7 @@ def stream_engine_named(value: str) -> Optional[str]:
     >>> stream_engine_named("Transformers-NeuronX"), stream_engine_named("Python")
     ('transformers-neuronx', None)
     """
-    from djl_stream.streaming_utils import StreamingUtils
+    from djl_stream.generation.streaming_utils import StreamingUtils
 
     wanted = value.strip().lower()
     return next((name for name in StreamingUtils.engines() if name.lower() == wanted), None)
@@ -414,13 +414,13 @@ result["heavy"] = sorted(m for m in heavy if m in sys.modules and m not in befor
 if module is not None:
     result["handle"] = callable(getattr(module, "handle", None))
     try:
-        from djl_stream.formatters import resolve_formatter
+        from djl_stream.protocols.djl.formatters import resolve_formatter
         fmt = resolve_formatter(formatter, module)
         result["formatter"] = {"ok": True, "name": fmt.name, "content_type": fmt.content_type}
     except Exception as error:
         result["formatter"] = {"ok": False, "message": str(error)}
     try:
-        from djl_stream.streaming_utils import StreamingUtils
+        from djl_stream.generation.streaming_utils import StreamingUtils
         result["engines"] = StreamingUtils.engines()
     except Exception as error:
         result["engines"] = None
@@ -553,7 +553,7 @@ def _weight_files(directory: Path) -> list[str]:
 
 
 def _is_s3_uri(uri: str) -> bool:
-    from djl_stream.sagemaker import parse_s3_uri
+    from djl_stream.shipping.sagemaker import parse_s3_uri
 
     try:
         parse_s3_uri(uri)

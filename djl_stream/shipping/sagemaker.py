@@ -12,7 +12,7 @@ boto3 is imported only by the functions that talk to AWS (``pip install djl-stre
 
 Example::
 
-    >>> from djl_stream.sagemaker import write_package, upload, deploy   # doctest: +SKIP
+    >>> from djl_stream.shipping.sagemaker import write_package, upload, deploy   # doctest: +SKIP
     >>> write_package("model/", "model.tar.gz")                          # doctest: +SKIP
     >>> data = upload("model.tar.gz", "s3://my-bucket/djl-stream/")      # doctest: +SKIP
     >>> deploy("123456789012.dkr.ecr.us-west-2.amazonaws.com/djl-stream:lmi", data,
@@ -27,7 +27,7 @@ import tarfile
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from djl_stream.properties import ModelProperties, PropertyError, djl_init_properties
+from djl_stream.serving.properties import ModelProperties, PropertyError, djl_init_properties
 
 #: Files that are model weights (left out of the archive when ``option.model_id`` points
 #: elsewhere). Index files go with them: without their shards they only confuse a loader.

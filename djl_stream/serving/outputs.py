@@ -19,7 +19,7 @@ import datetime
 import json
 from typing import Any, Callable, Iterator
 
-from djl_stream.inputs import PairList
+from djl_stream.serving.inputs import PairList
 
 
 def _json_default(value: Any) -> Any:
