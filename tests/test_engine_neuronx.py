@@ -35,7 +35,7 @@ from djl_stream.generation.engines.neuronx import (
 )
 from djl_stream.generation.loading import ModelLoadError
 from djl_stream.serving.properties import ModelProperties
-from djl_stream.protocols.djl.request import RequestError
+from djl_stream.protocols.validation import RequestError
 
 STANDIN = Path(__file__).parent / "neuronx_standin"
 PROMPTS = [

@@ -6,8 +6,9 @@ import dataclasses
 
 import pytest
 
-from djl_stream.protocols.djl.request import (GenerationRequest, RequestError, SamplingParameters,
-                                check_input_length, parse_json_body, parse_request)
+from djl_stream.protocols.djl.request import parse_request
+from djl_stream.protocols.request import GenerationRequest, SamplingParameters
+from djl_stream.protocols.validation import RequestError, check_input_length, parse_json_body
 
 LIMIT = 2048
 

@@ -32,7 +32,8 @@ from transformers import DynamicCache
 
 from djl_stream.generation import kv_cache
 from djl_stream.generation.sampling import choose_next_tokens
-from djl_stream.generation.sequence import Generation, GenerationSequence
+from djl_stream.generation.sequence import GenerationSequence
+from djl_stream.generation.step import Generation
 
 
 @dataclasses.dataclass

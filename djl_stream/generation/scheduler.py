@@ -33,7 +33,8 @@ from typing import Deque, Dict, Iterator, List, Optional, Sequence
 
 from djl_stream.generation.batch import CausalLMBatch, generate_token
 from djl_stream.generation.errors import GenerationFailed, QueueFullError
-from djl_stream.generation.sequence import Generation, GenerationSequence
+from djl_stream.generation.sequence import GenerationSequence
+from djl_stream.generation.step import Generation, Step
 
 logger = logging.getLogger(__name__)
 
@@ -286,10 +287,10 @@ class Scheduler:
             by_job.setdefault(generation.request_id[0], []).append(generation)
         for job_id, job_generations in by_job.items():
             job = self._jobs[job_id]
-            pieces = [""] * len(job.sequences)
+            per_prompt: List[Optional[Generation]] = [None] * len(job.sequences)
             for generation in job_generations:
-                pieces[generation.request_id[1]] = generation.text
-            job.outbox.put(pieces)
+                per_prompt[generation.request_id[1]] = generation
+            job.outbox.put(Step.of(per_prompt))
             if all(seq.finished for seq in job.sequences):
                 with self._wakeup:
                     self._forget(job)

@@ -14,31 +14,12 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 from typing import AbstractSet, Hashable, List, Optional, Sequence
 
 from djl_stream.generation.detokenize import IncrementalDetokenizer
+from djl_stream.generation.step import Generation
 from djl_stream.generation.sampling import TokenChooser
 from djl_stream.generation.stopping import StopStringMatcher
-
-#: Why a sequence finished: the model ended it, it reached ``max_new_tokens``, or it
-#: produced one of its stop strings.
-FINISH_REASONS = ("eos", "length", "stop")
-
-
-@dataclasses.dataclass(frozen=True)
-class Generation:
-    """What one decode step produced for one sequence."""
-
-    request_id: Hashable
-    token_id: int
-    text: str
-    finish_reason: Optional[str] = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 class GenerationSequence:
     """State of one prompt being generated; see the module docstring."""

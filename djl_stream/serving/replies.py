@@ -11,7 +11,8 @@ travels depends on the worker that called ``handle()``:
   no ``option.entryPoint``) takes ``Output``\\ s whose first content entry is a small binary
   map ``{"data", "last", "code", "error"}``, one per chunk: :func:`to_async_outputs`.
 
-    >>> reply = ErrorReply(400, {"code": 400, "field": "inputs", "message": "inputs is empty"})
+    >>> reply = ErrorReply(400, {"code": 400, "message": "inputs is empty"}, "Bad Request",
+    ...                    "inputs is empty")
     >>> to_output(reply).code
     400
     >>> decode_async_map(async_output_map(to_async_output(reply)))["code"]
@@ -30,45 +31,21 @@ from djl_stream.serving import compat
 from djl_stream.serving.outputs import djl_json
 
 JSON_CONTENT_TYPE = "application/json"
-#: djl_python's ``Output.error`` message; given explicitly so that every djl-serving
-#: release (0.30 says "prediction failure" by default) answers alike.
-HANDLER_FAILURE = "invoke handler failure"
 
 
 @dataclasses.dataclass(frozen=True)
 class ErrorReply:
     """An error answered before any chunk went out, so its status can still say so.
 
-    ``body`` is the JSON body; ``message`` the status line's reason phrase (djl's
-    ``Output.message``). With ``body=None`` the answer has no body, as djl-serving answers an
-    out-of-memory failure (507).
+    ``body`` is the JSON body (None: no body, as djl-serving answers an out-of-memory
+    failure); ``message`` the status line's reason phrase (djl's ``Output.message``);
+    ``text`` the error in one line, which is all djl-serving's async front end carries.
     """
 
     code: int
-    body: Optional[Mapping[str, Any]]
-    message: str = HANDLER_FAILURE
-
-    @classmethod
-    def from_exception(cls, error: BaseException) -> "ErrorReply":
-        """A failed generation, answered the way djl-serving's worker answers a handler
-        exception: 507 without a body for out-of-memory, else a 424 JSON error.
-
-        >>> ErrorReply.from_exception(RuntimeError("boom")).body["error"]
-        'boom'
-        >>> ErrorReply.from_exception(MemoryError()).code
-        507
-        """
-        text = str(error) or type(error).__name__
-        if is_out_of_memory(error):
-            return cls(507, None, text)
-        return cls(424, {"code": 424, "message": HANDLER_FAILURE, "error": text})
-
-    @property
-    def error_text(self) -> str:
-        """One line saying what went wrong (the async worker's ``error`` field)."""
-        if self.body is None:
-            return self.message
-        return str(self.body.get("error") or self.body.get("message"))
+    body: Optional[Any]
+    message: str
+    text: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +179,7 @@ def to_async_output(reply: ErrorReply | JsonReply) -> Any:
     travels as its status and one line of text (which names the field and the limit).
     """
     if isinstance(reply, ErrorReply):
-        return _async_output("", True, JSON_CONTENT_TYPE, code=reply.code, error=reply.error_text)
+        return _async_output("", True, JSON_CONTENT_TYPE, code=reply.code, error=reply.text)
     return _async_output(djl_json(reply.body).decode("utf-8"), True, JSON_CONTENT_TYPE)
 
 

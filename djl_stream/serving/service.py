@@ -32,21 +32,21 @@ import sys
 import threading
 import types
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from djl_stream.generation.errors import QueueFullError
-from djl_stream.protocols.djl.formatters import FormattedStream, StreamFormatter, resolve_formatter
-from djl_stream.serving.properties import ModelProperties
-from djl_stream.serving.replies import (ErrorReply, JsonReply, Reply, StreamReply, to_async_output,
-                      to_async_outputs, to_output)
-from djl_stream.protocols.djl.request import (
-    GenerationRequest,
-    RequestError,
-    check_input_length,
-    parse_json_body,
-    parse_request,
-)
+from djl_stream.generation.step import Step
 from djl_stream.generation.streaming_utils import StreamingUtils
+from djl_stream.protocols.djl.formatters import StreamFormatter, resolve_formatter
+from djl_stream.protocols.djl.protocol import DjlProtocol
+from djl_stream.protocols.protocol import (PROTOCOL_PROPERTY, EncodedStream, Failure,
+                                           ParseContext, Protocol, StreamEncoder)
+from djl_stream.protocols.request import GenerationRequest
+from djl_stream.protocols.validation import RequestError, check_input_length, parse_json_body
+from djl_stream.serving.properties import ModelProperties
+from djl_stream.serving.replies import (ErrorReply, JsonReply, Reply, StreamReply,
+                                        is_out_of_memory, to_async_output, to_async_outputs,
+                                        to_output)
 
 logger = logging.getLogger(__name__)
 
@@ -172,55 +172,93 @@ class StreamingService:
 
     def reply(self, inputs) -> Reply:
         """The answer to one request (never raises for a request's own failure)."""
+        protocol = self.protocol_for(inputs)
         try:
-            request = self.parse(inputs)
+            request, prompt_tokens = self.parse(inputs, protocol)
         except RequestError as error:
-            return ErrorReply(400, error.to_dict(), "Bad Request")
+            return self._error(protocol, Failure.invalid(error))
         try:
             stream = self.stream_generator(
                 self.model, self.tokenizer, list(request.prompts), **request.parameters.as_kwargs()
             )
         except QueueFullError as error:
-            return ErrorReply(503, {"code": 503, "type": "ServiceUnavailableException",
-                                    "message": str(error)}, "Service Unavailable")
+            return self._error(protocol, Failure("busy", str(error)))
         except RequestError as error:
             # an engine's own limits (e.g. a Neuron model's compiled batch size)
-            return ErrorReply(400, error.to_dict(), "Bad Request")
+            return self._error(protocol, Failure.invalid(error))
         wants_stream = self.props.enable_streaming if request.stream is None else request.stream
         if wants_stream:
-            return self._start_stream(stream)
-        return self._collect(stream, request)
+            return self._start_stream(stream, protocol.stream_encoder(request, prompt_tokens),
+                                      protocol)
+        return self._collect(stream, request, prompt_tokens, protocol)
 
-    def _start_stream(self, stream) -> Reply:
+    def _start_stream(self, stream, encoder: StreamEncoder, protocol: Protocol) -> Reply:
         """Produce the first chunk now: a generation that fails before it (a prompt the
         model cannot prefill) is answered with an error status instead of a 200 stream
         that carries the error as text."""
-        chunks = FormattedStream(stream, self.formatter)
+        chunks = EncodedStream(stream, encoder)
         try:
             first: Optional[bytes] = next(chunks)
         except StopIteration:
             first = None
         except Exception as error:  # noqa: BLE001 - the client gets it as a status
             logger.exception("generation failed before its first chunk")
-            return ErrorReply.from_exception(error)
-        return StreamReply(first, chunks, self.formatter.content_type)
+            return self._error(protocol, _failure_of(error))
+        return StreamReply(first, chunks, encoder.content_type)
 
-    def _collect(self, stream, request: GenerationRequest) -> Reply:
-        texts = [""] * len(request.prompts)
+    def _collect(self, stream, request: GenerationRequest, prompt_tokens: List[int],
+                 protocol: Protocol) -> Reply:
         try:
-            for pieces in stream:
-                for i, piece in enumerate(pieces):
-                    texts[i] += piece
+            steps = [step if isinstance(step, Step) else Step(step) for step in stream]
         except Exception as error:  # noqa: BLE001 - the client gets it as a status
             logger.exception("generation failed")
-            return ErrorReply.from_exception(error)
+            return self._error(protocol, _failure_of(error))
         finally:
             getattr(stream, "close", lambda: None)()
-        return JsonReply({"generated_text": texts if request.batched else texts[0]})
+        return JsonReply(protocol.complete(request, steps, prompt_tokens))
 
-    def parse(self, inputs) -> GenerationRequest:
-        """The validated request in ``inputs``, with chat templates applied and lengths
-        checked; raises :class:`RequestError`."""
+    @staticmethod
+    def _error(protocol: Protocol, failure: Failure) -> ErrorReply:
+        answer = protocol.error(failure)
+        return ErrorReply(answer.code, answer.body, answer.message, failure.message)
+
+    # -- protocols --
+
+    def protocol_for(self, inputs) -> Protocol:
+        """The protocol of a request: the one its ``djl_stream_protocol`` property names (set
+        by ``djl-stream serve`` from the route), else djl-serving's."""
+        name = inputs.get_property(PROTOCOL_PROPERTY)
+        return self.protocols.get(str(name).strip().lower(), self.protocols["djl"]) \
+            if name else self.protocols["djl"]
+
+    @functools.cached_property
+    def protocols(self) -> Dict[str, Protocol]:
+        """Every protocol this model answers, by name (built once, after loading)."""
+        return {"djl": DjlProtocol(self.formatter)}
+
+    @functools.cached_property
+    def parse_context(self) -> ParseContext:
+        props = self.props
+        return ParseContext(
+            default_max_new_tokens=props.default_max_new_tokens,
+            max_new_tokens_limit=props.max_new_tokens_limit,
+            max_batch_size=props.max_rolling_batch_size,
+            model_name=self.model_name,
+            render_chat=self.render_chat if self.has_chat_template else None,
+            wrap_prompts_in_chat=self.wraps_inputs_in_chat_template,
+        )
+
+    @property
+    def model_name(self) -> str:
+        """What the model is called in answers that name it (OpenAI's ``model``):
+        ``option.model_id``, else the model directory's name."""
+        return self.props.model_id or Path(self.props.model_dir).name
+
+    def parse(self, inputs, protocol: Optional[Protocol] = None
+              ) -> Tuple[GenerationRequest, List[int]]:
+        """The validated request in ``inputs`` and each prompt's length in tokens, with chat
+        templates applied and lengths checked; raises :class:`RequestError`."""
+        protocol = protocol or self.protocols["djl"]
         if inputs.is_batch():
             # djl-serving's dynamic batching (batch_size > 1) merges requests into one
             # Input; the real engine refuses it with streaming, and continuous batching
@@ -232,18 +270,9 @@ class StreamingService:
             )
         body = parse_json_body(inputs.get_as_bytes("data") if inputs.contains_key("data")
                                else inputs.get_as_bytes())
-        request = parse_request(
-            body,
-            default_max_new_tokens=self.props.default_max_new_tokens,
-            max_new_tokens_limit=self.props.max_new_tokens_limit,
-            apply_chat_template=self.render_chat if self.has_chat_template else None,
-        )
-        if request.messages is None and self.wraps_inputs_in_chat_template:
-            prompts = tuple(self.render_chat([{"role": "user", "content": p}]) for p in request.prompts)
-            request = GenerationRequest(prompts, request.parameters, request.stream,
-                                        request.batched, None)
-        field = "messages" if request.messages is not None else "inputs"
+        request = protocol.parse(body, self.parse_context)
         if len(request.prompts) > self.props.max_rolling_batch_size:
+            field = protocol.prompt_field(request, 0).split("[")[0]
             raise RequestError(
                 field,
                 f"{field} has {len(request.prompts)} prompts; the limit "
@@ -252,7 +281,7 @@ class StreamingService:
         context = getattr(self.model.config, "max_position_embeddings", None)
         lengths = [len(ids) for ids in self.tokenizer(list(request.prompts))["input_ids"]]
         for i, n in enumerate(lengths):
-            name = field if request.messages is not None or not request.batched else f"{field}[{i}]"
+            name = protocol.prompt_field(request, i)
             check_input_length(name, n, self.props.max_input_length)
             wanted = n + request.parameters.max_new_tokens
             if context and wanted > context:
@@ -262,7 +291,7 @@ class StreamingService:
                     f"({request.parameters.max_new_tokens}) is {wanted} tokens; the model's "
                     f"context (max_position_embeddings) is {context}",
                 )
-        return request
+        return request, lengths
 
     @property
     def has_chat_template(self) -> bool:
@@ -300,3 +329,10 @@ def _on_event_loop() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def _failure_of(error: BaseException) -> Failure:
+    """A generation that raised, as djl-serving's worker classes a handler exception:
+    out of memory (507), or a failure (424)."""
+    text = str(error) or type(error).__name__
+    return Failure("out_of_memory" if is_out_of_memory(error) else "failed", text)

@@ -68,7 +68,7 @@ from typing import (AbstractSet, Any, Dict, FrozenSet, Iterator, List, Mapping, 
 
 import torch
 
-from djl_stream.protocols.djl.request import RequestError
+from djl_stream.protocols.validation import RequestError
 from djl_stream.generation.sequence import GenerationSequence
 from djl_stream.generation.streaming_utils import register_engine
 from djl_stream.generation.engines.accelerate import DEFAULT_MAX_NEW_TOKENS, encode_prompts
@@ -605,7 +605,7 @@ def check_batch_size(n_prompts: int, batch_size: int) -> None:
     >>> check_batch_size(5, 4)
     Traceback (most recent call last):
     ...
-    djl_stream.protocols.djl.request.RequestError: inputs has 5 prompts; the model is compiled for a batch of 4 (option.max_rolling_batch_size)
+    djl_stream.protocols.validation.RequestError: inputs has 5 prompts; the model is compiled for a batch of 4 (option.max_rolling_batch_size)
     """
     if n_prompts > batch_size:
         raise RequestError(
@@ -647,7 +647,7 @@ def sample_options(
     >>> sample_options({"repetition_penalty": 1.2}, vocab_size=100)
     Traceback (most recent call last):
     ...
-    djl_stream.protocols.djl.request.RequestError: parameters.repetition_penalty is not supported by the transformers-neuronx engine (the Neuron sampler has no repetition penalty); leave it 1
+    djl_stream.protocols.validation.RequestError: parameters.repetition_penalty is not supported by the transformers-neuronx engine (the Neuron sampler has no repetition penalty); leave it 1
     """
     repetition_penalty = parameters.get("repetition_penalty")
     if repetition_penalty is not None and repetition_penalty != 1.0:
@@ -872,7 +872,7 @@ def neuronx_stream_generator(
     ``parameters`` as for the Accelerate engine: ``max_new_tokens`` (default 50),
     ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``stop``; ``typical_p``,
     ``repetition_penalty`` and ``manual_seed`` only at values that change nothing (see
-    :func:`sample_options`). Raises :class:`~djl_stream.protocols.djl.request.RequestError` at once
+    :func:`sample_options`). Raises :class:`~djl_stream.protocols.validation.RequestError` at once
     (before any generation) for more prompts than the compiled batch size, a prompt plus
     ``max_new_tokens`` beyond ``n_positions``, or an unsupported sampling option.
     """

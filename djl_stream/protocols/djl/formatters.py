@@ -22,10 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import types
-import logging
-from typing import Any, Callable, Iterator, List, Mapping, Optional, Union
-
-logger = logging.getLogger(__name__)
+from typing import Any, Callable, List, Mapping, Union
 
 FormatterFn = Callable[[List[str]], Union[bytes, bytearray, str]]
 
@@ -127,59 +124,6 @@ class StreamFormatter:
 
     def __repr__(self) -> str:
         return f"StreamFormatter({self.name!r}, content_type={self.content_type!r})"
-
-
-class FormattedStream(Iterator[bytes]):
-    """The wire chunks of one stream: each item of ``stream`` passed through ``formatter``.
-
-    A failure before the first chunk (the model failed to prefill, say) is raised, so the
-    caller can still answer with an error status. A failure after it, of the stream or of
-    the formatter itself, becomes one error record in the stream's own framing and ends the
-    stream: once the first chunk is out the status is 200 whatever happens, and a client
-    parses a ``{"error": ...}`` line where raw exception text would break its parser.
-    Closing this iterator closes ``stream`` (which stops generation).
-
-    >>> fmt = resolve_formatter("jsonlines")
-    >>> def pieces():
-    ...     yield ["Hi"]
-    ...     raise RuntimeError("device lost")
-    >>> list(FormattedStream(pieces(), fmt))
-    [b'{"output_tokens": ["Hi"]}\\n', b'{"error": "RuntimeError: device lost"}\\n']
-    """
-
-    def __init__(self, stream: Iterator[List[str]], formatter: "StreamFormatter") -> None:
-        self._stream = stream
-        self._formatter = formatter
-        self._started = False
-        self._done = False
-
-    def __iter__(self) -> "FormattedStream":
-        return self
-
-    def __next__(self) -> bytes:
-        if self._done:
-            raise StopIteration
-        try:
-            chunk = self._formatter(next(self._stream))
-        except StopIteration:
-            self._done = True
-            raise
-        except Exception as error:  # noqa: BLE001 - every failure must reach the client
-            if not self._started:
-                self.close()
-                raise
-            logger.exception("generation failed mid-stream")
-            self.close()
-            return self._formatter.format_error(f"{type(error).__name__}: {error}")
-        self._started = True
-        return chunk
-
-    def close(self) -> None:
-        """Stop the stream (idempotent); generation behind it stops at its next step."""
-        self._done = True
-        close: Optional[Callable[[], Any]] = getattr(self._stream, "close", None)
-        if close is not None:
-            close()
 
 
 BUILTIN_FORMATTERS: Mapping[str, StreamFormatter] = types.MappingProxyType({

@@ -1,0 +1,193 @@
+"""Validation at the edge, shared by every protocol: a malformed request becomes one
+:class:`RequestError` that names the field and the limit.
+
+Each protocol validates its body with a strict pydantic model; :func:`request_error` turns
+pydantic's first error into that message, with the field path written as the client wrote
+it (``parameters.top_p``, ``inputs[1]``, ``messages[0].role``).
+
+    >>> parse_json_body(b'[1, 2')
+    Traceback (most recent call last):
+    ...
+    djl_stream.protocols.validation.RequestError: the request body is not valid JSON: Expecting ',' delimiter: line 1 column 6 (char 5)
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from typing import Any, Callable, Optional
+
+from pydantic import BaseModel, ValidationError
+
+
+class RequestError(ValueError):
+    """The request is malformed; answered with HTTP 400 and :meth:`to_dict` as the body.
+
+    ``field`` is a dotted path into the body (``parameters.top_p``, ``inputs[1]``,
+    ``messages[0].role``), or ``body`` for the body as a whole.
+
+    >>> RequestError("parameters.top_p", "parameters.top_p must be at most 1, got 2").to_dict()
+    {'code': 400, 'type': 'RequestError', 'field': 'parameters.top_p', 'message': 'parameters.top_p must be at most 1, got 2'}
+    """
+
+    code = 400
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "type": "RequestError", "field": self.field,
+                "message": self.message}
+
+
+_EXPECTED = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "bool_type": "true or false",
+    "string_type": "a string",
+    "list_type": "a list",
+    "model_type": "an object",
+    "dict_type": "an object",
+}
+_BOUNDS = {
+    "greater_than": ("gt", "greater than"),
+    "greater_than_equal": ("ge", "at least"),
+    "less_than": ("lt", "less than"),
+    "less_than_equal": ("le", "at most"),
+}
+
+
+def _number(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e16:
+        return str(int(value))
+    return str(value)
+
+
+def describe(value: Any) -> str:
+    """A JSON-ish rendering of what the client sent, short enough for a message."""
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, str):
+        text = json.dumps(value if len(value) <= 40 else value[:40] + "...", ensure_ascii=False)
+        return f"{text} (a string)"
+    if isinstance(value, float):
+        return _number(value)
+    return json.dumps(value)
+
+
+def _field_path(loc: tuple[Any, ...], body: Any) -> str:
+    # Walk the raw body next to the error location, dropping the index pydantic added
+    # where a single string was wrapped in a list: the client wrote "inputs", not "inputs[0]".
+    path, raw = "", body
+    for part in loc:
+        if isinstance(part, int):
+            if not isinstance(raw, list):
+                continue
+            path += f"[{part}]"
+            raw = raw[part] if 0 <= part < len(raw) else None
+        else:
+            path += f".{part}" if path else str(part)
+            raw = raw.get(part) if isinstance(raw, dict) else None
+    return path or "body"
+
+
+#: For an unknown key at ``field``: the model whose keys are known there, and what one of
+#: them is called ("parameter", "message key", "key").
+KnownKeys = Callable[[str], tuple[type[BaseModel], str]]
+
+
+def unknown_key_message(field: str, known_keys: KnownKeys) -> str:
+    """``parameters.top_q is not a known parameter; did you mean top_p? known: ...``"""
+    parent, _, name = field.rpartition(".")
+    model, what = known_keys(parent)
+    known = sorted(model.model_fields)
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return f"{field} is not a known {what}; {hint}known: {', '.join(known)}"
+
+
+def request_error(error: ValidationError, body: Any, known_keys: KnownKeys,
+                  expected_by_field: Optional[dict[str, str]] = None) -> RequestError:
+    """Pydantic's first error about ``body`` as one :class:`RequestError`.
+
+    ``known_keys`` names the model whose keys an unknown key is compared with;
+    ``expected_by_field`` words what a field takes where the type alone says too little
+    (``"a string or a list of strings"``).
+    """
+    first = error.errors(include_url=False)[0]
+    kind, ctx, value = first["type"], first.get("ctx") or {}, first.get("input")
+    field = _field_path(tuple(first["loc"]), body)
+    if kind == "extra_forbidden":
+        message = unknown_key_message(field, known_keys)
+    elif kind in _BOUNDS:
+        key, words = _BOUNDS[kind]
+        message = f"{field} must be {words} {_number(ctx[key])}, got {describe(value)}"
+    elif kind in _EXPECTED:
+        expected = (expected_by_field or {}).get(field, _EXPECTED[kind])
+        message = f"{field} must be {expected}, got {describe(value)}"
+    elif kind == "too_short" and ctx.get("min_length") == 1:
+        message = f"{field} must not be empty"
+    elif kind == "too_long":
+        message = (f"{field} must have at most {ctx['max_length']} entries, "
+                   f"got {ctx.get('actual_length', len(value))}")
+    elif kind == "blank":
+        message = f"{field} must not be empty or whitespace only"
+    elif kind == "string_too_short":
+        message = f"{field} must not be empty"
+    elif kind == "string_too_long":
+        message = (f"{field} must be at most {ctx['max_length']} characters long, "
+                   f"got {len(value)}")
+    elif kind == "literal_error":
+        message = f"{field} must be one of {ctx['expected']}, got {describe(value)}"
+    elif kind == "finite_number":
+        message = f"{field} must be a finite number, got {describe(value)}"
+    elif kind == "missing":
+        message = f"{field} is required"
+    else:
+        message = f"{field}: {first['msg']}"
+    return RequestError(field, message)
+
+
+def parse_json_body(raw: bytes | bytearray | memoryview | str) -> Any:
+    """Decode a request body; anything but UTF-8 JSON is a :class:`RequestError` on ``body``.
+
+    ``NaN`` and ``Infinity`` are refused too: they are not JSON, only Python accepts them.
+
+    >>> parse_json_body(b'{"inputs": "\\xe4\\xbd\\xa0\\xe5\\xa5\\xbd"}')
+    {'inputs': '你好'}
+    """
+    if isinstance(raw, str):
+        text = raw
+    else:
+        try:
+            text = bytes(raw).decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise RequestError("body", f"the request body is not valid JSON: it is not UTF-8 "
+                                       f"(byte {err.start})") from None
+    if not text.strip():
+        raise RequestError("body", "the request body is not valid JSON: it is empty")
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"{constant} is not a JSON value")
+
+    try:
+        return json.loads(text, parse_constant=refuse)
+    except ValueError as err:  # JSONDecodeError is a ValueError, and so is refuse()'s
+        raise RequestError("body", f"the request body is not valid JSON: {err}") from None
+
+
+def check_input_length(field: str, n_tokens: int, limit: int) -> None:
+    """Refuse a prompt longer than ``option.max_input_length``.
+
+    >>> check_input_length("inputs[0]", 5000, 4096)
+    Traceback (most recent call last):
+    ...
+    djl_stream.protocols.validation.RequestError: inputs[0] is 5000 tokens long; the limit (option.max_input_length) is 4096
+    """
+    if n_tokens > limit:
+        raise RequestError(field, f"{field} is {n_tokens} tokens long; "
+                                  f"the limit (option.max_input_length) is {limit}")
