@@ -14,6 +14,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+#: Parameters a stream generator is given only when they differ from their default, so
+#: that an engine written before they existed (a custom one) is not handed unknown ones.
+OPTIONAL_PARAMETERS = {"manual_seed": None, "min_new_tokens": 0, "ignore_eos": False,
+                       "logprobs": False, "top_logprobs": 0}
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParameters:
     """Validated generation parameters.
@@ -21,10 +27,16 @@ class SamplingParameters:
     As in transformers' ``generate()``, sampling happens only when ``do_sample`` is true:
     ``temperature``, ``top_k``, ``top_p`` and ``typical_p`` are accepted on their own but
     change nothing while decoding stays greedy. ``top_k=0`` switches top-k off;
-    ``manual_seed`` makes sampling repeatable.
+    ``manual_seed`` makes sampling repeatable. ``min_new_tokens`` keeps the end-of-sequence
+    token from being chosen before that many tokens; ``ignore_eos`` lets generation run on
+    past it to ``max_new_tokens`` (both for benchmarks of fixed lengths). ``logprobs`` asks
+    for each chosen token's log-probability, ``top_logprobs`` for that many most likely
+    alternatives too.
 
     >>> SamplingParameters(max_new_tokens=16, do_sample=True, stop=("\\n\\n",)).as_kwargs()["stop"]
     ['\\n\\n']
+    >>> "ignore_eos" in SamplingParameters(max_new_tokens=16).as_kwargs()
+    False
     """
 
     max_new_tokens: int
@@ -36,16 +48,22 @@ class SamplingParameters:
     do_sample: bool = False
     manual_seed: int | None = None
     stop: tuple[str, ...] = ()
+    min_new_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def as_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for a stream generator (``**parameters``).
 
-        ``stop`` becomes a list; ``manual_seed`` is left out when unset.
+        ``stop`` becomes a list; the parameters of :data:`OPTIONAL_PARAMETERS` are left out
+        while they have their default value.
         """
         kwargs = dataclasses.asdict(self)
         kwargs["stop"] = list(self.stop)
-        if self.manual_seed is None:
-            del kwargs["manual_seed"]
+        for name, default in OPTIONAL_PARAMETERS.items():
+            if kwargs[name] == default:
+                del kwargs[name]
         return kwargs
 
 
@@ -57,6 +75,9 @@ class GenerationRequest:
     prompt the chat template rendered, and ``messages`` keeps what the client sent.
     ``batched`` is true when ``inputs`` was a list, so a non-streaming answer is a list too.
     ``stream`` is ``None`` when the client left it to the server's default.
+    ``answer`` holds what only the protocol needs to write its answer (OpenAI's ``n`` and
+    ``stream_options``, TGI's ``details``, ``return_full_text`` and the original inputs...);
+    the service passes it through untouched.
     """
 
     prompts: tuple[str, ...]
@@ -64,5 +85,6 @@ class GenerationRequest:
     stream: bool | None = None
     batched: bool = False
     messages: tuple[dict[str, str], ...] | None = None
+    answer: Any = None
 
 

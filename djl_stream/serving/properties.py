@@ -32,6 +32,7 @@ from typing import Any, Mapping, Optional
 logger = logging.getLogger(__name__)
 
 DTYPES = ("fp32", "fp16", "bf16", "auto")
+CHAT_PROTOCOLS = ("openai", "djl")
 #: Keys djl-serving itself puts in the init call (its own settings, the non-option keys of
 #: serving.properties, what LMI adds); accepted and ignored here.
 DJL_KEYS = frozenset(
@@ -103,6 +104,9 @@ class ModelProperties:
         max_input_length: the longest prompt, in tokens, a request may send.
         output_formatter: built-in formatter name (``jsonlines``, ``sse``) or the name of a
             function in ``model.py`` (or that function, as djl's worker may pass it).
+        chat_protocol: how a body with ``messages`` is answered when the request names no
+            protocol: ``openai`` (chat completions, as djl-serving's LMI images answer it)
+            or ``djl`` (``{"output_tokens": [...]}`` lines, ``{"generated_text": ...}``).
         apply_chat_template: wrap each ``inputs`` prompt as one user turn of the tokenizer's
             chat template; ``None`` (``auto``) does so when the tokenizer has a template,
             which is what an instruct model needs. ``messages`` requests always use it.
@@ -137,6 +141,7 @@ class ModelProperties:
     max_new_tokens_limit: int = 2048
     max_input_length: int = 4096
     output_formatter: Any = "jsonlines"
+    chat_protocol: str = "openai"
     apply_chat_template: Optional[bool] = None
     max_rolling_batch_size: int = 32
     job_queue_size: int = 1000
@@ -224,6 +229,12 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
         elif key == "context_length_estimate":
             parts = [p for p in str(value).replace(" ", "").split(",") if p]
             out[key] = tuple(_as_int(key, p) for p in parts) or None
+        elif key == "chat_protocol":
+            text = str(value).strip().lower()
+            if text not in CHAT_PROTOCOLS:
+                raise PropertyError("option.chat_protocol",
+                                    f"expected one of {', '.join(CHAT_PROTOCOLS)}, got {value!r}")
+            out[key] = text
         elif key == "output_formatter" and callable(value):
             # djl's worker hands over a function marked with @output_formatter itself
             out[key] = value

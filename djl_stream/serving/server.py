@@ -47,6 +47,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from djl_stream.protocols.protocol import PROTOCOL_PROPERTY
 from djl_stream.serving.worker import (
     READY,
     ModelWorker,
@@ -60,6 +61,13 @@ logger = logging.getLogger(__name__)
 #: Threads for ``handle()`` and the stream iterators' ``next()``: every open stream may
 #: hold one while it waits for its next token, so this bounds concurrent streams.
 DEFAULT_MAX_THREADS = 128
+#: Routes of other clients' protocols, and the protocol each names to the handler.
+PROTOCOL_ROUTES = {
+    "/v1/chat/completions": "openai-chat",
+    "/v1/completions": "openai-completions",
+    "/generate": "tgi-generate",
+    "/generate_stream": "tgi-generate-stream",
+}
 #: Where the access-log middleware and a stream share what happened to a request.
 _LOG_KEY = "djl_stream.log"
 #: Response headers the server computes itself; a handler's value would corrupt framing.
@@ -286,7 +294,16 @@ class ModelServer:
             Route("/invocations", self.invocations, methods=["POST"]),
             Route("/predictions/{model_name}", self.predictions, methods=["POST"]),
             Route("/models", self.models, methods=["GET"]),
+            # Other clients' protocols, answered by the same handle(): the route names the
+            # protocol to the handler (PROTOCOL_PROPERTY), as the body's shape would.
+            *(Route(path, self._protocol_route(name), methods=["POST"])
+              for path, name in PROTOCOL_ROUTES.items()),
         ]
+
+    def _protocol_route(self, protocol: str):
+        async def endpoint(request: Request) -> Response | StreamingOutputResponse:
+            return await self._predict(request, protocol)
+        return endpoint
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -321,12 +338,15 @@ class ModelServer:
             return error_response(404, f"Model not found: {name}", "ModelNotFoundException")
         return await self._predict(request)
 
-    async def _predict(self, request: Request) -> Response | StreamingOutputResponse:
+    async def _predict(self, request: Request, protocol: Optional[str] = None
+                       ) -> Response | StreamingOutputResponse:
         worker = self.worker
         if worker.status != READY:
             return error_response(503, worker.not_ready_message())
         body = await request.body()
         inp = worker.make_input(body, request.headers, request.query_params)
+        if protocol is not None:
+            inp.properties[PROTOCOL_PROPERTY] = protocol
         output = await anyio.to_thread.run_sync(worker.invoke, inp, limiter=self.limiter)
         if getattr(output, "stream_content", None) is not None:
             return StreamingOutputResponse(output, self.limiter)

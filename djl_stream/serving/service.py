@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import importlib
 import logging
 import sys
 import threading
@@ -55,6 +56,14 @@ ACCELERATE_ENGINE = "Accelerate"
 #: Threads the async worker mode pulls chunks with: each open stream may hold one while it
 #: waits for its next token (the same bound as ``djl-stream serve``'s).
 ASYNC_MAX_THREADS = 128
+#: Protocols beyond djl-serving's own, by name: ``"module:factory"``, the factory called
+#: with the loaded service (a protocol may read the model's properties or tokenizer).
+PROTOCOLS: Dict[str, str] = {}
+#: Which protocol answers a body when the request names none: the first whose key the body
+#: has (``messages``: OpenAI chat completions, as LMI answers them; ``prompt``: OpenAI
+#: completions), among the protocols the model serves.
+PROTOCOLS_BY_BODY: Tuple[Tuple[str, str], ...] = (("messages", "openai-chat"),
+                                                  ("prompt", "openai-completions"))
 
 
 def select_engine(props: ModelProperties) -> str:
@@ -172,9 +181,11 @@ class StreamingService:
 
     def reply(self, inputs) -> Reply:
         """The answer to one request (never raises for a request's own failure)."""
-        protocol = self.protocol_for(inputs)
+        protocol = self.protocols["djl"]
         try:
-            request, prompt_tokens = self.parse(inputs, protocol)
+            body = self.read_body(inputs)
+            protocol = self.protocol_for(inputs, body)
+            request, prompt_tokens = self.parse(body, protocol)
         except RequestError as error:
             return self._error(protocol, Failure.invalid(error))
         try:
@@ -224,17 +235,34 @@ class StreamingService:
 
     # -- protocols --
 
-    def protocol_for(self, inputs) -> Protocol:
-        """The protocol of a request: the one its ``djl_stream_protocol`` property names (set
-        by ``djl-stream serve`` from the route), else djl-serving's."""
+    def protocol_for(self, inputs, body: Any) -> Protocol:
+        """The protocol of a request: the one its ``djl_stream_protocol`` property names
+        (``djl-stream serve`` sets it from the route), else the first of
+        :data:`PROTOCOLS_BY_BODY` whose keys the body has and that this model serves, else
+        djl-serving's."""
         name = inputs.get_property(PROTOCOL_PROPERTY)
-        return self.protocols.get(str(name).strip().lower(), self.protocols["djl"]) \
-            if name else self.protocols["djl"]
+        if name:
+            name = str(name).strip().lower()
+            if name not in self.protocols:
+                raise RequestError(PROTOCOL_PROPERTY, f"{PROTOCOL_PROPERTY} must be one of "
+                                   f"{', '.join(sorted(self.protocols))}, got {name!r}")
+            return self.protocols[name]
+        if isinstance(body, dict):
+            for key, candidate in PROTOCOLS_BY_BODY:
+                if candidate == "openai-chat" and self.props.chat_protocol == "djl":
+                    continue
+                if key in body and candidate in self.protocols:
+                    return self.protocols[candidate]
+        return self.protocols["djl"]
 
     @functools.cached_property
     def protocols(self) -> Dict[str, Protocol]:
         """Every protocol this model answers, by name (built once, after loading)."""
-        return {"djl": DjlProtocol(self.formatter)}
+        protocols: Dict[str, Protocol] = {"djl": DjlProtocol(self.formatter)}
+        for name, factory in PROTOCOLS.items():
+            module, _, attribute = factory.partition(":")
+            protocols[name] = getattr(importlib.import_module(module), attribute)(self)
+        return protocols
 
     @functools.cached_property
     def parse_context(self) -> ParseContext:
@@ -254,11 +282,8 @@ class StreamingService:
         ``option.model_id``, else the model directory's name."""
         return self.props.model_id or Path(self.props.model_dir).name
 
-    def parse(self, inputs, protocol: Optional[Protocol] = None
-              ) -> Tuple[GenerationRequest, List[int]]:
-        """The validated request in ``inputs`` and each prompt's length in tokens, with chat
-        templates applied and lengths checked; raises :class:`RequestError`."""
-        protocol = protocol or self.protocols["djl"]
+    def read_body(self, inputs) -> Any:
+        """The request's decoded JSON body; raises :class:`RequestError`."""
         if inputs.is_batch():
             # djl-serving's dynamic batching (batch_size > 1) merges requests into one
             # Input; the real engine refuses it with streaming, and continuous batching
@@ -268,8 +293,15 @@ class StreamingService:
                 "dynamic batching (batch_size > 1 in serving.properties) is not supported: "
                 "djl-stream batches concurrent requests continuously; remove batch_size",
             )
-        body = parse_json_body(inputs.get_as_bytes("data") if inputs.contains_key("data")
+        return parse_json_body(inputs.get_as_bytes("data") if inputs.contains_key("data")
                                else inputs.get_as_bytes())
+
+    def parse(self, body: Any, protocol: Optional[Protocol] = None
+              ) -> Tuple[GenerationRequest, List[int]]:
+        """``body`` validated by ``protocol`` (djl-serving's by default), and each prompt's
+        length in tokens, with chat templates applied and lengths checked; raises
+        :class:`RequestError`."""
+        protocol = protocol or self.protocols["djl"]
         request = protocol.parse(body, self.parse_context)
         if len(request.prompts) > self.props.max_rolling_batch_size:
             field = protocol.prompt_field(request, 0).split("[")[0]
