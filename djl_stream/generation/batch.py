@@ -31,7 +31,7 @@ import torch
 from transformers import DynamicCache
 
 from djl_stream.generation import kv_cache
-from djl_stream.generation.sampling import choose_next_tokens
+from djl_stream.generation.sampling import choose_next_tokens, token_logprobs
 from djl_stream.generation.sequence import GenerationSequence
 from djl_stream.generation.step import Generation
 
@@ -168,7 +168,9 @@ def generate_token(
 
     Returns each row's :class:`Generation` and the batch for the next step (None when every
     row finished). Only the last position's logits are computed (``logits_to_keep=1``), so
-    a long prompt does not pay for a vocabulary projection of every prompt token.
+    a long prompt does not pay for a vocabulary projection of every prompt token. Rows
+    whose request asked for ``logprobs`` / ``top_logprobs`` get them in their
+    :class:`Generation` (see :func:`~djl_stream.generation.sampling.token_logprobs`).
     """
     with torch.inference_mode():
         outputs = model(
@@ -180,12 +182,14 @@ def generate_token(
             **last_logits_only(model),
         )
         logits = outputs.logits[:, -1, :]
-        tokens = choose_next_tokens(
-            [seq.chooser for seq in batch.sequences],
-            logits,
-            [seq.all_ids for seq in batch.sequences],
-        )
-    generations = [seq.append(token) for seq, token in zip(batch.sequences, tokens)]
+        choosers = [seq.chooser for seq in batch.sequences]
+        tokens = choose_next_tokens(choosers, logits, [seq.all_ids for seq in batch.sequences])
+        details = token_logprobs(choosers, logits, tokens)
+    generations = [
+        seq.append(token) if detail is None
+        else seq.append(token, detail.logprob, detail.top)
+        for seq, token, detail in zip(batch.sequences, tokens, details)
+    ]
     device = batch.attention_mask.device
     next_batch = CausalLMBatch(
         sequences=batch.sequences,

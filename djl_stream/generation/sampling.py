@@ -2,8 +2,10 @@
 
 Each request in a batch keeps its own sampling parameters and its own random generator, so
 batch mates never change each other's results: a seeded request samples the same tokens
-alone or among fifteen others. Greedy rows without a repetition penalty need no processor
-at all, and :func:`choose_next_tokens` takes their argmax for the whole batch in one call.
+alone or among fifteen others. Greedy rows without a repetition penalty or a pending
+``min_new_tokens`` need no processor at all, and :func:`choose_next_tokens` takes their
+argmax for the whole batch in one call. :func:`token_logprobs` reports log-probabilities
+for the rows that asked for them, and only for those.
 
 Example::
 
@@ -18,17 +20,23 @@ Example::
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import dataclasses
+from typing import AbstractSet, List, Optional, Sequence, Tuple
 
 import torch
 from transformers import (
     LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
     TypicalLogitsWarper,
 )
+
+#: The most alternatives a request may ask for per token (``top_logprobs``), as in
+#: OpenAI's API and vLLM's default ``max_logprobs``.
+MAX_TOP_LOGPROBS = 20
 
 
 class TokenChooser:
@@ -37,6 +45,24 @@ class TokenChooser:
     ``do_sample=False`` means greedy decoding, as in transformers' ``generate()``: the
     sampling warpers (temperature, top-k, top-p, typical-p) only apply when sampling; the
     repetition penalty applies in both modes.
+
+    ``min_new_tokens`` keeps every id of ``eos_token_ids`` from being chosen before that
+    many tokens follow the prompt, through transformers'
+    ``MinNewTokensLengthLogitsProcessor``, which counts the new tokens as the length of the
+    ids it is given minus ``prompt_length``; so the sequence hands it prompt and generated
+    ids together (``needs_input_ids``), and tells the chooser after every token
+    (:meth:`note_generated`) so that the processor, once it has nothing left to forbid,
+    leaves and a greedy row goes back to the batched argmax.
+
+    ``logprobs`` / ``top_logprobs`` (at most :data:`MAX_TOP_LOGPROBS`) ask
+    :func:`token_logprobs` for the chosen token's log-probability and that many most
+    likely alternatives; they never change which token is chosen.
+
+    >>> chooser = TokenChooser(min_new_tokens=2, eos_token_ids={2}, prompt_length=3)
+    >>> chooser.choose(torch.tensor([[5, 6, 7]]), torch.tensor([[0.0, 1.0, 9.0]]))  # eos barred
+    1
+    >>> chooser.note_generated(2); chooser.is_greedy
+    True
     """
 
     def __init__(
@@ -49,12 +75,34 @@ class TokenChooser:
         typical_p: float = 1.0,
         repetition_penalty: float = 1.0,
         manual_seed: Optional[int] = None,
+        min_new_tokens: int = 0,
+        eos_token_ids: AbstractSet[int] = frozenset(),
+        prompt_length: int = 0,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
         device: torch.device | str = "cpu",
     ):
+        if isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, int) or min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be an integer of at least 0, got {min_new_tokens!r}")
+        if (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int)
+                or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(
+                f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top_logprobs!r}")
         self.do_sample = do_sample
         processors = LogitsProcessorList()
+        # transformers' generate() order: penalties, length constraints, then the warpers.
         if repetition_penalty != 1.0:
             processors.append(RepetitionPenaltyLogitsProcessor(penalty=repetition_penalty))
+        self._min_new_tokens: Optional[MinNewTokensLengthLogitsProcessor] = None
+        self.min_new_tokens = min_new_tokens if eos_token_ids else 0
+        if self.min_new_tokens:
+            self._min_new_tokens = MinNewTokensLengthLogitsProcessor(
+                prompt_length_to_skip=prompt_length,
+                min_new_tokens=min_new_tokens,
+                eos_token_id=sorted(int(i) for i in eos_token_ids),
+                device=str(device),
+            )
+            processors.append(self._min_new_tokens)
         if do_sample:
             if temperature != 1.0:
                 processors.append(TemperatureLogitsWarper(temperature))
@@ -65,7 +113,10 @@ class TokenChooser:
             if typical_p < 1.0:
                 processors.append(TypicalLogitsWarper(mass=typical_p))
         self.processors = processors
-        self.needs_input_ids = repetition_penalty != 1.0
+        self._repetition_penalty = repetition_penalty != 1.0
+        self.needs_input_ids = self._repetition_penalty or self._min_new_tokens is not None
+        self.top_logprobs = top_logprobs
+        self.logprobs = bool(logprobs) or top_logprobs > 0
         self.generator: Optional[torch.Generator] = None
         if do_sample:
             self.generator = torch.Generator(device=device)
@@ -79,10 +130,19 @@ class TokenChooser:
         """True when the choice is a plain argmax of the raw logits."""
         return not self.do_sample and not self.processors
 
+    def note_generated(self, count: int) -> None:
+        """The sequence now holds ``count`` new tokens: drop the ``min_new_tokens``
+        processor once it can no longer forbid anything (it would be a no-op)."""
+        if self._min_new_tokens is not None and count >= self.min_new_tokens:
+            self.processors = LogitsProcessorList(
+                p for p in self.processors if p is not self._min_new_tokens)
+            self._min_new_tokens = None
+            self.needs_input_ids = self._repetition_penalty
+
     def choose(self, input_ids: Optional[torch.Tensor], scores: torch.Tensor) -> int:
         """Pick the next token from ``scores`` (shape ``(1, vocab)``) given the
-        sequence so far ``input_ids`` (shape ``(1, length)``; only read by processors
-        that need it, such as the repetition penalty)."""
+        sequence so far ``input_ids`` (shape ``(1, length)``, prompt included; only read
+        by processors that need it, such as the repetition penalty)."""
         scores = scores.float()
         if self.processors:
             scores = self.processors(input_ids, scores)
@@ -111,3 +171,58 @@ def choose_next_tokens(
             ids = torch.tensor([list(all_ids[row])], dtype=torch.long, device=logits.device)
         tokens[row] = chooser.choose(ids, logits[row : row + 1])
     return tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """The chosen token's log-probability and the ``(token_id, logprob)`` pairs of the
+    most likely tokens, most likely first (empty unless ``top_logprobs`` was asked)."""
+
+    logprob: float
+    top: Tuple[Tuple[int, float], ...] = ()
+
+
+def token_logprobs(
+    choosers: Sequence[TokenChooser],
+    logits: torch.Tensor,
+    tokens: Sequence[int],
+) -> List[Optional[TokenLogprobs]]:
+    """Log-probabilities of the chosen ``tokens`` for the rows whose chooser asked
+    (``logprobs`` or ``top_logprobs``), None for the others.
+
+    They are the model's own distribution for the step: ``log_softmax`` of the raw logits
+    in float32, *before* the repetition penalty, ``min_new_tokens``, temperature, top-k,
+    top-p and typical-p. That is what vLLM reports by default (its V1 engine's
+    ``logprobs_mode="raw_logprobs"``) and what OpenAI's API describes. text-generation-
+    inference reports the distribution after its repetition penalty and warpers instead;
+    for greedy requests without a repetition penalty the two agree. A token barred by
+    ``min_new_tokens`` keeps its real log-probability in ``top``.
+
+    Rows that did not ask cost nothing: the others' logits are gathered, normalised and
+    copied to the host in a few batched operations.
+
+    >>> chooser = TokenChooser(top_logprobs=2)
+    >>> logits = torch.log(torch.tensor([[0.2, 0.5, 0.3]]))
+    >>> [(d.logprob, d.top) for d in token_logprobs([chooser], logits, [2])]  # doctest: +ELLIPSIS
+    [(-1.20..., ((1, -0.69...), (2, -1.20...)))]
+    """
+    rows = [row for row, chooser in enumerate(choosers) if chooser.logprobs]
+    details: List[Optional[TokenLogprobs]] = [None] * len(choosers)
+    if not rows:
+        return details
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+    chosen_ids = torch.tensor([tokens[row] for row in rows], dtype=torch.long,
+                              device=logits.device)
+    chosen = logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
+    k = max(choosers[row].top_logprobs for row in rows)
+    top_values: List[List[float]] = [[] for _ in rows]
+    top_ids: List[List[int]] = [[] for _ in rows]
+    if k:
+        values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)  # sorted, largest first
+        top_values, top_ids = values.tolist(), ids.tolist()
+    for i, row in enumerate(rows):
+        n = choosers[row].top_logprobs
+        details[row] = TokenLogprobs(
+            float(chosen[i]), tuple(zip(top_ids[i][:n], top_values[i][:n])))
+    return details

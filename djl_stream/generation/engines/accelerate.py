@@ -32,9 +32,9 @@ from djl_stream.generation.streaming_utils import register_engine
 DEFAULT_MAX_NEW_TOKENS = 50
 _CHOOSER_PARAMETERS = (
     "do_sample", "temperature", "top_k", "top_p", "typical_p",
-    "repetition_penalty", "manual_seed",
+    "repetition_penalty", "manual_seed", "min_new_tokens", "logprobs", "top_logprobs",
 )
-_PARAMETERS = frozenset(_CHOOSER_PARAMETERS + ("max_new_tokens", "stop"))
+_PARAMETERS = frozenset(_CHOOSER_PARAMETERS + ("max_new_tokens", "stop", "ignore_eos"))
 
 
 def model_input_device(model) -> torch.device:
@@ -83,7 +83,12 @@ def build_sequences(
     request_ids: Optional[Sequence[Any]] = None,
     **parameters: Any,
 ) -> List[GenerationSequence]:
-    """One :class:`GenerationSequence` per prompt, all with the same ``parameters``."""
+    """One :class:`GenerationSequence` per prompt, all with the same ``parameters``.
+
+    ``parameters`` are those of :func:`accelerate_stream_generator`; an unknown one, or a
+    value the chooser cannot take (``top_logprobs`` above 20, a negative
+    ``min_new_tokens``), raises ``ValueError`` before anything runs.
+    """
     unknown = set(parameters) - _PARAMETERS
     if unknown:
         raise ValueError(
@@ -105,7 +110,9 @@ def build_sequences(
             max_new_tokens=max_new_tokens,
             eos_token_ids=eos_ids,
             stop=tuple(stop),
-            chooser=TokenChooser(device=device, **chooser_kwargs),
+            chooser=TokenChooser(device=device, eos_token_ids=eos_ids, prompt_length=len(ids),
+                                 **chooser_kwargs),
+            ignore_eos=bool(parameters.get("ignore_eos")),
         )
         for request_id, ids in zip(request_ids, prompt_ids)
     ]
@@ -136,9 +143,22 @@ def accelerate_stream_generator(
     """Stream the continuation of every prompt in ``inputs``, one list per decode step.
 
     ``parameters``: ``max_new_tokens`` (default 50), ``do_sample``, ``temperature``,
-    ``top_k``, ``top_p``, ``typical_p``, ``repetition_penalty``, ``manual_seed``, ``stop``.
-    Each list has one entry per prompt: the text that step released for it, ``""`` when
-    it released none (an incomplete character, a possible stop string, or already done).
+    ``top_k``, ``top_p``, ``typical_p``, ``repetition_penalty``, ``manual_seed``, ``stop``,
+    and, for benchmarks and clients that score tokens: ``min_new_tokens`` (no
+    end-of-sequence id before that many new tokens; ``max_new_tokens`` still ends it),
+    ``ignore_eos`` (end-of-sequence ids do not end it; they add no text), ``logprobs`` and
+    ``top_logprobs`` (0 to 20; the model's own log-probabilities, see
+    :func:`~djl_stream.generation.sampling.token_logprobs`).
+
+    Each item is a :class:`~djl_stream.generation.step.Step`: a list with one entry per
+    prompt, the text that step released for it (``""`` when it released none: an
+    incomplete character, a possible stop string, or already done), whose
+    ``generations`` hold the token, its log-probabilities when asked, whether it is a
+    special token, and the finish reason::
+
+        gen = StreamingUtils.get_stream_generator("Accelerate")
+        step = next(gen(model, tokenizer, ["Hi"], max_new_tokens=4, top_logprobs=2))
+        step.generations[0].top_logprobs    # ((13, -0.41...), (28, -2.3...))
 
     The prompts join the model's running batch (continuous batching), so concurrent
     callers share decode steps. Closing the returned iterator (a client that left) takes
