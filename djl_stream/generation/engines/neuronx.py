@@ -70,6 +70,7 @@ import torch
 
 from djl_stream.protocols.validation import RequestError
 from djl_stream.generation.sequence import GenerationSequence
+from djl_stream.generation.step import Generation, Step
 from djl_stream.generation.streaming_utils import register_engine
 from djl_stream.generation.engines.accelerate import DEFAULT_MAX_NEW_TOKENS, encode_prompts
 
@@ -85,8 +86,12 @@ AMP = {"fp16": "f16", "bf16": "bf16", "fp32": "f32", "auto": "f16"}
 
 _PARAMETERS = frozenset({
     "max_new_tokens", "stop", "do_sample", "temperature", "top_k", "top_p", "typical_p",
-    "repetition_penalty", "manual_seed",
+    "repetition_penalty", "manual_seed", "min_new_tokens", "ignore_eos", "logprobs",
+    "top_logprobs",
 })
+#: What ``eos_token_override`` is set to for ``ignore_eos``: the sampler marks a row done
+#: when its token equals the eos id, then feeds it eos; no token id is -1.
+NO_EOS = -1
 
 
 # ---------------------------------------------------------------------------------------
@@ -619,7 +624,7 @@ def _sample_parameters(model) -> FrozenSet[str]:
     try:
         return frozenset(inspect.signature(model.sample).parameters)
     except (TypeError, ValueError):  # no signature to read: assume the Llama family's
-        return frozenset({"top_k", "top_p", "temperature"})
+        return frozenset({"top_k", "top_p", "temperature", "eos_token_override"})
 
 
 def sample_options(
@@ -628,7 +633,8 @@ def sample_options(
     vocab_size: int,
     accepted: AbstractSet[str] = frozenset({"top_k", "top_p", "temperature"}),
 ) -> Dict[str, Any]:
-    """``top_k``, ``top_p`` and ``temperature`` for ``model.sample()``.
+    """``top_k``, ``top_p``, ``temperature`` (and ``eos_token_override``) for
+    ``model.sample()``.
 
     Greedy decoding (``do_sample`` false) is ``top_k=1``. ``top_p`` and ``temperature`` are
     Python floats, as the Neuron sampler checks; ``top_k=0`` (off) becomes ``vocab_size``.
@@ -638,7 +644,15 @@ def sample_options(
     The Neuron sampler has no repetition penalty, typical-p or seed, so a request that sets
     one to a value that would change its output gets a :class:`RequestError` rather than
     silently different results (a greedy request may carry ``typical_p`` and
-    ``manual_seed``: they change nothing there, as in the Accelerate engine).
+    ``manual_seed``: they change nothing there, as in the Accelerate engine). It hands out
+    no per-token scores and cannot bar a token, so ``logprobs``, ``top_logprobs`` and
+    ``min_new_tokens`` are refused the same way.
+
+    ``ignore_eos`` becomes ``eos_token_override=-1`` (:data:`NO_EOS`): the sampler compares
+    every token with that id to mark a row done (and then feeds it eos to the end), and no
+    token is -1, so every row runs to ``sequence_length``; the end-of-sequence tokens it
+    still produces add no text (the :class:`GenerationSequence` is told ``ignore_eos``).
+    A ``sample()`` without ``eos_token_override`` (``accepted``) refuses ``ignore_eos``.
 
     >>> sample_options({"do_sample": False, "temperature": 0.5}, vocab_size=100)
     {'top_k': 1, 'top_p': 1.0, 'temperature': 1.0}
@@ -648,7 +662,17 @@ def sample_options(
     Traceback (most recent call last):
     ...
     djl_stream.protocols.validation.RequestError: parameters.repetition_penalty is not supported by the transformers-neuronx engine (the Neuron sampler has no repetition penalty); leave it 1
+    >>> sample_options({"ignore_eos": True}, vocab_size=100,
+    ...                accepted={"top_k", "top_p", "temperature", "eos_token_override"})
+    {'top_k': 1, 'top_p': 1.0, 'temperature': 1.0, 'eos_token_override': -1}
     """
+    if parameters.get("logprobs"):
+        raise _unsupported("logprobs", "false", "the Neuron sampler reports no per-token scores")
+    if parameters.get("top_logprobs"):
+        raise _unsupported("top_logprobs", "0", "the Neuron sampler reports no per-token scores")
+    if parameters.get("min_new_tokens"):
+        raise _unsupported("min_new_tokens", "0", "the Neuron sampler cannot keep the "
+                           "end-of-sequence token from being chosen")
     repetition_penalty = parameters.get("repetition_penalty")
     if repetition_penalty is not None and repetition_penalty != 1.0:
         raise _unsupported("repetition_penalty", "1")
@@ -669,6 +693,12 @@ def sample_options(
             if options[name] != 1.0:
                 raise _unsupported(name, "1", f"this model's sample() has no {name}")
             del options[name]
+    if parameters.get("ignore_eos"):
+        if "eos_token_override" not in accepted:
+            raise _unsupported("ignore_eos", "false", "this model's sample() has no "
+                               "eos_token_override, so its sampler always ends a row at the "
+                               "end-of-sequence token")
+        options["eos_token_override"] = NO_EOS
     return options
 
 
@@ -767,17 +797,21 @@ def _run_sample(model, lock: threading.Lock, streamer: TokenQueueStreamer,
 class NeuronGenerationStream:
     """Iterator over one request's decode steps; see the module docstring.
 
-    Each item has one entry per prompt. The stream ends when every prompt is done (the
+    Each item is a :class:`~djl_stream.generation.step.Step` with one entry per prompt
+    (its ``generations`` carry the token, ``special`` and the finish reason; the Neuron
+    sampler gives no log-probabilities). The stream ends when every prompt is done (the
     sampling thread is then stopped at its next step), when ``sample()`` returns, or with
     ``sample()``'s own exception. :meth:`close` stops the generation at its next step.
-    ``thread`` is the sampling thread.
+    ``thread`` is the sampling thread; ``eos_token_id`` is the id the sampler ends rows
+    with.
     """
 
     POLL_SECONDS = 0.1
 
     def __init__(self, model, sequences: Sequence[GenerationSequence], batch: NeuronBatch,
-                 options: Dict[str, Any]) -> None:
+                 options: Dict[str, Any], eos_token_id: Optional[int] = None) -> None:
         self.sequences = list(sequences)
+        self.eos_token_id = eos_token_id
         self.streamer = TokenQueueStreamer()
         self._done = False
         self.thread = threading.Thread(
@@ -789,7 +823,7 @@ class NeuronGenerationStream:
     def __iter__(self) -> "NeuronGenerationStream":
         return self
 
-    def __next__(self) -> List[str]:
+    def __next__(self) -> Step:
         if self._done:
             raise StopIteration
         item = self._next_item()
@@ -798,17 +832,17 @@ class NeuronGenerationStream:
             raise item.error
         if item is _END:
             self.close()
-            pieces = self._flush_unfinished()
-            if not any(pieces):
+            generations = self._flush_unfinished()
+            if not any(generations):
                 raise StopIteration
-            return pieces
-        pieces = [""] * len(self.sequences)
+            return Step.of(generations)
+        generations: List[Optional[Generation]] = [None] * len(self.sequences)
         for row, sequence in enumerate(self.sequences):
             if not sequence.finished:
-                pieces[row] = sequence.append(int(item[row])).text
+                generations[row] = sequence.append(int(item[row]))
         if all(sequence.finished for sequence in self.sequences):
             self.close()
-        return pieces
+        return Step.of(generations)
 
     def close(self) -> None:
         """Stop generating; the sampling thread leaves ``sample()`` at its next step."""
@@ -834,15 +868,19 @@ class NeuronGenerationStream:
             except queue.Empty:
                 return _Failure(RuntimeError("the sampling thread ended without finishing"))
 
-    def _flush_unfinished(self) -> List[str]:
+    def _flush_unfinished(self) -> List[Optional[Generation]]:
         # sample() stopped before a row reached our own end (every row produced the
         # sampler's eos, or sequence_length): end it as the model did, releasing the text
-        # still held back for an incomplete character or a possible stop string.
-        pieces = [""] * len(self.sequences)
+        # still held back for an incomplete character or a possible stop string. end(),
+        # not append(eos): with ignore_eos an appended eos would not end the row.
+        generations: List[Optional[Generation]] = [None] * len(self.sequences)
         for row, sequence in enumerate(self.sequences):
             if not sequence.finished:
-                pieces[row] = sequence.append(next(iter(sequence.eos_token_ids))).text
-        return pieces
+                eos = self.eos_token_id
+                if eos is None:
+                    eos = min(sequence.eos_token_ids) if sequence.eos_token_ids else 0
+                generations[row] = sequence.end(eos, "eos")
+        return generations
 
 
 def _eos_ids(model, tokenizer, compilation: NeuronCompilation) -> FrozenSet[int]:
@@ -870,8 +908,9 @@ def neuronx_stream_generator(
     """Stream the continuation of every prompt in ``inputs``, one list per decode step.
 
     ``parameters`` as for the Accelerate engine: ``max_new_tokens`` (default 50),
-    ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``stop``; ``typical_p``,
-    ``repetition_penalty`` and ``manual_seed`` only at values that change nothing (see
+    ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``stop``, ``ignore_eos``;
+    ``typical_p``, ``repetition_penalty``, ``manual_seed``, ``min_new_tokens``,
+    ``logprobs`` and ``top_logprobs`` only at values that change nothing (see
     :func:`sample_options`). Raises :class:`~djl_stream.protocols.validation.RequestError` at once
     (before any generation) for more prompts than the compiled batch size, a prompt plus
     ``max_new_tokens`` beyond ``n_positions``, or an unsupported sampling option.
@@ -889,12 +928,13 @@ def neuronx_stream_generator(
     check_batch_size(len(inputs), compilation.batch_size)  # before tokenizing in vain
     max_new_tokens = parameters.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
     prompt_ids = encode_prompts(tokenizer, inputs)
+    sampler_eos = _sampler_eos_id(model, tokenizer)
     batch = NeuronBatch.from_prompts(
         prompt_ids,
         batch_size=compilation.batch_size,
         n_positions=compilation.n_positions,
         max_new_tokens=max_new_tokens,
-        pad_token_id=_sampler_eos_id(model, tokenizer),
+        pad_token_id=sampler_eos,
     )
     stop = parameters.get("stop") or ()
     if isinstance(stop, str):
@@ -902,7 +942,8 @@ def neuronx_stream_generator(
     eos_ids = _eos_ids(model, tokenizer, compilation)
     sequences = [
         GenerationSequence(i, ids, tokenizer, max_new_tokens=max_new_tokens,
-                           eos_token_ids=eos_ids, stop=tuple(stop))
+                           eos_token_ids=eos_ids, stop=tuple(stop),
+                           ignore_eos=bool(parameters.get("ignore_eos")))
         for i, ids in enumerate(prompt_ids)
     ]
-    return NeuronGenerationStream(model, sequences, batch, options)
+    return NeuronGenerationStream(model, sequences, batch, options, eos_token_id=sampler_eos)

@@ -15,12 +15,14 @@ library requires of its callers:
   directory, as the Neuron compiler does, so it fails in a read-only one; the directory it
   ran in is recorded in ``compile_cwd``;
 - ``sample(input_ids, sequence_length, start_ids=None, top_k=50, top_p=1.0,
-  temperature=1.0, streamer=None)`` refuses a batch other than the compiled one, a
-  ``sequence_length`` (prompt + new tokens) beyond ``n_positions`` and ``top_p`` /
-  ``temperature`` that are not Python floats; it treats ``start_ids[i]`` as where row
-  ``i``'s real tokens begin in a left-padded batch (the padding is masked out and positions
-  count from there), calls ``streamer.put()`` once per step with a ``(batch, 1)`` tensor
-  (never the prompt), feeds ``eos_token_id`` to rows that are done, stops when every row
+  eos_token_override=None, temperature=1.0, streamer=None)`` refuses a batch other than
+  the compiled one, a ``sequence_length`` (prompt + new tokens) beyond ``n_positions`` and
+  ``top_p`` / ``temperature`` that are not Python floats; it treats ``start_ids[i]`` as
+  where row ``i``'s real tokens begin in a left-padded batch (the padding is masked out and
+  positions count from there), calls ``streamer.put()`` once per step with a ``(batch, 1)``
+  tensor (never the prompt), marks a row done when its token equals the eos id (the
+  config's first ``eos_token_id``, or ``eos_token_override`` when given, as the Llama
+  family's ``sample()`` does) and feeds that id to rows that are done, stops when every row
   is done or at ``sequence_length``, and calls ``streamer.end()``.
 
 The real library is not on PyPI and needs Neuron hardware; nothing here is its code.
@@ -100,12 +102,13 @@ class StandInForSampling:
 
     @torch.no_grad()
     def sample(self, input_ids, sequence_length, start_ids=None, top_k=50, top_p=1.0,
-               temperature=1.0, streamer=None):
+               eos_token_override=None, temperature=1.0, streamer=None):
         batch_size, width = input_ids.shape
         settings = self.compile_settings
         self.sample_calls.append(dict(input_ids=input_ids.clone(), sequence_length=sequence_length,
                                       start_ids=None if start_ids is None else start_ids.clone(),
-                                      top_k=top_k, top_p=top_p, temperature=temperature))
+                                      top_k=top_k, top_p=top_p, temperature=temperature,
+                                      eos_token_override=eos_token_override))
         if not self._on_device:
             raise RuntimeError("call to_neuron() before sample()")
         if batch_size != settings["batch_size"]:
@@ -130,6 +133,8 @@ class StandInForSampling:
                             use_cache=True)
         eos = self.config.eos_token_id
         eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+        if eos_token_override is not None:
+            eos = eos_token_override
         done = torch.zeros((batch_size, 1), dtype=torch.bool)
         tokens = [input_ids]
         for current in range(width, sequence_length):
