@@ -1,0 +1,300 @@
+"""Per-token details and the length parameters of the Accelerate engine, on the tiny model:
+``logprobs`` / ``top_logprobs`` against an independent forward pass, ``special``,
+``min_new_tokens`` against transformers' own ``generate()``, and ``ignore_eos``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from djl_stream import StreamingUtils
+from djl_stream.generation import sampling
+from djl_stream.generation.batch import CausalLMBatch, generate_token
+from djl_stream.generation.engines.accelerate import build_sequences, encode_prompts
+from djl_stream.generation.sampling import MAX_TOP_LOGPROBS, TokenChooser, token_logprobs
+from djl_stream.generation.sequence import special_token_ids
+from logit_bias import LogitBias
+
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog because",
+    "Name a primary colour.",
+]
+EOS = 2  # the tiny model's eos_token_id (SmolLM2's <|im_end|>)
+ATOL = 1e-4  # a KV-cached, padded step against one plain forward pass, in float32
+
+
+def run(model, tokenizer, groups):
+    """Decode ``groups`` (a list of ``(prompts, parameters)``) in one batch, each group
+    with its own parameters, by driving generate_token; every prompt's Generations."""
+    sequences = []
+    for g, (prompts, parameters) in enumerate(groups):
+        sequences += build_sequences(model, tokenizer, encode_prompts(tokenizer, prompts),
+                                     request_ids=[(g, i) for i in range(len(prompts))],
+                                     **parameters)
+    out = {seq.request_id: [] for seq in sequences}
+    batch = CausalLMBatch.from_sequences(sequences, pad_token_id=EOS, device="cpu")
+    while batch is not None:
+        generations, batch = generate_token(model, batch)
+        for generation in generations:
+            out[generation.request_id].append(generation)
+    return [[out[(g, i)] for i in range(len(prompts))] for g, (prompts, _) in enumerate(groups)]
+
+
+def run_one(model, tokenizer, prompt, **parameters):
+    return run(model, tokenizer, [([prompt], parameters)])[0][0]
+
+
+def stream(model, tokenizer, prompts, **parameters):
+    """Every prompt's Generations, read from the Steps of the registered stream generator
+    (the scheduler's path)."""
+    generator = StreamingUtils.get_stream_generator("Accelerate")
+    out = [[] for _ in prompts]
+    for step in generator(model, tokenizer, prompts, **parameters):
+        for i, generation in enumerate(step.generations):
+            if generation is not None:
+                out[i].append(generation)
+    return out
+
+
+def reference_logprobs(model, tokenizer, prompt, token_ids):
+    """log_softmax of a plain forward pass (no cache, no padding) over prompt + generated:
+    row i is the distribution the i-th generated token was chosen from."""
+    prompt_ids = encode_prompts(tokenizer, [prompt])[0]
+    ids = torch.tensor([prompt_ids + list(token_ids)])
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[0].float()
+    n = len(prompt_ids)
+    return torch.log_softmax(logits[n - 1 : n - 1 + len(token_ids)], dim=-1)
+
+
+# -- logprobs ----------------------------------------------------------------------------------
+
+
+def test_logprobs_and_top_logprobs_are_the_models_own_log_softmax(tiny_model, smollm2_tokenizer):
+    generations = run_one(tiny_model, smollm2_tokenizer, PROMPTS[1], max_new_tokens=12,
+                          logprobs=True, top_logprobs=5)
+    tokens = [g.token_id for g in generations]
+    expected = reference_logprobs(tiny_model, smollm2_tokenizer, PROMPTS[1], tokens)
+    for i, g in enumerate(generations):
+        assert g.logprob == pytest.approx(expected[i, g.token_id].item(), abs=ATOL)
+        values, ids = expected[i].topk(5)
+        assert [t for t, _ in g.top_logprobs] == ids.tolist()
+        assert [v for _, v in g.top_logprobs] == pytest.approx(values.tolist(), abs=ATOL)
+        # most likely first, and greedy picks the most likely
+        assert [v for _, v in g.top_logprobs] == sorted((v for _, v in g.top_logprobs), reverse=True)
+        assert g.top_logprobs[0][0] == g.token_id
+        assert g.top_logprobs[0][1] == g.logprob
+        assert g.logprob < 0 and all(isinstance(v, float) for _, v in g.top_logprobs)
+        assert not g.special
+
+
+def test_sampled_tokens_report_the_raw_distribution_and_are_not_changed_by_asking(
+        tiny_model, smollm2_tokenizer):
+    sampling_params = dict(max_new_tokens=10, do_sample=True, temperature=1.7, top_k=300,
+                           manual_seed=11)
+    plain = run_one(tiny_model, smollm2_tokenizer, PROMPTS[2], **sampling_params)
+    asked = run_one(tiny_model, smollm2_tokenizer, PROMPTS[2], logprobs=True, **sampling_params)
+    tokens = [g.token_id for g in asked]
+    assert tokens == [g.token_id for g in plain]  # the seeded draw is untouched
+    assert all(g.logprob is None for g in plain)
+    raw = reference_logprobs(tiny_model, smollm2_tokenizer, PROMPTS[2], tokens)
+    # before temperature: log_softmax(logits), not log_softmax(logits / 1.7)
+    tempered = torch.log_softmax(torch.log_softmax(raw, -1) / 1.7, dim=-1)
+    for i, g in enumerate(asked):
+        assert g.logprob == pytest.approx(raw[i, g.token_id].item(), abs=ATOL)
+        assert abs(g.logprob - tempered[i, g.token_id].item()) > 10 * ATOL
+        assert g.top_logprobs == ()  # logprobs alone: no alternatives
+
+
+def test_logprobs_are_the_same_alone_and_batched_with_other_requests(tiny_model, smollm2_tokenizer):
+    alone = run_one(tiny_model, smollm2_tokenizer, PROMPTS[1], max_new_tokens=10, top_logprobs=3)
+    plain_alone = run_one(tiny_model, smollm2_tokenizer, PROMPTS[0], max_new_tokens=10)
+    (plain,), (asked,), (other,) = run(tiny_model, smollm2_tokenizer, [
+        ([PROMPTS[0]], dict(max_new_tokens=10)),
+        ([PROMPTS[1]], dict(max_new_tokens=10, top_logprobs=3)),
+        ([PROMPTS[2]], dict(max_new_tokens=10, logprobs=True)),
+    ])
+    assert [g.token_id for g in asked] == [g.token_id for g in alone]
+    for a, b in zip(asked, alone):
+        assert a.logprob == pytest.approx(b.logprob, abs=ATOL)
+        assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+        assert [v for _, v in a.top_logprobs] == pytest.approx([v for _, v in b.top_logprobs], abs=ATOL)
+    # a batch mate that asked for nothing gets nothing, and generates what it does alone
+    assert [g.token_id for g in plain] == [g.token_id for g in plain_alone]
+    assert all(g.logprob is None and g.top_logprobs == () for g in plain)
+    assert all(g.logprob is not None and g.top_logprobs == () for g in other)
+
+
+def test_the_streams_steps_carry_the_logprobs(tiny_model, smollm2_tokenizer):
+    streamed = stream(tiny_model, smollm2_tokenizer, PROMPTS, max_new_tokens=6, top_logprobs=2)
+    for prompt, generations in zip(PROMPTS, streamed):
+        direct = run_one(tiny_model, smollm2_tokenizer, prompt, max_new_tokens=6, top_logprobs=2)
+        assert [g.token_id for g in generations] == [g.token_id for g in direct]
+        assert [g.logprob for g in generations] == pytest.approx([g.logprob for g in direct], abs=ATOL)
+        assert all(len(g.top_logprobs) == 2 for g in generations)
+        assert generations[-1].finish_reason == "length"
+
+
+def test_greedy_rows_stay_in_the_batched_argmax(tiny_model, smollm2_tokenizer, monkeypatch):
+    # TokenChooser.choose is the per-row path; the batched argmax never calls it.
+    calls = []
+    real_choose = TokenChooser.choose
+
+    def counting_choose(self, input_ids, scores):
+        calls.append(self)
+        return real_choose(self, input_ids, scores)
+
+    monkeypatch.setattr(TokenChooser, "choose", counting_choose)
+    run(tiny_model, smollm2_tokenizer, [([PROMPTS[0]], dict(max_new_tokens=8)),
+                                        ([PROMPTS[1]], dict(max_new_tokens=8, top_logprobs=4))])
+    assert calls == []
+    # min_new_tokens needs the processor only until that many tokens are out
+    run(tiny_model, smollm2_tokenizer, [([PROMPTS[0]], dict(max_new_tokens=8)),
+                                        ([PROMPTS[1]], dict(max_new_tokens=8, min_new_tokens=3))])
+    assert len(calls) == 3
+
+
+def test_token_logprobs_leaves_rows_that_did_not_ask_alone():
+    logits = torch.tensor([[1.0, 2.0, 3.0], [0.5, 0.1, 0.2], [3.0, 2.0, 1.0]])
+    details = token_logprobs([TokenChooser(), TokenChooser(top_logprobs=2), TokenChooser()],
+                             logits, [2, 0, 0])
+    assert details[0] is None and details[2] is None
+    expected = torch.log_softmax(logits[1], -1)
+    assert details[1].logprob == pytest.approx(expected[0].item())
+    assert [t for t, _ in details[1].top] == [0, 2]
+    assert token_logprobs([TokenChooser()], logits[:1], [2]) == [None]
+
+
+@pytest.mark.parametrize("parameters, name", [
+    ({"top_logprobs": MAX_TOP_LOGPROBS + 1}, "top_logprobs"),
+    ({"top_logprobs": -1}, "top_logprobs"),
+    ({"top_logprobs": 2.5}, "top_logprobs"),
+    ({"min_new_tokens": -1}, "min_new_tokens"),
+])
+def test_nonsense_values_are_refused_before_generating(tiny_model, smollm2_tokenizer, parameters, name):
+    generator = StreamingUtils.get_stream_generator("Accelerate")
+    with pytest.raises(ValueError, match=name):
+        generator(tiny_model, smollm2_tokenizer, ["hi"], max_new_tokens=2, **parameters)
+
+
+def test_the_largest_top_logprobs_is_accepted(tiny_model, smollm2_tokenizer):
+    (g,) = run_one(tiny_model, smollm2_tokenizer, PROMPTS[0], max_new_tokens=1,
+                   top_logprobs=MAX_TOP_LOGPROBS)
+    assert len(g.top_logprobs) == MAX_TOP_LOGPROBS
+    assert sampling.MAX_TOP_LOGPROBS == 20
+
+
+# -- special tokens ----------------------------------------------------------------------------
+
+
+def test_eos_is_special_adds_no_text_and_ends_the_sequence(tiny_model, smollm2_tokenizer):
+    with LogitBias(tiny_model, token_id=EOS, bias=5.0):
+        generations = run_one(tiny_model, smollm2_tokenizer, PROMPTS[1], max_new_tokens=8,
+                              top_logprobs=2)
+    (g,) = generations
+    assert (g.token_id, g.text, g.special, g.finish_reason) == (EOS, "", True, "eos")
+    assert g.top_logprobs[0] == (EOS, g.logprob)  # the bias made it the most likely
+    assert g.logprob > g.top_logprobs[1][1] + 3
+
+
+def test_a_special_token_that_is_not_eos_is_marked_and_adds_no_text(tiny_model, smollm2_tokenizer):
+    im_start = smollm2_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert im_start in special_token_ids(smollm2_tokenizer) and im_start != EOS
+    with LogitBias(tiny_model, token_id=im_start, bias=5.0):
+        generations = run_one(tiny_model, smollm2_tokenizer, PROMPTS[0], max_new_tokens=4)
+    assert [g.token_id for g in generations] == [im_start] * 4
+    assert all(g.special and g.text == "" for g in generations)
+    assert generations[-1].finish_reason == "length"
+
+
+def test_special_token_ids_include_every_added_special_token(smollm2_tokenizer):
+    ids = special_token_ids(smollm2_tokenizer)
+    assert set(smollm2_tokenizer.all_special_ids) <= ids
+    flagged = {i for i, t in smollm2_tokenizer.added_tokens_decoder.items() if t.special}
+    assert flagged <= ids
+    assert smollm2_tokenizer.encode("Hello", add_special_tokens=False)[0] not in ids
+    # the raw tokenizers.Tokenizer says the same
+    assert special_token_ids(smollm2_tokenizer.backend_tokenizer) >= flagged
+
+
+# -- min_new_tokens ----------------------------------------------------------------------------
+
+
+def test_min_new_tokens_holds_eos_back_exactly_like_transformers_generate(tiny_model, smollm2_tokenizer):
+    ids = smollm2_tokenizer(PROMPTS[1], return_tensors="pt")
+    with LogitBias(tiny_model, token_id=EOS, bias=5.0):
+        reference = tiny_model.generate(**ids, max_new_tokens=20, min_new_tokens=5, do_sample=False,
+                                        eos_token_id=EOS, pad_token_id=EOS)[0, ids["input_ids"].shape[1]:]
+        generations = run_one(tiny_model, smollm2_tokenizer, PROMPTS[1], max_new_tokens=20,
+                              min_new_tokens=5)
+        without = run_one(tiny_model, smollm2_tokenizer, PROMPTS[1], max_new_tokens=20)
+    assert [g.token_id for g in without] == [EOS]  # eos is what the biased model wants
+    assert reference.tolist()[-1] == EOS and len(reference) == 6
+    assert [g.token_id for g in generations] == reference.tolist()
+    assert [g.finish_reason for g in generations] == [None] * 5 + ["eos"]
+    assert not any(g.special for g in generations[:5]) and generations[5].special
+
+
+def test_min_new_tokens_counts_from_each_prompts_own_length_in_a_padded_batch(
+        tiny_model, smollm2_tokenizer):
+    lengths = [len(ids) for ids in encode_prompts(smollm2_tokenizer, PROMPTS)]
+    assert len(set(lengths)) == len(lengths)  # the batch is padded
+    with LogitBias(tiny_model, token_id=EOS, bias=5.0):
+        streamed = stream(tiny_model, smollm2_tokenizer, PROMPTS, max_new_tokens=20, min_new_tokens=4)
+    for generations in streamed:
+        assert len(generations) == 5
+        assert EOS not in [g.token_id for g in generations[:4]]
+        assert generations[-1].token_id == EOS and generations[-1].finish_reason == "eos"
+
+
+def test_max_new_tokens_still_ends_a_sequence_below_min_new_tokens(tiny_model, smollm2_tokenizer):
+    with LogitBias(tiny_model, token_id=EOS, bias=5.0):
+        generations = run_one(tiny_model, smollm2_tokenizer, PROMPTS[0], max_new_tokens=3,
+                              min_new_tokens=10)
+    assert len(generations) == 3 and EOS not in [g.token_id for g in generations]
+    assert generations[-1].finish_reason == "length"
+
+
+# -- ignore_eos --------------------------------------------------------------------------------
+
+
+def test_ignore_eos_runs_to_max_new_tokens(tiny_model, smollm2_tokenizer):
+    with LogitBias(tiny_model, token_id=EOS, bias=5.0):
+        streamed = stream(tiny_model, smollm2_tokenizer, PROMPTS[:2], max_new_tokens=7,
+                          ignore_eos=True)
+    for generations in streamed:
+        assert [g.token_id for g in generations] == [EOS] * 7
+        assert all(g.special and g.text == "" for g in generations)
+        assert [g.finish_reason for g in generations] == [None] * 6 + ["length"]
+
+
+def test_ignore_eos_goes_on_as_the_model_would_and_eos_adds_no_text(tiny_model, smollm2_tokenizer):
+    prompt = PROMPTS[1]
+    ids = smollm2_tokenizer(prompt, return_tensors="pt")
+    # eos is the first token only: then the model goes on with its own distribution
+    with LogitBias(tiny_model, token_id=EOS, bias=5.0, calls=1):
+        reference = tiny_model.generate(**ids, max_new_tokens=10, do_sample=False, eos_token_id=None,
+                                        pad_token_id=EOS)[0, ids["input_ids"].shape[1]:].tolist()
+    with LogitBias(tiny_model, token_id=EOS, bias=5.0, calls=1):
+        generations = run_one(tiny_model, smollm2_tokenizer, prompt, max_new_tokens=10,
+                              ignore_eos=True)
+    with LogitBias(tiny_model, token_id=EOS, bias=5.0, calls=1):
+        stopped = run_one(tiny_model, smollm2_tokenizer, prompt, max_new_tokens=10)
+    assert reference[0] == EOS and EOS not in reference[1:]
+    assert [g.token_id for g in generations] == reference
+    assert generations[0].special and generations[0].text == ""
+    text = "".join(g.text for g in generations)
+    assert text and text == smollm2_tokenizer.decode(reference[1:], skip_special_tokens=True)
+    assert generations[-1].finish_reason == "length"
+    assert [(g.token_id, g.finish_reason) for g in stopped] == [(EOS, "eos")]
+
+
+def test_ignore_eos_with_a_stop_string_still_stops(tiny_model, smollm2_tokenizer):
+    full = "".join(g.text for g in run_one(tiny_model, smollm2_tokenizer, PROMPTS[1],
+                                           max_new_tokens=20, ignore_eos=True))
+    stop = full[5:9]
+    generations = run_one(tiny_model, smollm2_tokenizer, PROMPTS[1], max_new_tokens=20,
+                          ignore_eos=True, stop=[stop])
+    assert "".join(g.text for g in generations) == full[: full.index(stop)]
+    assert generations[-1].finish_reason == "stop"
