@@ -11,6 +11,13 @@ so batching never changes what a request generates.
 which the request advanced, one list with the new text of each of its prompts. Closing it
 (a client that left) cancels the request.
 
+What the scheduler does can be watched without touching it: a :class:`SchedulerObserver`
+(added process-wide with :func:`add_observer`) is told when a request is submitted,
+admitted, advanced and ended, with its :class:`RequestStats` (queue time, time to first
+token, inter-token latency, tokens), and after each step the :class:`BatchState` (rows
+running, requests waiting, KV-cache tokens). The serving layer turns these into Prometheus
+metrics and log lines, so this package never needs a metrics library.
+
 Example::
 
     scheduler = Scheduler(model, tokenizer, max_batch_size=32, max_queue=100)
@@ -24,13 +31,16 @@ from __future__ import annotations
 import atexit
 import collections
 import ctypes
+import dataclasses
 import itertools
 import logging
 import queue
 import sys
 import threading
+import time
 from typing import Deque, Dict, Iterator, List, Optional, Sequence
 
+from djl_stream.generation import kv_cache
 from djl_stream.generation.batch import CausalLMBatch, generate_token
 from djl_stream.generation.errors import GenerationFailed, QueueFullError
 from djl_stream.generation.sequence import GenerationSequence
@@ -43,11 +53,130 @@ DEFAULT_MAX_QUEUE = 1000
 
 _END = object()
 
+#: How a request left the scheduler (:attr:`RequestStats.outcome`): every sequence
+#: finished (eos, length or a stop string), its stream was closed first, or a step failed.
+FINISHED, CANCELLED, FAILED = "finished", "cancelled", "failed"
+
+
+@dataclasses.dataclass
+class RequestStats:
+    """What the scheduler measured of one request, updated in place as it runs.
+
+    Times are ``time.perf_counter()`` readings: ``submitted_at`` when :meth:`Scheduler.submit`
+    queued it, ``admitted_at`` when it left the queue for its prefill, ``first_token_at`` and
+    ``last_token_at`` when the steps that gave it its first and latest tokens ended,
+    ``ended_at`` when it left the scheduler. ``generated_tokens`` counts every token chosen
+    for its prompts (end-of-sequence included); ``steps`` the decode steps that gave it any.
+
+    >>> stats = RequestStats(request_id=0, prompts=1, prompt_tokens=5, submitted_at=10.0,
+    ...                      admitted_at=10.5, first_token_at=11.0, last_token_at=13.0, steps=5)
+    >>> stats.queue_time, stats.time_to_first_token, stats.mean_inter_token_latency
+    (0.5, 1.0, 0.5)
+    """
+
+    request_id: int
+    prompts: int
+    prompt_tokens: int
+    submitted_at: float
+    admitted_at: Optional[float] = None
+    first_token_at: Optional[float] = None
+    last_token_at: Optional[float] = None
+    ended_at: Optional[float] = None
+    generated_tokens: int = 0
+    steps: int = 0
+    outcome: Optional[str] = None
+
+    @property
+    def queue_time(self) -> Optional[float]:
+        """Submitted → admitted to the batch (its prefill starts)."""
+        return None if self.admitted_at is None else self.admitted_at - self.submitted_at
+
+    @property
+    def time_to_first_token(self) -> Optional[float]:
+        """Submitted → its first token chosen (queue time plus prefill)."""
+        return None if self.first_token_at is None else self.first_token_at - self.submitted_at
+
+    @property
+    def mean_inter_token_latency(self) -> Optional[float]:
+        """Mean time between consecutive steps that gave it tokens (None before two)."""
+        if self.steps < 2 or self.first_token_at is None or self.last_token_at is None:
+            return None
+        return (self.last_token_at - self.first_token_at) / (self.steps - 1)
+
+    @property
+    def e2e_latency(self) -> Optional[float]:
+        """Submitted → ended (its last token, cancellation or failure)."""
+        return None if self.ended_at is None else self.ended_at - self.submitted_at
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchState:
+    """The scheduler's load at one moment.
+
+    ``kv_cache_tokens`` is rows × cached positions of the running batch: the token slots
+    its KV cache holds in memory, left padding included (rows of different lengths are
+    padded to the longest).
+    """
+
+    running_rows: int = 0
+    waiting_requests: int = 0
+    kv_cache_tokens: int = 0
+
+
+class SchedulerObserver:
+    """Told what a :class:`Scheduler` does; override the methods you need (these do nothing).
+
+    Calls come from the scheduler's decode thread (``request_submitted`` from the caller's
+    thread, before the request can start), so an observer must be quick and thread-safe;
+    one that raises is logged and otherwise ignored.
+
+    >>> class Tokens(SchedulerObserver):
+    ...     total = 0
+    ...     def request_advanced(self, stats, tokens, interval):
+    ...         Tokens.total += tokens
+    >>> add_observer(Tokens())  # doctest: +SKIP
+    """
+
+    def request_submitted(self, stats: RequestStats) -> None:
+        """Queued (in the thread that called :meth:`Scheduler.submit`)."""
+
+    def request_admitted(self, stats: RequestStats) -> None:
+        """Left the queue; its prefill runs next."""
+
+    def request_advanced(self, stats: RequestStats, tokens: int,
+                         interval: Optional[float]) -> None:
+        """A step gave it ``tokens`` tokens (one per prompt that advanced); ``interval`` is
+        the time since its previous such step, None for its first."""
+
+    def request_ended(self, stats: RequestStats) -> None:
+        """Left the scheduler; ``stats.outcome`` says how."""
+
+    def batch_changed(self, state: BatchState) -> None:
+        """The load after a step, a submission or requests leaving the queue."""
+
+
+#: Observers of every scheduler without observers of its own (see :func:`add_observer`).
+_OBSERVERS: List[SchedulerObserver] = []
+_OBSERVERS_LOCK = threading.Lock()
+
+
+def add_observer(observer: SchedulerObserver) -> None:
+    """Have ``observer`` told about every scheduler in the process (added once however
+    often this is called)."""
+    with _OBSERVERS_LOCK:
+        if not any(o is observer for o in _OBSERVERS):
+            _OBSERVERS.append(observer)
+
+
+def remove_observer(observer: SchedulerObserver) -> None:
+    with _OBSERVERS_LOCK:
+        _OBSERVERS[:] = [o for o in _OBSERVERS if o is not observer]
+
 
 class _Job:
     """One submitted request: its sequences and the queue its stream reads from."""
 
-    __slots__ = ("job_id", "sequences", "outbox", "cancelled", "done")
+    __slots__ = ("job_id", "sequences", "outbox", "cancelled", "done", "stats")
 
     def __init__(self, job_id: int, sequences: List[GenerationSequence]):
         self.job_id = job_id
@@ -55,6 +184,10 @@ class _Job:
         self.outbox: "queue.SimpleQueue[object]" = queue.SimpleQueue()
         self.cancelled = False
         self.done = False
+        self.stats = RequestStats(
+            request_id=job_id, prompts=len(sequences),
+            prompt_tokens=sum(len(seq.prompt_ids) for seq in sequences),
+            submitted_at=time.perf_counter())
 
     def finish(self, error: Optional[BaseException] = None) -> None:
         if not self.done:
@@ -108,6 +241,8 @@ class Scheduler:
     ``max_batch_size`` caps the rows (prompts) decoding together
     (``option.max_rolling_batch_size``); ``max_queue`` caps the requests waiting for room
     (``job_queue_size``), beyond which :meth:`submit` raises :class:`QueueFullError`.
+    ``observers`` are told what happens (see :class:`SchedulerObserver`); by default, the
+    process-wide ones of :func:`add_observer`.
     """
 
     def __init__(
@@ -118,6 +253,7 @@ class Scheduler:
         device,
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         max_queue: int = DEFAULT_MAX_QUEUE,
+        observers: Optional[Sequence[SchedulerObserver]] = None,
     ):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
@@ -132,6 +268,8 @@ class Scheduler:
         self._wakeup = threading.Condition()
         self._running: Optional[CausalLMBatch] = None
         self._stopping = False
+        self._observers = _OBSERVERS if observers is None else list(observers)
+        self._state = BatchState()
         self._thread = threading.Thread(target=self._loop, name="djl-stream-scheduler", daemon=True)
         self._thread.start()
         _LIVE_SCHEDULERS.append(self)
@@ -165,8 +303,12 @@ class Scheduler:
             job = _Job(next(self._ids), list(sequences))
             for index, seq in enumerate(job.sequences):
                 seq.request_id = (job.job_id, index)
+            # In the caller's thread, before the loop can see the job: an observer may
+            # tie the request to the caller's context, and hears of it before anything else.
+            self._notify("request_submitted", job.stats)
             self._jobs[job.job_id] = job
             self._waiting.append(job)
+            self._publish(self._state.running_rows, self._state.kv_cache_tokens)
             self._wakeup.notify()
         return GenerationStream(self, job)
 
@@ -198,6 +340,7 @@ class Scheduler:
                 self._drop_cancelled()
                 if self._running is not None:
                     self._decode()
+                self._publish_running()
                 if self._running is None and not self._waiting:
                     # The batch just emptied (the loop only gets here with work done).
                     release_cached_memory()
@@ -207,32 +350,40 @@ class Scheduler:
                 running, self._running = self._running, None
                 in_flight = self._jobs_of(running.sequences) if running is not None else []
                 self._fail(list({id(j): j for j in admitted + in_flight}.values()), error)
+                self._publish_running()
         self._running = None
         with self._wakeup:
+            failure = GenerationFailed("the server is shutting down")
             for job in list(self._jobs.values()):
-                job.finish(GenerationFailed("the server is shutting down"))
+                self._end(job, FAILED, failure)
             self._jobs.clear()
             self._waiting.clear()
+            self._publish(0, 0)
 
     def _wait_for_work(self) -> List[_Job]:
         """Block until there is something to do; return the jobs admitted now."""
         with self._wakeup:
             while True:
                 while self._waiting and self._waiting[0].cancelled:
-                    self._forget(self._waiting.popleft())
+                    self._end(self._waiting.popleft(), CANCELLED)
                 if self._waiting or self._running is not None or self._stopping:
                     break
+                # Idle: the last word observers hear must be this state, not a busy one.
+                self._publish(0, 0)
                 self._wakeup.wait()
             room = self.max_batch_size - self.running_size
             admitted: List[_Job] = []
             # Arrival order, no overtaking: a big request at the head waits for room
             # rather than being starved by small ones behind it.
+            now = time.perf_counter()
             while self._waiting and len(self._waiting[0].sequences) <= room:
                 job = self._waiting.popleft()
                 if job.cancelled:
-                    self._forget(job)
+                    self._end(job, CANCELLED)
                     continue
                 room -= len(job.sequences)
+                job.stats.admitted_at = now
+                self._notify("request_admitted", job.stats)
                 admitted.append(job)
             return admitted
 
@@ -278,38 +429,77 @@ class Scheduler:
         with self._wakeup:
             for job_id in cancelled:
                 if job_id in self._jobs:
-                    self._forget(self._jobs[job_id])
+                    self._end(self._jobs[job_id], CANCELLED)
 
     def _dispatch(self, generations: List[Generation]) -> None:
         """Send each job the list of its prompts' new text for this step."""
+        now = time.perf_counter()
         by_job: Dict[int, List[Generation]] = {}
         for generation in generations:
             by_job.setdefault(generation.request_id[0], []).append(generation)
         for job_id, job_generations in by_job.items():
             job = self._jobs[job_id]
+            self._advance(job.stats, len(job_generations), now)
             per_prompt: List[Optional[Generation]] = [None] * len(job.sequences)
             for generation in job_generations:
                 per_prompt[generation.request_id[1]] = generation
             job.outbox.put(Step.of(per_prompt))
             if all(seq.finished for seq in job.sequences):
                 with self._wakeup:
-                    self._forget(job)
+                    self._end(job, FINISHED)
+
+    def _advance(self, stats: RequestStats, tokens: int, now: float) -> None:
+        # Before the step reaches the stream: whoever reads the token sees it counted.
+        interval = None if stats.last_token_at is None else now - stats.last_token_at
+        if stats.first_token_at is None:
+            stats.first_token_at = now
+        stats.last_token_at = now
+        stats.generated_tokens += tokens
+        stats.steps += 1
+        self._notify("request_advanced", stats, tokens, interval)
 
     def _fail(self, jobs: List[_Job], error: Exception) -> None:
         logger.exception("generation step failed for %d request(s)", len(jobs), exc_info=error)
         failure = GenerationFailed(f"{type(error).__name__}: {error}")
         with self._wakeup:
             for job in jobs:
-                job.finish(failure)
-                self._jobs.pop(job.job_id, None)
+                self._end(job, FAILED, failure)
 
     def _jobs_of(self, sequences: List[GenerationSequence]) -> List[_Job]:
         ids = dict.fromkeys(seq.request_id[0] for seq in sequences)
         return [self._jobs[job_id] for job_id in ids if job_id in self._jobs]
 
-    def _forget(self, job: _Job) -> None:
-        job.finish()
+    def _end(self, job: _Job, outcome: str, error: Optional[BaseException] = None) -> None:
+        """The job leaves the scheduler: observers hear it before its stream ends, so that
+        a caller who saw the stream end finds the request's figures complete."""
+        if job.stats.outcome is None:
+            job.stats.outcome = outcome
+            job.stats.ended_at = time.perf_counter()
+            self._notify("request_ended", job.stats)
+        job.finish(error)
         self._jobs.pop(job.job_id, None)
+
+    # -- observers ----------------------------------------------------------------------
+
+    def _publish_running(self) -> None:
+        """Tell observers the load after a step (in the loop thread, which owns the batch)."""
+        running = self._running
+        rows = len(running) if running is not None else 0
+        kv_tokens = rows * kv_cache.seq_length(running.past_key_values) if rows else 0
+        with self._wakeup:
+            self._publish(rows, kv_tokens)
+
+    def _publish(self, rows: int, kv_tokens: int) -> None:
+        # Under self._wakeup, so that states reach observers in the order they happened.
+        self._state = BatchState(rows, len(self._waiting), kv_tokens)
+        self._notify("batch_changed", self._state)
+
+    def _notify(self, event: str, *args) -> None:
+        for observer in list(self._observers):
+            try:
+                getattr(observer, event)(*args)
+            except Exception:  # noqa: BLE001 - watching must never break serving
+                logger.exception("scheduler observer %r failed on %s", observer, event)
 
 
 def release_cached_memory() -> None:
