@@ -67,6 +67,8 @@ PROTOCOL_ROUTES = {
     "/v1/completions": "openai-completions",
     "/generate": "tgi-generate",
     "/generate_stream": "tgi-generate-stream",
+    # TGI's compatibility route, where huggingface_hub's InferenceClient(base_url=...) posts
+    "/": "tgi",
 }
 #: Where the access-log middleware and a stream share what happened to a request.
 _LOG_KEY = "djl_stream.log"

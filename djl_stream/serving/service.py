@@ -58,7 +58,11 @@ ACCELERATE_ENGINE = "Accelerate"
 ASYNC_MAX_THREADS = 128
 #: Protocols beyond djl-serving's own, by name: ``"module:factory"``, the factory called
 #: with the loaded service (a protocol may read the model's properties or tokenizer).
-PROTOCOLS: Dict[str, str] = {}
+PROTOCOLS: Dict[str, str] = {
+    "tgi": "djl_stream.protocols.tgi.protocol:compat_protocol",
+    "tgi-generate": "djl_stream.protocols.tgi.protocol:generate_protocol",
+    "tgi-generate-stream": "djl_stream.protocols.tgi.protocol:generate_stream_protocol",
+}
 #: Which protocol answers a body when the request names none: the first whose key the body
 #: has (``messages``: OpenAI chat completions, as LMI answers them; ``prompt``: OpenAI
 #: completions), among the protocols the model serves.
