@@ -5,7 +5,8 @@ Routes, as djl-serving (and SageMaker) expose them:
 - ``GET /ping``: 200 ``{"status": "Healthy"}`` once the model is loaded, 503 with the
   reason while it loads or after the load failed;
 - ``POST /invocations`` and ``POST /predictions/{model_name}``: one request to ``handle()``;
-- ``GET /models``: the management list, ``{"models": [{"modelName", "modelUrl", "status"}]}``.
+- ``GET /models``: the management list, ``{"models": [{"modelName", "modelUrl", "status"}]}``;
+- ``GET /metrics``: Prometheus metrics (:mod:`djl_stream.serving.metrics`), djl-stream's own.
 
 The server starts answering at once and loads the model in a background thread. Each
 request's ``handle()`` runs in a worker thread, concurrently (djl-serving's synchronous
@@ -44,10 +45,11 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from djl_stream.protocols.protocol import PROTOCOL_PROPERTY
+from djl_stream.serving.metrics import PrometheusMetrics, record_request, server_metrics
 from djl_stream.serving.worker import (
     READY,
     ModelWorker,
@@ -236,15 +238,32 @@ class StreamingOutputResponse:
             logger.exception("closing the stream iterator failed")
 
 
+def route_template(scope: Scope) -> str:
+    """The path template of the app's route that takes this request (``/predictions/
+    {model_name}``, not the model's name: a metric label must not grow with every URL),
+    one that takes its path with another method, else ``"unmatched"``."""
+    partial = None
+    for route in getattr(scope.get("app"), "routes", ()):
+        match, _ = route.matches(scope)
+        if match == Match.FULL:
+            return route.path
+        if match == Match.PARTIAL and partial is None:
+            partial = route.path
+    return partial or "unmatched"
+
+
 class AccessLog:
     """ASGI middleware: one log line per request with status, timing and size.
 
     For streams it adds the time to the first chunk, the number of items, and whether the
-    client left early.
+    client left early; for a generation, the scheduler's figures (queue, ttft, itl, e2e,
+    prompt and generated tokens: :class:`~djl_stream.serving.metrics.RequestRecord`). With
+    ``metrics``, each request is counted there by route and status.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, metrics: Optional[PrometheusMetrics] = None) -> None:
         self.app = app
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -263,31 +282,38 @@ class AccessLog:
                 seen["bytes"] += len(message["body"])
             await send(message)
 
-        try:
-            await self.app(scope, receive, logged_send)
-        finally:
-            parts = [scope["method"], scope["path"], str(seen["status"] or 500),
-                     f"{time.perf_counter() - start:.3f}s", f"{seen['bytes']}B"]
-            if "items" in log:
-                first = seen["first"]
-                parts += [f"items={log['items']}",
-                          f"first_chunk={first:.3f}s" if first is not None else "first_chunk=-"]
-                if log.get("disconnected"):
-                    parts.append("client-disconnected")
-            logger.info(" ".join(parts))
+        with record_request() as record:
+            try:
+                await self.app(scope, receive, logged_send)
+            finally:
+                status = seen["status"] or 500
+                parts = [scope["method"], scope["path"], str(status),
+                         f"{time.perf_counter() - start:.3f}s", f"{seen['bytes']}B"]
+                if "items" in log:
+                    first = seen["first"]
+                    parts += [f"items={log['items']}",
+                              f"first_chunk={first:.3f}s" if first is not None else "first_chunk=-"]
+                    if log.get("disconnected"):
+                        parts.append("client-disconnected")
+                parts += record.log_fields()
+                logger.info(" ".join(parts))
+                if self.metrics is not None:
+                    self.metrics.http_request(route_template(scope), status)
 
 
 class ModelServer:
     """The routes of one served model; :func:`create_app` wraps them in a Starlette app.
 
     >>> server = ModelServer(ModelWorker("model/"))
-    >>> sorted(route.path for route in server.routes())
-    ['/invocations', '/models', '/ping', '/predictions/{model_name}']
+    >>> sorted(route.path for route in server.routes())[:5]
+    ['/generate', '/generate_stream', '/invocations', '/metrics', '/models']
     """
 
-    def __init__(self, worker: ModelWorker, max_threads: int = DEFAULT_MAX_THREADS) -> None:
+    def __init__(self, worker: ModelWorker, max_threads: int = DEFAULT_MAX_THREADS,
+                 metrics: Optional[PrometheusMetrics] = None) -> None:
         self.worker = worker
         self.max_threads = max_threads
+        self.metrics = metrics or server_metrics()
         self.limiter: Optional[anyio.CapacityLimiter] = None
 
     def routes(self) -> list[Route]:
@@ -296,6 +322,7 @@ class ModelServer:
             Route("/invocations", self.invocations, methods=["POST"]),
             Route("/predictions/{model_name}", self.predictions, methods=["POST"]),
             Route("/models", self.models, methods=["GET"]),
+            Route("/metrics", self.prometheus_metrics, methods=["GET"]),
             # Other clients' protocols, answered by the same handle(): the route names the
             # protocol to the handler (PROTOCOL_PROPERTY), as the body's shape would.
             *(Route(path, self._protocol_route(name), methods=["POST"])
@@ -330,6 +357,10 @@ class ModelServer:
         return JSONResponse({"models": [{"modelName": worker.model_name,
                                          "modelUrl": worker.model_dir.as_uri(),
                                          "status": worker.status}]})
+
+    async def prometheus_metrics(self, request: Request) -> Response:
+        body, content_type = self.metrics.exposition(request.headers.get("accept"))
+        return Response(body, headers={"content-type": content_type})
 
     async def invocations(self, request: Request) -> Response | StreamingOutputResponse:
         return await self._predict(request)
@@ -388,7 +419,7 @@ def create_app(model_dir: str | Path, environ: Optional[Mapping[str, str]] = Non
     app = Starlette(
         routes=server.routes(),
         lifespan=server.lifespan,
-        middleware=[Middleware(AccessLog)],
+        middleware=[Middleware(AccessLog, metrics=server.metrics)],
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},
     )
     app.state.worker = server.worker

@@ -162,6 +162,12 @@ class StreamingService:
 
                 start_scheduler(model, tokenizer, max_batch_size=props.max_rolling_batch_size,
                                 max_queue=props.job_queue_size)
+                if _in_djl_serving():
+                    # No route can be added there: the figures go to djl-serving's
+                    # model_metric log as [METRICS] lines on the worker's stdout.
+                    from djl_stream.serving.metrics import start_djl_metric_lines
+
+                    start_djl_metric_lines(Path(props.model_dir).name)
             self._warm_up(model, tokenizer)
             self.model, self.tokenizer, self.props = model, tokenizer, props
             logger.info("model ready: engine=%s formatter=%s", self.engine, self.formatter)
@@ -372,3 +378,10 @@ def _failure_of(error: BaseException) -> Failure:
     out of memory (507), or a failure (424)."""
     text = str(error) or type(error).__name__
     return Failure("out_of_memory" if is_out_of_memory(error) else "failed", text)
+
+
+def _in_djl_serving() -> bool:
+    """Whether djl-serving's own worker runs this handler (its djl_python is importable)."""
+    from djl_stream.serving import compat
+
+    return bool(compat.USING_DJL_PYTHON)
