@@ -337,3 +337,126 @@ def test_check_input_length_names_the_prompt_and_the_option():
 
 def test_check_input_length_allows_a_prompt_at_the_limit():
     check_input_length("inputs", 4096, 4096)
+
+
+# -- the parameters for benchmarks and scores, and the answer's shape -------------------
+
+
+def test_the_newer_generation_parameters_are_carried_into_sampling_parameters():
+    params = parse(with_params(max_new_tokens=9, min_new_tokens=4, ignore_eos=True,
+                               logprobs=True)).parameters
+
+    assert (params.min_new_tokens, params.ignore_eos, params.logprobs) == (4, True, True)
+    assert params.top_logprobs == 0
+    assert params.as_kwargs()["min_new_tokens"] == 4
+
+
+def test_left_out_the_newer_parameters_reach_no_engine():
+    # A custom engine written before them must not be handed unknown keywords.
+    kwargs = parse(with_params(max_new_tokens=3, details=True, return_full_text=True)
+                   ).parameters.as_kwargs()
+    assert not {"min_new_tokens", "ignore_eos", "logprobs", "top_logprobs", "details",
+                "return_full_text", "seed"} & set(kwargs)
+
+
+def test_seed_is_another_name_for_manual_seed():
+    assert parse(with_params(seed=7)).parameters.manual_seed == 7
+    assert parse(with_params(seed=0)).parameters.as_kwargs()["manual_seed"] == 0
+
+
+def test_seed_and_manual_seed_together_are_refused():
+    error = refused(with_params(seed=1, manual_seed=1))
+    assert error.field == "parameters.seed"
+    assert "not both" in error.message and "manual_seed" in error.message
+
+
+def test_top_logprobs_implies_logprobs_and_details():
+    req = parse(with_params(top_logprobs=3))
+    assert (req.parameters.logprobs, req.parameters.top_logprobs) == (True, 3)
+    assert req.answer.details is True and req.answer.top_logprobs == 3
+
+
+def test_logprobs_turn_details_on_and_an_explicit_false_is_refused():
+    assert parse(with_params(logprobs=True)).answer.details is True
+    for asked in ({"logprobs": True}, {"top_logprobs": 1}):
+        error = refused(with_params(details=False, **asked))
+        [name] = asked
+        assert error.field == f"parameters.{name}"
+        assert "parameters.details true or unset" in error.message
+
+
+def test_details_is_left_to_the_protocol_when_not_given():
+    assert parse({"inputs": "x"}).answer.details is None
+    assert parse(with_params(details=False)).answer.details is False
+    assert parse(with_params(details=True)).parameters.logprobs is False  # the protocol decides
+
+
+def test_the_answer_keeps_the_prompts_as_sent():
+    req = parse({"inputs": ["a", "b"], "parameters": {"return_full_text": True}})
+    assert req.answer.inputs == ("a", "b") and req.answer.return_full_text is True
+
+
+def test_return_full_text_needs_inputs_not_messages():
+    error = refused({"messages": [{"role": "user", "content": "Hi"}],
+                     "parameters": {"return_full_text": True}}, apply_chat_template=chat_template)
+    assert error.field == "parameters.return_full_text"
+    assert "chat template" in error.message and "send inputs" in error.message
+    # false is harmless
+    parse({"messages": [{"role": "user", "content": "Hi"}],
+           "parameters": {"return_full_text": False}}, apply_chat_template=chat_template)
+
+
+def test_min_new_tokens_may_not_exceed_max_new_tokens():
+    assert parse(with_params(max_new_tokens=5, min_new_tokens=5)).parameters.min_new_tokens == 5
+    error = refused(with_params(max_new_tokens=5, min_new_tokens=6))
+    assert (error.field, error.message) == (
+        "parameters.min_new_tokens",
+        "parameters.min_new_tokens must be at most parameters.max_new_tokens (5), got 6")
+
+
+def test_min_new_tokens_is_held_to_the_default_max_new_tokens_too():
+    error = refused(with_params(min_new_tokens=51))
+    assert error.message == ("parameters.min_new_tokens must be at most max_new_tokens "
+                             "(50, option.default_max_new_tokens), got 51")
+
+
+@pytest.mark.parametrize("parameters, message", [
+    ({"min_new_tokens": -1}, "parameters.min_new_tokens must be at least 0, got -1"),
+    ({"min_new_tokens": 2.5}, "parameters.min_new_tokens must be an integer, got 2.5"),
+    ({"ignore_eos": "true"}, 'parameters.ignore_eos must be true or false, got "true" (a string)'),
+    ({"ignore_eos": 1}, "parameters.ignore_eos must be true or false, got 1"),
+    ({"seed": -3}, "parameters.seed must be at least 0, got -3"),
+    ({"seed": 2**63}, f"parameters.seed must be less than {2**63}, got {2**63}"),
+    ({"seed": "7"}, 'parameters.seed must be an integer, got "7" (a string)'),
+    ({"logprobs": 1}, "parameters.logprobs must be true or false, got 1"),
+    ({"top_logprobs": 21}, "parameters.top_logprobs must be at most 20, got 21"),
+    ({"top_logprobs": -1}, "parameters.top_logprobs must be at least 0, got -1"),
+    ({"top_logprobs": True}, "parameters.top_logprobs must be an integer, got true"),
+    ({"details": "yes"}, 'parameters.details must be true or false, got "yes" (a string)'),
+    ({"return_full_text": 0}, "parameters.return_full_text must be true or false, got 0"),
+])
+def test_the_newer_parameters_name_the_field_and_the_limit(parameters, message):
+    [name] = parameters
+    error = refused(with_params(**parameters))
+
+    assert error.field == f"parameters.{name}"
+    assert error.message == message
+
+
+def test_the_largest_top_logprobs_is_the_engines():
+    from djl_stream.generation.sampling import MAX_TOP_LOGPROBS
+    from djl_stream.protocols.djl.request import MAX_TOP_LOGPROBS as SCHEMA_LIMIT
+
+    assert SCHEMA_LIMIT == MAX_TOP_LOGPROBS
+    assert parse(with_params(top_logprobs=SCHEMA_LIMIT)).parameters.top_logprobs == SCHEMA_LIMIT
+
+
+@pytest.mark.parametrize("typo, suggestion", [
+    ("detail", "details"), ("logprob", "logprobs"), ("top_logprob", "top_logprobs"),
+    ("return_fulltext", "return_full_text"), ("ignore_eos_token", "ignore_eos"),
+    ("min_tokens", "min_new_tokens"), ("max_tokens", "max_new_tokens"), ("sed", "seed"),
+])
+def test_unknown_keys_suggest_the_newer_parameters_too(typo, suggestion):
+    error = refused(with_params(**{typo: 1}))
+    assert error.field == f"parameters.{typo}"
+    assert f"did you mean {suggestion}?" in error.message
