@@ -1,4 +1,4 @@
-"""Output formatters: each decode step's text pieces -> one chunk of bytes."""
+"""Output formatters: each decode step's text pieces (or token details) -> one chunk of bytes."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from djl_stream.generation.step import Generation, Step
 from djl_stream.protocols.djl import formatters
-from djl_stream.protocols.djl.formatters import (BUILTIN_FORMATTERS, StreamError, StreamFormatter,
-                                   register_formatter, resolve_formatter)
+from djl_stream.protocols.djl.formatters import (BUILTIN_FORMATTERS, FINISH_REASONS, StreamError,
+                                                 StreamFormatter, register_formatter,
+                                                 resolve_formatter, token_record, tokens_record)
 
 
 @pytest.fixture(autouse=True)
@@ -181,3 +183,81 @@ def test_builtin_names_cannot_be_registered_over():
 def test_builtin_formatters_are_read_only():
     with pytest.raises(TypeError):
         BUILTIN_FORMATTERS["mine"] = BUILTIN_FORMATTERS["sse"]  # type: ignore[index]
+
+
+# -- per-token details ------------------------------------------------------------------
+
+def test_a_step_with_tokens_behind_it_writes_the_same_text_lines_as_a_plain_list():
+    # Steps from the Accelerate engine must not change a byte of the default formats.
+    step = Step.of([Generation(0, 42, " Paris", logprob=-0.1, special=False), None])
+    for name in ("jsonlines", "sse"):
+        assert resolve_formatter(name)(step) == resolve_formatter(name)([" Paris", ""])
+
+
+def test_jsonlines_details_is_built_in_and_writes_token_records():
+    fmt = resolve_formatter("jsonlines_details")
+    step = Step.of([Generation(0, 42, " Paris", logprob=-0.25),
+                    Generation(1, 2, "", "eos", logprob=-1.5, special=True)])
+
+    assert fmt.content_type == "application/jsonlines" and fmt.details is True
+    chunk = fmt(step)
+    assert chunk.endswith(b"\n") and chunk.count(b"\n") == 1
+    assert json.loads(chunk) == {"tokens": [
+        {"id": 42, "text": " Paris", "logprob": -0.25, "special": False},
+        {"id": 2, "text": "", "logprob": -1.5, "special": True}]}
+
+
+def test_a_prompt_that_did_not_advance_is_null():
+    step = Step.of([None, Generation(1, 7, "x")])
+    assert tokens_record(step)["tokens"][0] is None
+
+
+def test_plain_lists_keep_their_text_without_a_token_id():
+    assert tokens_record(["ab", ""]) == {"tokens": [
+        {"id": None, "text": "ab", "logprob": None, "special": False}, None]}
+
+
+def test_an_impossible_token_has_a_null_logprob_not_invalid_json():
+    generation = Generation(0, 5, "a", logprob=float("-inf"),
+                            top_logprobs=((5, float("-inf")),))
+    chunk = resolve_formatter("jsonlines_details")(Step.of([generation]))
+    assert b"Infinity" not in chunk
+    assert json.loads(chunk)["tokens"][0]["logprob"] is None
+    record = token_record(generation, "a", top_logprobs=1)
+    assert record["top_logprobs"] == [{"id": 5, "text": None, "logprob": None}]
+
+
+def test_top_logprobs_are_written_only_when_asked_with_their_texts():
+    generation = Generation(0, 5, "a", logprob=-0.5,
+                            top_logprobs=((5, -0.5), (9, -1.25), (3, -2.0)))
+
+    assert "top_logprobs" not in token_record(generation, "a")
+    record = token_record(generation, "a", top_logprobs=2, token_text=lambda i: f"<{i}>")
+    assert record["top_logprobs"] == [{"id": 5, "text": "<5>", "logprob": -0.5},
+                                      {"id": 9, "text": "<9>", "logprob": -1.25}]
+
+
+def test_only_builtin_formatters_frame_records_of_their_own():
+    assert BUILTIN_FORMATTERS["jsonlines"].write_record({"a": 1}) == b'{"a": 1}\n'
+    assert BUILTIN_FORMATTERS["sse"].write_record({"a": 1}) == b'data: {"a": 1}\n\n'
+    assert resolve_formatter("up", model_py(up=lambda p: p)).write_record is None
+    assert not BUILTIN_FORMATTERS["jsonlines"].details and not BUILTIN_FORMATTERS["sse"].details
+
+
+def test_finish_reasons_are_lmis_words():
+    assert dict(FINISH_REASONS) == {"eos": "eos_token", "length": "length",
+                                    "stop": "stop_sequence"}
+
+
+@given(st.lists(st.one_of(st.none(), st.tuples(st.integers(0, 2**20), st.text(),
+                                               st.floats(max_value=0), st.booleans())),
+                min_size=1, max_size=4))
+def test_any_step_makes_exactly_one_valid_details_line(entries):
+    generations = [None if e is None else Generation(i, e[0], e[1], logprob=e[2], special=e[3])
+                   for i, e in enumerate(entries)]
+    chunk = resolve_formatter("jsonlines_details")(Step.of(generations))
+
+    assert chunk.endswith(b"\n") and chunk.count(b"\n") == 1
+    tokens = json.loads(chunk.decode("utf-8"))["tokens"]
+    assert [t if t is None else (t["id"], t["text"], t["special"]) for t in tokens] == [
+        None if e is None else (e[0], e[1], e[3]) for e in entries]

@@ -39,7 +39,7 @@ from djl_stream.generation.errors import QueueFullError
 from djl_stream.generation.step import Step
 from djl_stream.generation.streaming_utils import StreamingUtils
 from djl_stream.protocols.djl.formatters import StreamFormatter, resolve_formatter
-from djl_stream.protocols.djl.protocol import DjlProtocol
+from djl_stream.protocols.djl.protocol import djl_protocol
 from djl_stream.protocols.protocol import (PROTOCOL_PROPERTY, EncodedStream, Failure,
                                            ParseContext, Protocol, StreamEncoder)
 from djl_stream.protocols.request import GenerationRequest
@@ -268,7 +268,7 @@ class StreamingService:
     @functools.cached_property
     def protocols(self) -> Dict[str, Protocol]:
         """Every protocol this model answers, by name (built once, after loading)."""
-        protocols: Dict[str, Protocol] = {"djl": DjlProtocol(self.formatter)}
+        protocols: Dict[str, Protocol] = {"djl": djl_protocol(self)}
         for name, factory in PROTOCOLS.items():
             module, _, attribute = factory.partition(":")
             protocols[name] = getattr(importlib.import_module(module), attribute)(self)

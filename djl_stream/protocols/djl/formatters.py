@@ -6,7 +6,21 @@ pieces of one decode iteration, one entry per prompt. Two are built in:
 - ``"jsonlines"`` (the default): ``{"output_tokens": [...]}`` and a newline,
   content type ``application/jsonlines``;
 - ``"sse"``: server-sent events, ``data: {"output_tokens": [...]}`` and a blank line,
-  content type ``text/event-stream``.
+  content type ``text/event-stream``;
+- ``"jsonlines_details"``: per-token details instead of text, ``{"tokens": [...]}`` and a
+  newline (see :func:`tokens_record`), content type ``application/jsonlines``.
+
+Per-token details (``jsonlines_details``, or a request's ``"details": true`` with
+``jsonlines`` or ``sse``) are one record per decode step, one entry per prompt, ``null``
+where the prompt did not advance (it finished earlier)::
+
+    {"tokens": [{"id": 3681, "text": " Paris", "logprob": -0.31, "special": false}, null]}
+
+``logprob`` is ``null`` where the engine reports none; with ``top_logprobs`` each entry
+also has ``"top_logprobs": [{"id", "text", "logprob"}, ...]``, most likely first. The
+stream's last record (written by the djl protocol's encoder, which counts) is::
+
+    {"details": [{"finish_reason": "eos_token", "generated_tokens": 7, "prompt_tokens": 12}]}
 
 :class:`StreamFormatter` wraps one so that it also renders a :class:`StreamError`, the item
 a stream yields (at most once, last) when generation fails after the first chunk went out;
@@ -21,14 +35,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
-from typing import Any, Callable, List, Mapping, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 FormatterFn = Callable[[List[str]], Union[bytes, bytearray, str]]
 
 JSONLINES_CONTENT_TYPE = "application/jsonlines"
 SSE_CONTENT_TYPE = "text/event-stream"
 DEFAULT_FORMATTER = "jsonlines"
+#: The engine's finish reasons in the words djl-serving's LMI rolling batch (and TGI) use,
+#: so that a client reads the same words from LMI and from djl-stream.
+FINISH_REASONS: Mapping[str, str] = types.MappingProxyType(
+    {"eos": "eos_token", "length": "length", "stop": "stop_sequence"})
+#: Writes the text of a token that was not chosen (``top_logprobs``); from the tokenizer.
+TokenText = Callable[[int], str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +103,91 @@ def format_sse(pieces: List[str]) -> bytes:
     return ("data: " + _json({"output_tokens": list(pieces)}) + "\n\n").encode("utf-8")
 
 
+def jsonlines_record(value: Any) -> bytes:
+    """Any JSON record as one line of a ``jsonlines`` stream.
+
+    >>> jsonlines_record({"details": []})
+    b'{"details": []}\\n'
+    """
+    return (_json(value) + "\n").encode("utf-8")
+
+
+def sse_record(value: Any) -> bytes:
+    """Any JSON record as one event of an ``sse`` stream.
+
+    >>> sse_record({"details": []})
+    b'data: {"details": []}\\n\\n'
+    """
+    return ("data: " + _json(value) + "\n\n").encode("utf-8")
+
+
+def _finite(value: Optional[float]) -> Optional[float]:
+    # -inf (a token the processors ruled out) is not JSON; json.dumps would write -Infinity
+    return value if value is not None and math.isfinite(value) else None
+
+
+def token_record(generation: Any, text: str, *, top_logprobs: int = 0,
+                 token_text: Optional[TokenText] = None) -> Dict[str, Any]:
+    """One prompt's entry in a ``{"tokens": [...]}`` record: the token a
+    :class:`~djl_stream.generation.step.Generation` chose, with the ``text`` it released.
+
+    ``top_logprobs`` adds that many alternatives (as many as the engine reported), their
+    texts from ``token_text`` (``null`` without one).
+
+    >>> from djl_stream.generation.step import Generation
+    >>> g = Generation(0, 42, " Paris", logprob=-0.5, top_logprobs=((42, -0.5), (7, -1.5)))
+    >>> token_record(g, " Paris", top_logprobs=1, token_text=lambda i: f"<{i}>")
+    {'id': 42, 'text': ' Paris', 'logprob': -0.5, 'special': False, 'top_logprobs': [{'id': 42, 'text': '<42>', 'logprob': -0.5}]}
+    """
+    record: Dict[str, Any] = {"id": generation.token_id, "text": text,
+                              "logprob": _finite(generation.logprob),
+                              "special": bool(generation.special)}
+    if top_logprobs:
+        record["top_logprobs"] = [
+            {"id": token_id, "text": token_text(token_id) if token_text else None,
+             "logprob": _finite(logprob)}
+            for token_id, logprob in generation.top_logprobs[:top_logprobs]]
+    return record
+
+
+def tokens_record(step: Sequence[str], *, top_logprobs: int = 0,
+                  token_text: Optional[TokenText] = None) -> Dict[str, Any]:
+    """One decode step as ``{"tokens": [...]}``: per prompt its :func:`token_record`, or
+    ``null`` where it did not advance. An engine that yields plain lists (no tokens behind
+    the text) gets ``{"id": null, "text": ..., "logprob": null, "special": false}`` where a
+    piece is not empty.
+
+    >>> from djl_stream.generation.step import Generation, Step
+    >>> tokens_record(Step.of([Generation(0, 5, "Hi"), None]))
+    {'tokens': [{'id': 5, 'text': 'Hi', 'logprob': None, 'special': False}, None]}
+    >>> tokens_record(["a", ""])
+    {'tokens': [{'id': None, 'text': 'a', 'logprob': None, 'special': False}, None]}
+    """
+    generations = getattr(step, "generations", None) or [None] * len(step)
+    entries: List[Optional[Dict[str, Any]]] = []
+    for piece, generation in zip(step, generations):
+        if generation is not None:
+            entries.append(token_record(generation, piece, top_logprobs=top_logprobs,
+                                        token_text=token_text))
+        elif piece:
+            entries.append({"id": None, "text": piece, "logprob": None, "special": False})
+        else:
+            entries.append(None)
+    return {"tokens": entries}
+
+
+def format_jsonlines_details(pieces: List[str]) -> bytes:
+    """``{"tokens": [...]}`` plus a newline (:func:`tokens_record`), for a formatter called
+    on its own; the djl protocol writes these lines itself, with the texts of
+    ``top_logprobs`` and the closing ``{"details": [...]}`` record.
+
+    >>> from djl_stream.generation.step import Generation, Step
+    >>> format_jsonlines_details(Step.of([Generation(0, 2, "", "eos", special=True)]))
+    b'{"tokens": [{"id": 2, "text": "", "logprob": null, "special": true}]}\\n'
+    """
+    return jsonlines_record(tokens_record(pieces))
+
+
 def jsonlines_error(message: str) -> bytes:
     """``{"error": "..."}`` plus a newline."""
     return (_json({"error": message}) + "\n").encode("utf-8")
@@ -104,11 +210,21 @@ class StreamFormatter:
     (b'ABC', b'{"error": "boom"}\\n')
     """
 
+    #: How this formatter frames a JSON record of djl-stream's own (the per-token details),
+    #: ``None`` for a custom formatter, whose stream carries only what it writes.
+    write_record: Optional[Callable[[Any], bytes]] = None
+    #: Whether its stream is per-token details by default (``jsonlines_details``).
+    details: bool = False
+
     def __init__(self, fn: FormatterFn, content_type: str = JSONLINES_CONTENT_TYPE,
-                 name: str | None = None) -> None:
+                 name: str | None = None, *,
+                 write_record: Optional[Callable[[Any], bytes]] = None,
+                 details: bool = False) -> None:
         self.fn = fn
         self.content_type = content_type
         self.name = name or getattr(fn, "__name__", "formatter")
+        self.write_record = write_record
+        self.details = details
 
     def format_error(self, message: str) -> bytes:
         if self.content_type.split(";")[0].strip().lower() == SSE_CONTENT_TYPE:
@@ -127,8 +243,12 @@ class StreamFormatter:
 
 
 BUILTIN_FORMATTERS: Mapping[str, StreamFormatter] = types.MappingProxyType({
-    "jsonlines": StreamFormatter(format_jsonlines, JSONLINES_CONTENT_TYPE, "jsonlines"),
-    "sse": StreamFormatter(format_sse, SSE_CONTENT_TYPE, "sse"),
+    "jsonlines": StreamFormatter(format_jsonlines, JSONLINES_CONTENT_TYPE, "jsonlines",
+                                 write_record=jsonlines_record),
+    "sse": StreamFormatter(format_sse, SSE_CONTENT_TYPE, "sse", write_record=sse_record),
+    "jsonlines_details": StreamFormatter(format_jsonlines_details, JSONLINES_CONTENT_TYPE,
+                                         "jsonlines_details", write_record=jsonlines_record,
+                                         details=True),
 })
 
 _registered: dict[str, StreamFormatter] = {}
