@@ -36,6 +36,7 @@ from djl_stream.generation.engines.neuronx import (
 from djl_stream.generation.loading import ModelLoadError
 from djl_stream.serving.properties import ModelProperties
 from djl_stream.protocols.validation import RequestError
+from logit_bias import LogitBias
 
 STANDIN = Path(__file__).parent / "neuronx_standin"
 PROMPTS = [
@@ -487,6 +488,9 @@ def test_greedy_is_top_k_1_and_top_p_and_temperature_are_python_floats(neuronx, 
     ({"repetition_penalty": 1.3}, "parameters.repetition_penalty"),
     ({"do_sample": True, "typical_p": 0.5}, "parameters.typical_p"),
     ({"do_sample": True, "manual_seed": 7}, "parameters.manual_seed"),
+    ({"logprobs": True}, "parameters.logprobs"),
+    ({"top_logprobs": 3}, "parameters.top_logprobs"),
+    ({"min_new_tokens": 2}, "parameters.min_new_tokens"),
 ])
 def test_options_the_neuron_sampler_lacks_are_refused(neuronx, tiny_model, smollm2_tokenizer,
                                                      parameters, field):
@@ -498,13 +502,121 @@ def test_options_the_neuron_sampler_lacks_are_refused(neuronx, tiny_model, smoll
     assert model.sample_calls == []
 
 
+def test_per_token_scores_are_refused_saying_why(neuronx, tiny_model, smollm2_tokenizer):
+    model = compiled(neuronx, tiny_model, batch_size=1)
+    with pytest.raises(RequestError) as refused:
+        neuronx_stream_generator(model, smollm2_tokenizer, ["Hello"], top_logprobs=2)
+    assert refused.value.message == (
+        "parameters.top_logprobs is not supported by the transformers-neuronx engine (the "
+        "Neuron sampler reports no per-token scores); leave it 0")
+    with pytest.raises(RequestError) as refused:
+        neuronx_stream_generator(model, smollm2_tokenizer, ["Hello"], min_new_tokens=4)
+    assert "cannot keep the end-of-sequence token from being chosen" in refused.value.message
+
+
 def test_options_that_change_nothing_in_greedy_mode_are_accepted(neuronx, tiny_model,
                                                                 smollm2_tokenizer):
     model = compiled(neuronx, tiny_model, batch_size=1)
     plain, _ = neuron_texts(model, smollm2_tokenizer, ["Hello"], max_new_tokens=4)
     same, _ = neuron_texts(model, smollm2_tokenizer, ["Hello"], max_new_tokens=4, typical_p=0.5,
-                           manual_seed=3, repetition_penalty=1.0)
+                           manual_seed=3, repetition_penalty=1.0, min_new_tokens=0,
+                           logprobs=False, top_logprobs=0, ignore_eos=False)
     assert same == plain
+
+
+# -- the details of each step, and ignore_eos -------------------------------------------------
+
+
+def generations_of(steps):
+    """Per prompt, the Generations the steps carry (None where a prompt did not advance)."""
+    return [[step.generations[i] for step in steps if step.generations[i] is not None]
+            for i in range(len(steps[0]))]
+
+
+def test_each_step_carries_the_generations_behind_its_text(neuronx, tiny_model, smollm2_tokenizer):
+    model = compiled(neuronx, tiny_model, batch_size=4)
+    stream = neuronx_stream_generator(model, smollm2_tokenizer, PROMPTS, max_new_tokens=6)
+    texts, steps = collect(stream)
+    stream.thread.join(SECONDS)
+    width = model.sample_calls[0]["input_ids"].shape[1]
+    for row, generations in enumerate(generations_of(steps)):
+        assert [g.token_id for g in generations] == model.last_result[row, width:].tolist()
+        assert "".join(g.text for g in generations) == texts[row]
+        assert all(g.logprob is None and not g.special for g in generations)
+        assert [g.finish_reason for g in generations] == [None] * 5 + ["length"]
+
+
+def test_ignore_eos_runs_every_row_to_max_new_tokens(neuronx, tiny_model, smollm2_tokenizer):
+    eos = tiny_model.config.eos_token_id
+    model = compiled(neuronx, tiny_model, batch_size=4)
+    with LogitBias(tiny_model, token_id=eos, bias=5.0):
+        _, ended = neuron_texts(model, smollm2_tokenizer, PROMPTS[:2], max_new_tokens=6)
+        texts, steps = neuron_texts(model, smollm2_tokenizer, PROMPTS[:2], max_new_tokens=6,
+                                    ignore_eos=True)
+    assert model.sample_calls[0]["eos_token_override"] is None
+    assert [(g.token_id, g.special, g.finish_reason) for g in generations_of(ended)[0]] == [
+        (eos, True, "eos")]
+    assert model.sample_calls[1]["eos_token_override"] == -1
+    assert texts == ["", ""] and len(steps) == 6
+    for generations in generations_of(steps):
+        assert [g.token_id for g in generations] == [eos] * 6
+        assert all(g.special and g.text == "" for g in generations)
+        assert generations[-1].finish_reason == "length"
+
+
+def test_ignore_eos_goes_on_after_eos_as_the_accelerate_engine_does(neuronx, tiny_model,
+                                                                    smollm2_tokenizer):
+    eos = tiny_model.config.eos_token_id
+    model = compiled(neuronx, tiny_model, batch_size=4)
+    # eos is every row's first token only; the model then goes on with its own choices
+    with LogitBias(tiny_model, token_id=eos, bias=5.0, calls=1):
+        neuron, neuron_steps = neuron_texts(model, smollm2_tokenizer, PROMPTS, max_new_tokens=8,
+                                            ignore_eos=True)
+    with LogitBias(tiny_model, token_id=eos, bias=5.0, calls=1):  # the prompts' one prefill
+        accelerate, accelerate_steps = accelerate_texts(tiny_model, smollm2_tokenizer, PROMPTS,
+                                                        max_new_tokens=8, ignore_eos=True)
+    assert all(neuron) and neuron == accelerate
+    assert ([[g.token_id for g in gens] for gens in generations_of(neuron_steps)]
+            == [[g.token_id for g in gens] for gens in generations_of(accelerate_steps)])
+    assert all(gens[0].token_id == eos and gens[0].special
+               for gens in generations_of(neuron_steps))
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_a_sample_that_stops_early_ends_every_row_it_left_open(neuronx, tiny_model,
+                                                               smollm2_tokenizer, ignore_eos):
+    model = compiled(neuronx, tiny_model, batch_size=2)
+    word = smollm2_tokenizer.encode(" sea", add_special_tokens=False)[0]
+
+    def sample(input_ids, sequence_length, start_ids=None, top_k=50, top_p=1.0,
+               eos_token_override=None, temperature=1.0, streamer=None):
+        for _ in range(2):  # then stops, as a sampler's own stopping criteria may
+            streamer.put(torch.full((input_ids.shape[0], 1), word))
+        streamer.end()
+
+    model.sample = sample
+    stream = neuronx_stream_generator(model, smollm2_tokenizer, ["Hello"], max_new_tokens=8,
+                                      ignore_eos=ignore_eos)
+    (text,), steps = collect(stream)
+    assert text == " sea sea"
+    (generations,) = generations_of(steps)
+    assert [g.finish_reason for g in generations] == [None, None, "eos"]
+    assert generations[-1].token_id == tiny_model.config.eos_token_id and generations[-1].special
+
+
+def test_ignore_eos_is_refused_by_a_sample_without_eos_token_override(neuronx, tiny_model,
+                                                                      smollm2_tokenizer):
+    model = compiled(neuronx, tiny_model, batch_size=1)
+
+    def sample(input_ids, sequence_length, start_ids=None, top_k=50, top_p=1.0,
+               temperature=1.0, streamer=None):
+        raise AssertionError("not to be called")
+
+    model.sample = sample
+    with pytest.raises(RequestError) as refused:
+        neuronx_stream_generator(model, smollm2_tokenizer, ["Hello"], ignore_eos=True)
+    assert refused.value.field == "parameters.ignore_eos"
+    assert "eos_token_override" in refused.value.message
 
 
 # -- requests that cannot fit -----------------------------------------------------------------
