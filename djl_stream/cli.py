@@ -172,6 +172,7 @@ def token_text(record: dict) -> str:
 
 def _generate(args: argparse.Namespace) -> int:
     from djl_stream.shipping.client import LineDecoder, StreamingError, parse_json_line
+    from djl_stream.protocols.protocol import PROTOCOL_PROPERTY
     from djl_stream.serving.worker import READY, ModelWorker, encode_stream_item, output_body
 
     worker = ModelWorker(args.model_dir)
@@ -179,7 +180,11 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"djl-stream: {worker.not_ready_message()}", file=sys.stderr)
         return 1
     body = json.dumps(generation_request(args)).encode("utf-8")
-    output = worker.invoke(worker.make_input(body, {"content-type": "application/json"}))
+    inp = worker.make_input(body, {"content-type": "application/json"})
+    # djl's format even for --chat: a messages body alone would select OpenAI's chat
+    # completions (option.chat_protocol), whose events this command does not print.
+    inp.properties[PROTOCOL_PROPERTY] = "djl"
+    output = worker.invoke(inp)
     if int(output.code) >= 400:
         # a 507 (out of memory) has no body, only its message
         body = output_body(output).decode("utf-8", errors="replace")

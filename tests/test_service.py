@@ -127,7 +127,10 @@ def test_bad_requests_answer_400_naming_the_field_and_the_limit(handler, body, f
     assert request(handler, {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}).code == 200
 
 
-def test_messages_use_the_chat_template(handler):
+def test_messages_use_the_chat_template(tmp_path, tiny_model_dir):
+    # djl's format for messages (by default a messages body is an OpenAI chat completion)
+    directory = variant_dir(tmp_path, tiny_model_dir, "", "option.chat_protocol=djl\n")
+    handler = init(load_entry_point(directory), directory)
     tokenizer = handler._service.tokenizer
     messages = [{"role": "user", "content": "Hi there"}]
     via_messages = body_json(request(handler, {"messages": messages, "parameters": {"max_new_tokens": 6}, "stream": False}))

@@ -131,6 +131,10 @@ class Protocol(abc.ABC):
             return "messages"
         return f"inputs[{index}]" if request.batched else "inputs"
 
+    def max_new_tokens_field(self, request: GenerationRequest) -> str:
+        """The request field that set ``max_new_tokens``, for context-length errors."""
+        return "parameters.max_new_tokens"
+
 
 class EncodedStream(Iterator[bytes]):
     """The wire chunks of one stream: each step of ``stream`` through ``encoder``.

@@ -1,0 +1,420 @@
+"""OpenAI request bodies at the edge: ``/v1/chat/completions`` and ``/v1/completions``.
+
+Each body is validated with a strict pydantic model into the protocol-neutral
+:class:`~djl_stream.protocols.request.GenerationRequest`, or refused with one
+:class:`~djl_stream.protocols.validation.RequestError` naming the field and the limit,
+worded as on djl's routes. What OpenAI's parameters become:
+
+- ``max_completion_tokens`` (chat) or ``max_tokens`` → ``max_new_tokens`` (default
+  ``option.default_max_new_tokens``, at most ``option.max_new_tokens_limit``);
+- ``temperature`` 0 → greedy decoding; above 0 (OpenAI's default is 1) → sampling with
+  that temperature and ``top_p``; ``seed`` → ``manual_seed``; ``stop`` as on djl's routes;
+- ``n`` → the prompt repeated ``n`` times (``n`` × prompts at most
+  ``option.max_rolling_batch_size``);
+- ``logprobs`` / ``top_logprobs`` (chat: a bool and 0–20; completions: an int 0–20) →
+  the engine's ``logprobs`` / ``top_logprobs``;
+- vLLM's extensions ``top_k``, ``repetition_penalty``, ``min_tokens`` and ``ignore_eos``
+  map to the engine's parameters of those names.
+
+Parameters this server cannot honour (``tools``, ``response_format`` other than text,
+``presence_penalty`` ≠ 0, ``logit_bias``, ``echo``...) are accepted only at the value that
+asks for nothing, and refused otherwise: never silently ignored. What changes nothing
+about the answer (``model``, ``user``, ``metadata``, ``store``...) is accepted.
+
+    >>> from djl_stream.protocols.protocol import ParseContext
+    >>> context = ParseContext(default_max_new_tokens=50, max_new_tokens_limit=2048,
+    ...                        max_batch_size=32, model_name="model")
+    >>> request = parse_completion({"prompt": "Once", "max_tokens": 8, "temperature": 0,
+    ...                             "n": 2}, context)
+    >>> request.prompts, request.parameters.max_new_tokens, request.parameters.do_sample
+    (('Once', 'Once'), 8, False)
+    >>> parse_completion({"prompt": "Once", "presence_penalty": 0.5}, context)
+    Traceback (most recent call last):
+    ...
+    djl_stream.protocols.validation.RequestError: presence_penalty is not supported by this server: leave it out or set it to 0, got 0.5
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Annotated, Any, Literal, Optional
+
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
+                      ValidationError)
+from pydantic_core import PydanticCustomError
+
+from djl_stream.protocols.djl.request import MAX_STOP_LENGTH, MAX_STOP_SEQUENCES
+from djl_stream.protocols.protocol import ParseContext
+from djl_stream.protocols.request import GenerationRequest, SamplingParameters
+from djl_stream.protocols.validation import RequestError, describe, request_error
+
+#: OpenAI's own bounds.
+MAX_TOP_LOGPROBS = 20
+MAX_TEMPERATURE = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """What the OpenAI writers need beyond the generation (``GenerationRequest.answer``).
+
+    ``n`` choices per prompt (the prompts were repeated ``n`` times, each prompt's copies
+    side by side); ``include_usage`` asks for the closing usage chunk of a stream;
+    ``logprobs`` / ``top_logprobs`` for per-token log-probabilities; ``prompt_count`` is
+    how many prompts the client sent; ``max_tokens_field`` the parameter that set the
+    length (``max_completion_tokens`` or ``max_tokens``), for errors about it.
+    """
+
+    n: int = 1
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_count: int = 1
+    max_tokens_field: str = "max_tokens"
+
+
+# ---------------------------------------------------------------------------------------
+# The schema. Strict (``"5"`` is not an integer) and closed (an unknown key is refused
+# with the closest known name), like djl's.
+
+
+def _as_list(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value
+
+
+def _not_blank(text: str) -> str:
+    if not text.strip():
+        raise PydanticCustomError("blank", "must not be empty or whitespace only")
+    return text
+
+
+_Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
+_StopList = Annotated[Optional[list[_Stop]], BeforeValidator(_as_list),
+                      Field(max_length=MAX_STOP_SEQUENCES)]
+_Prompt = Annotated[str, AfterValidator(_not_blank)]
+_Float = dict(allow_inf_nan=False)
+
+
+class _Closed(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Closed):
+    """``stream_options``: ``include_usage`` adds a last chunk with the token counts."""
+
+    include_usage: Optional[bool] = None
+    # Obfuscation pads chunks against side channels on OpenAI's service; nothing to pad here.
+    include_obfuscation: Optional[bool] = None
+
+
+class TextPart(_Closed):
+    """One part of a message's ``content`` given as a list: only text parts are served."""
+
+    type: Literal["text"]
+    text: str
+
+
+def _content(value: Any) -> Any:
+    # A string is one text part. The alternatives are told apart here because pydantic's
+    # union errors would name the union's members in the field path ("content.str").
+    if isinstance(value, str):
+        return [{"type": "text", "text": value}]
+    if value is None or isinstance(value, list):
+        return value
+    raise PydanticCustomError("content_type", "must be a string or a list of text parts, "
+                              "got {got}", {"got": describe(value)})
+
+
+class ChatMessage(_Closed):
+    """One turn. ``developer`` is OpenAI's newer name for ``system``; ``name`` and
+    ``tool_call_id`` are accepted and not shown to the chat template."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[Optional[list[TextPart]], BeforeValidator(_content)] = None
+    name: Optional[str] = None
+    tool_call_id: Optional[str] = None
+
+    def text(self) -> str:
+        """The content as one string (parts joined by newlines, as vLLM and djl-serving's
+        LMI join them; no content is the empty string)."""
+        return "\n".join(part.text for part in self.content or ())
+
+
+class _Common(_Closed):
+    """Parameters both endpoints share."""
+
+    model: Optional[str] = None
+    # The upper bound is the model's option.max_new_tokens_limit, checked after validation.
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0, le=MAX_TEMPERATURE, **_Float)
+    top_p: Optional[float] = Field(None, gt=0, le=1, **_Float)
+    n: Optional[int] = Field(None, ge=1)
+    stop: _StopList = None
+    seed: Optional[int] = Field(None, ge=0, lt=2**63)
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    # vLLM's extensions (benchmark clients send them through extra_body).
+    top_k: Optional[int] = Field(None, ge=-1)
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=10, **_Float)
+    min_tokens: Optional[int] = Field(None, ge=0)
+    ignore_eos: Optional[bool] = None
+    # Only at the value that asks for nothing (see _UNSUPPORTED).
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    logit_bias: Any = None
+
+
+class ChatCompletionRequest(_Common):
+    """The body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Accepted: they change nothing about the answer.
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    parallel_tool_calls: Optional[bool] = None
+    # Only at the value that asks for nothing.
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+
+
+class CompletionRequest(_Common):
+    """The body of ``POST /v1/completions`` (OpenAI's legacy completions)."""
+
+    prompt: Annotated[list[_Prompt], BeforeValidator(_as_list), Field(min_length=1)]
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Only at the value that asks for nothing.
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+
+
+#: Parameters this server cannot honour, with the values that ask for nothing (``None``,
+#: an absent key, always does). Any other value is a 400: a client that asks for tools or
+#: a JSON schema must not get plain text as if it had been honoured.
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "web_search_options": (),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+}
+
+
+# ---------------------------------------------------------------------------------------
+# Entry points
+
+
+_EXPECTED_BY_FIELD = {
+    "prompt": "a string or a list of strings",
+    "stop": "a string or a list of strings",
+    "messages": "a list of {\"role\", \"content\"} objects",
+}
+
+
+def _known_keys(model: type[BaseModel]):
+    def known(parent: str) -> tuple[type[BaseModel], str]:
+        if parent.startswith("messages") and ".content" in parent:
+            return TextPart, "content part key"
+        if parent.startswith("messages"):
+            return ChatMessage, "message key"
+        if parent == "stream_options":
+            return StreamOptions, "stream option"
+        return model, "parameter"
+    return known
+
+
+def _validate(model: type[_Common], body: Any, what: str) -> _Common:
+    if not isinstance(body, dict):
+        raise RequestError("body", f"the request body must be a JSON object with {what}, "
+                                   f"got {describe(body)}")
+    if "parameters" in body:
+        # The one mistake a djl-serving user makes here: a djl body that now selects
+        # OpenAI's protocol by its messages (or prompt) key.
+        raise RequestError("parameters", "parameters is djl-serving's request format, not "
+                           "OpenAI's: give max_tokens, temperature... at the top level (or set "
+                           "option.chat_protocol=djl for djl's answers to messages)")
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        error = request_error(err, body, _known_keys(model), _EXPECTED_BY_FIELD)
+        # Our own checks word their message "must be ..."; request_error puts it after
+        # "field: ", as it does for pydantic's own messages.
+        prefix = f"{error.field}: must "
+        if error.message.startswith(prefix):
+            error = RequestError(error.field, f"{error.field} must {error.message[len(prefix):]}")
+        raise error from None
+
+
+def _refuse_unsupported(parsed: _Common) -> None:
+    for name in type(parsed).model_fields:
+        if name not in _UNSUPPORTED:
+            continue
+        value = getattr(parsed, name)
+        # bool is an int in Python: False must not pass for the 0 of a penalty.
+        if value is None or any(type(value) is type(ok) and value == ok
+                                or isinstance(value, float) and type(ok) is int and value == ok
+                                for ok in _UNSUPPORTED[name]):
+            continue
+        allowed = " or ".join(json.dumps(ok) for ok in _UNSUPPORTED[name])
+        hint = f"leave it out or set it to {allowed}" if allowed else "leave it out"
+        raise RequestError(name, f"{name} is not supported by this server: {hint}, "
+                                 f"got {describe(value)}")
+
+
+def _max_new_tokens(field: str, value: Optional[int], context: ParseContext) -> int:
+    if value is None:
+        return context.default_max_new_tokens
+    if value > context.max_new_tokens_limit:
+        raise RequestError(field, f"{field} must be at most {context.max_new_tokens_limit}, "
+                                  f"got {value}")
+    return value
+
+
+def _sampling(parsed: _Common, max_new_tokens: int, logprobs: bool,
+              top_logprobs: int) -> SamplingParameters:
+    temperature = 1.0 if parsed.temperature is None else parsed.temperature
+    sample = temperature > 0
+    if parsed.min_tokens is not None and parsed.min_tokens > max_new_tokens:
+        raise RequestError("min_tokens", f"min_tokens must be at most the most tokens to "
+                                         f"generate ({max_new_tokens}), got {parsed.min_tokens}")
+    return SamplingParameters(
+        max_new_tokens=max_new_tokens,
+        do_sample=sample,
+        temperature=temperature if sample else 1.0,
+        top_p=1.0 if parsed.top_p is None else parsed.top_p,
+        # vLLM's -1 and 0 both mean "no top-k"; ours is 0.
+        top_k=max(parsed.top_k or 0, 0),
+        repetition_penalty=parsed.repetition_penalty or 1.0,
+        manual_seed=parsed.seed,
+        stop=tuple(parsed.stop or ()),
+        min_new_tokens=parsed.min_tokens or 0,
+        ignore_eos=bool(parsed.ignore_eos),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+
+
+def _answer_options(parsed: _Common, prompt_count: int,
+                    context: ParseContext) -> tuple[int, bool]:
+    n = parsed.n or 1
+    if n * prompt_count > context.max_batch_size and n > 1:
+        what = f"n ({n})" if prompt_count == 1 else f"n ({n}) × {prompt_count} prompts"
+        raise RequestError("n", f"{what} is {n * prompt_count} sequences; the limit "
+                                f"(option.max_rolling_batch_size) is {context.max_batch_size}")
+    if n > 1 and parsed.seed is not None and (parsed.temperature is None or parsed.temperature > 0):
+        # The engine seeds every sequence of a request alike: the n choices would be
+        # n copies of one sample, which is not what a client asking for n gets elsewhere.
+        raise RequestError("seed", "seed with n > 1 would give n identical choices: "
+                                   "leave seed out, or ask for one choice per request")
+    stream = bool(parsed.stream)
+    if parsed.stream_options is not None and not stream:
+        raise RequestError("stream_options", "stream_options is only allowed with "
+                                             "\"stream\": true")
+    include_usage = bool(stream and parsed.stream_options
+                         and parsed.stream_options.include_usage)
+    return n, include_usage
+
+
+def parse_chat(body: Any, context: ParseContext) -> GenerationRequest:
+    """Validate a chat completions body; the messages go through the chat template.
+
+    >>> from djl_stream.protocols.protocol import ParseContext
+    >>> context = ParseContext(50, 2048, 32, "model",
+    ...                        render_chat=lambda ms: "".join(m["content"] for m in ms))
+    >>> request = parse_chat({"model": "any", "messages": [{"role": "user", "content": "Hi"}],
+    ...                       "logprobs": True, "top_logprobs": 2}, context)
+    >>> request.prompts, request.parameters.do_sample, request.answer.top_logprobs
+    (('Hi',), True, 2)
+    """
+    parsed = _validate(ChatCompletionRequest, body, "\"messages\"")
+    _refuse_unsupported(parsed)
+    if parsed.max_tokens is not None and parsed.max_completion_tokens is not None \
+            and parsed.max_tokens != parsed.max_completion_tokens:
+        raise RequestError("max_completion_tokens", "give max_completion_tokens or max_tokens "
+                           f"(its older name), not both: got {parsed.max_completion_tokens} "
+                           f"and {parsed.max_tokens}")
+    length_field = ("max_completion_tokens" if parsed.max_completion_tokens is not None
+                    else "max_tokens")
+    max_new_tokens = _max_new_tokens(length_field, getattr(parsed, length_field), context)
+    if parsed.top_logprobs is not None and not parsed.logprobs:
+        raise RequestError("top_logprobs", "top_logprobs needs \"logprobs\": true")
+    logprobs, top = bool(parsed.logprobs), parsed.top_logprobs or 0
+    n, include_usage = _answer_options(parsed, 1, context)
+
+    if context.render_chat is None:
+        raise RequestError("messages", "messages need a chat template and this model has "
+                                       "none; use /v1/completions instead")
+    # The template sees what every chat template knows: a role and a string.
+    messages = tuple({"role": "system" if m.role == "developer" else m.role,
+                      "content": m.text()} for m in parsed.messages)
+    try:
+        prompt = context.render_chat([dict(m) for m in messages])
+    except RequestError:
+        raise
+    except Exception as err:  # a template raising on odd turn orders is the client's to fix
+        raise RequestError("messages", f"the chat template rejected the messages: {err}") from None
+    return GenerationRequest(
+        prompts=(prompt,) * n,
+        parameters=_sampling(parsed, max_new_tokens, logprobs, top),
+        stream=bool(parsed.stream),
+        messages=messages,
+        answer=Answer(n=n, include_usage=include_usage, logprobs=logprobs, top_logprobs=top,
+                      max_tokens_field=length_field),
+    )
+
+
+def parse_completion(body: Any, context: ParseContext) -> GenerationRequest:
+    """Validate a completions body; prompts are sent to the model as they are (no chat
+    template), each repeated ``n`` times.
+
+    >>> from djl_stream.protocols.protocol import ParseContext
+    >>> context = ParseContext(50, 2048, 32, "model")
+    >>> parse_completion({"prompt": "Hi", "max_tokens": 4096}, context)
+    Traceback (most recent call last):
+    ...
+    djl_stream.protocols.validation.RequestError: max_tokens must be at most 2048, got 4096
+    """
+    if isinstance(body, dict) and isinstance(body.get("prompt"), list) and any(
+            isinstance(item, (int, list)) and not isinstance(item, bool) for item in body["prompt"]):
+        raise RequestError("prompt", "prompt as token ids is not supported: send text")
+    parsed = _validate(CompletionRequest, body, "\"prompt\"")
+    _refuse_unsupported(parsed)
+    max_new_tokens = _max_new_tokens("max_tokens", parsed.max_tokens, context)
+    logprobs = parsed.logprobs is not None
+    n, include_usage = _answer_options(parsed, len(parsed.prompt), context)
+    return GenerationRequest(
+        prompts=tuple(prompt for prompt in parsed.prompt for _ in range(n)),
+        parameters=_sampling(parsed, max_new_tokens, logprobs, parsed.logprobs or 0),
+        stream=bool(parsed.stream),
+        batched=isinstance(body["prompt"], list),
+        answer=Answer(n=n, include_usage=include_usage, logprobs=logprobs,
+                      top_logprobs=parsed.logprobs or 0, prompt_count=len(parsed.prompt)),
+    )
