@@ -177,7 +177,7 @@ def test_the_scheduler_events_become_samples():
 
 def test_a_requests_figures_as_djl_metric_lines():
     lines: list[str] = []
-    observer = DjlMetricLines("tiny-model", write=lines.append)
+    observer = DjlMetricLines("tiny-model", write=lines.append, gauge_interval=None)
     observer.request_ended(stats(admitted_at=100.002, first_token_at=100.05,
                                  last_token_at=100.35, ended_at=100.35, generated_tokens=4,
                                  steps=4, outcome=FINISHED))
@@ -196,49 +196,63 @@ def test_a_requests_figures_as_djl_metric_lines():
 
 def test_a_cancelled_request_is_counted_and_has_no_e2e_line():
     lines: list[str] = []
-    DjlMetricLines("m", write=lines.append).request_ended(stats(ended_at=100.5, outcome=CANCELLED))
+    DjlMetricLines("m", write=lines.append, gauge_interval=None).request_ended(stats(ended_at=100.5, outcome=CANCELLED))
     assert lines == ["[METRICS]djl_stream_requests_cancelled.Count:1|#Model:m|c"]  # never admitted
 
 
-def test_load_lines_are_throttled_but_idle_is_always_told():
+def test_the_load_is_printed_when_sampled_and_changed():
     lines: list[str] = []
-    now = [0.0]
-    observer = DjlMetricLines("m", write=lines.append, gauge_interval=1.0, clock=lambda: now[0])
-    observer.batch_changed(BatchState(1, 0, 10))
-    observer.batch_changed(BatchState(1, 0, 11))  # within the interval: dropped
-    now[0] = 1.5
-    observer.batch_changed(BatchState(1, 0, 12))
-    now[0] = 1.6
-    observer.batch_changed(BatchState())  # idle: at once
-    observer.batch_changed(BatchState())  # unchanged: nothing
+    observer = DjlMetricLines("m", write=lines.append, gauge_interval=None)
+    observer.sample()  # idle from the start
+    observer.batch_changed(BatchState(0, 1, 0))
+    observer.batch_changed(BatchState(1, 0, 10))  # only the latest is sampled
+    observer.sample()
+    observer.sample()  # unchanged: nothing
+    observer.batch_changed(BatchState(1, 0, 11))
+    observer.batch_changed(BatchState())
+    observer.sample()
     values = [(p["name"], p["value"], p["type"]) for p in map(parse_djl_metric, lines)]
     assert values == [
+        ("djl_stream_batch_rows", 0, "g"), ("djl_stream_requests_waiting", 0, "g"),
+        ("djl_stream_kv_cache_tokens", 0, "g"),
         ("djl_stream_batch_rows", 1, "g"), ("djl_stream_requests_waiting", 0, "g"),
         ("djl_stream_kv_cache_tokens", 10, "g"),
-        ("djl_stream_batch_rows", 1, "g"), ("djl_stream_requests_waiting", 0, "g"),
-        ("djl_stream_kv_cache_tokens", 12, "g"),
         ("djl_stream_batch_rows", 0, "g"), ("djl_stream_requests_waiting", 0, "g"),
         ("djl_stream_kv_cache_tokens", 0, "g"),
     ]
 
 
+def test_the_load_is_sampled_in_the_background():
+    lines: list[str] = []
+    observer = DjlMetricLines("m", write=lines.append, gauge_interval=0.01)
+    try:
+        observer.batch_changed(BatchState(2, 0, 20))
+        deadline = time.monotonic() + 30
+        while "[METRICS]djl_stream_kv_cache_tokens.Count:20|#Model:m|g" not in lines:
+            assert time.monotonic() < deadline, lines
+            time.sleep(0.01)
+    finally:
+        observer.stop()
+
+
 @pytest.mark.parametrize("model", ["model", "s3://bucket/llama,v2:1", "HuggingFaceTB/SmolLM2", "a|b c"])
 def test_any_model_name_makes_a_dimension_djl_can_read(model):
     line = djl_metric_line("djl_stream_generation_tokens", 3, "Count", "c",
-                           DjlMetricLines(model).dimension)
+                           DjlMetricLines(model, gauge_interval=None).dimension)
     assert list(parse_djl_metric(line)["dimensions"]) == ["Model"]
 
 
 def test_each_djl_metric_name_has_one_type():
     # the Prometheus appender registers a name once, as the type it first saw
     lines: list[str] = []
-    observer = DjlMetricLines("m", write=lines.append)
+    observer = DjlMetricLines("m", write=lines.append, gauge_interval=None)
     observer.request_ended(stats(admitted_at=100.1, first_token_at=100.2, last_token_at=100.4,
                                  ended_at=100.4, generated_tokens=3, steps=3, outcome=FINISHED))
     observer.request_ended(stats(admitted_at=100.1, first_token_at=100.2, last_token_at=100.2,
                                  ended_at=100.3, generated_tokens=1, steps=1, outcome=CANCELLED))
     observer.request_ended(stats(admitted_at=100.1, ended_at=100.3, outcome="failed"))
     observer.batch_changed(BatchState(2, 1, 30))
+    observer.sample()
     types = {(p["name"], p["type"]) for p in map(parse_djl_metric, lines)}
     assert len(types) == len({name for name, _ in types}) == 11
 
@@ -250,8 +264,11 @@ def test_djl_lines_start_once_per_process(monkeypatch):
     monkeypatch.setattr(metrics, "_DJL_LINES", None)
     monkeypatch.setattr(metrics, "add_observer", added.append)  # not this test process's stdout
     first = start_djl_metric_lines("a")
-    assert start_djl_metric_lines("b") is first and added == [first]
-    assert first.dimension == ("Model", "a")
+    try:
+        assert start_djl_metric_lines("b") is first and added == [first]
+        assert first.dimension == ("Model", "a")
+    finally:
+        first.stop()
 
 
 # -- a real server ----------------------------------------------------------------------------

@@ -41,14 +41,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import logging
 import re
 import sys
 import threading
-import time
 from typing import Callable, Iterator, List, Optional, Tuple
 
 from djl_stream.generation.scheduler import (CANCELLED, FAILED, FINISHED, BatchState,
                                              RequestStats, SchedulerObserver, add_observer)
+
+logger = logging.getLogger(__name__)
 
 # Buckets, in seconds. vLLM's (TTFT 1 ms-2560 s, per-token 10 ms-80 s, request 0.3 s-7680 s)
 # and TGI's (one geometric 0.15 ms-1.9 ks series for every duration) are made for large
@@ -297,27 +299,31 @@ class DjlMetricLines(SchedulerObserver):
     a line per token would flood the worker's stdout), end-to-end time (finished requests),
     in microseconds like djl-serving's own latencies, and its prompt and generated tokens and
     a cancelled or failed request as counts. The load (``djl_stream_batch_rows``,
-    ``djl_stream_requests_waiting``, ``djl_stream_kv_cache_tokens``) as gauges when it
-    changes, at most once per ``gauge_interval`` seconds, and always when the batch empties.
-    The dimension is ``Model:<model>``, like djl-serving's own model metrics.
+    ``djl_stream_requests_waiting``, ``djl_stream_kv_cache_tokens``) as gauges, sampled
+    every ``gauge_interval`` seconds by a thread of its own and printed when it changed
+    (the way a scraper would see it: a step's state every few milliseconds would flood the
+    worker's stdout); ``None`` samples only when :meth:`sample` is called. The dimension is
+    ``Model:<model>``, like djl-serving's own model metrics.
 
     >>> lines = []
-    >>> observer = DjlMetricLines("tiny", write=lines.append)
+    >>> observer = DjlMetricLines("tiny", write=lines.append, gauge_interval=None)
     >>> observer.batch_changed(BatchState(running_rows=2, waiting_requests=0, kv_cache_tokens=40))
+    >>> observer.sample()
     >>> lines[0]
     '[METRICS]djl_stream_batch_rows.Count:2|#Model:tiny|g'
     """
 
     def __init__(self, model: str, *, write: Optional[Callable[[str], None]] = None,
-                 gauge_interval: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 gauge_interval: Optional[float] = 1.0) -> None:
         self.dimension = ("Model", djl_dimension_value(model))
         self._write = write or _write_stdout_line
-        self.gauge_interval = gauge_interval
-        self._clock = clock
-        self._last_state: Optional[BatchState] = None
-        self._last_gauges_at = float("-inf")
+        self._state = BatchState()
+        self._printed_state: Optional[BatchState] = None
         self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        if gauge_interval is not None:
+            threading.Thread(target=self._sample_every, args=(gauge_interval,),
+                             name="djl-stream-metric-lines", daemon=True).start()
 
     def _line(self, name: str, value: float, unit: str, metric_type: str) -> str:
         return djl_metric_line(name, value, unit, metric_type, self.dimension)
@@ -348,18 +354,30 @@ class DjlMetricLines(SchedulerObserver):
                 self._write(line)
 
     def batch_changed(self, state: BatchState) -> None:
+        self._state = state  # under the scheduler's lock: no printing here
+
+    def sample(self) -> None:
+        """Print the load if it changed since it was last printed."""
+        state = self._state
         with self._lock:
-            if state == self._last_state:
+            if state == self._printed_state:
                 return
-            now = self._clock()
-            idle = state == BatchState()
-            if not idle and now - self._last_gauges_at < self.gauge_interval:
-                return
-            self._last_state, self._last_gauges_at = state, now
+            self._printed_state = state
             for name, value in (("djl_stream_batch_rows", state.running_rows),
                                 ("djl_stream_requests_waiting", state.waiting_requests),
                                 ("djl_stream_kv_cache_tokens", state.kv_cache_tokens)):
                 self._write(self._line(name, value, COUNT, DJL_GAUGE))
+
+    def stop(self) -> None:
+        """End the background sampling."""
+        self._stopped.set()
+
+    def _sample_every(self, interval: float) -> None:
+        while not self._stopped.wait(interval):
+            try:
+                self.sample()
+            except Exception:  # noqa: BLE001 - a closed stdout must not end the sampling
+                logger.exception("printing the load as [METRICS] lines failed")
 
 
 _STDOUT_LOCK = threading.Lock()

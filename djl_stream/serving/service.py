@@ -39,7 +39,7 @@ from djl_stream.generation.errors import QueueFullError
 from djl_stream.generation.step import Step
 from djl_stream.generation.streaming_utils import StreamingUtils
 from djl_stream.protocols.djl.formatters import StreamFormatter, resolve_formatter
-from djl_stream.protocols.djl.protocol import djl_protocol
+from djl_stream.protocols.djl.protocol import DjlProtocol
 from djl_stream.protocols.protocol import (PROTOCOL_PROPERTY, EncodedStream, Failure,
                                            ParseContext, Protocol, StreamEncoder)
 from djl_stream.protocols.request import GenerationRequest
@@ -59,8 +59,6 @@ ASYNC_MAX_THREADS = 128
 #: Protocols beyond djl-serving's own, by name: ``"module:factory"``, the factory called
 #: with the loaded service (a protocol may read the model's properties or tokenizer).
 PROTOCOLS: Dict[str, str] = {
-    "openai-chat": "djl_stream.protocols.openai.protocol:openai_chat",
-    "openai-completions": "djl_stream.protocols.openai.protocol:openai_completions",
     "tgi": "djl_stream.protocols.tgi.protocol:compat_protocol",
     "tgi-generate": "djl_stream.protocols.tgi.protocol:generate_protocol",
     "tgi-generate-stream": "djl_stream.protocols.tgi.protocol:generate_stream_protocol",
@@ -164,12 +162,12 @@ class StreamingService:
 
                 start_scheduler(model, tokenizer, max_batch_size=props.max_rolling_batch_size,
                                 max_queue=props.job_queue_size)
-                if _in_djl_serving():
-                    # No route can be added there: the figures go to djl-serving's
-                    # model_metric log as [METRICS] lines on the worker's stdout.
-                    from djl_stream.serving.metrics import start_djl_metric_lines
+            if _in_djl_serving():
+                # No route can be added there: the scheduler's figures go to djl-serving's
+                # model_metric log as [METRICS] lines on the worker's stdout.
+                from djl_stream.serving.metrics import start_djl_metric_lines
 
-                    start_djl_metric_lines(Path(props.model_dir).name)
+                start_djl_metric_lines(Path(props.model_dir).name)
             self._warm_up(model, tokenizer)
             self.model, self.tokenizer, self.props = model, tokenizer, props
             logger.info("model ready: engine=%s formatter=%s", self.engine, self.formatter)
@@ -195,9 +193,6 @@ class StreamingService:
         """The answer to one request (never raises for a request's own failure)."""
         protocol = self.protocols["djl"]
         try:
-            # A request that names its protocol (its route) gets even a body that is not
-            # JSON refused in that protocol's error shape.
-            protocol = self.named_protocol(inputs) or protocol
             body = self.read_body(inputs)
             protocol = self.protocol_for(inputs, body)
             request, prompt_tokens = self.parse(body, protocol)
@@ -255,9 +250,13 @@ class StreamingService:
         (``djl-stream serve`` sets it from the route), else the first of
         :data:`PROTOCOLS_BY_BODY` whose keys the body has and that this model serves, else
         djl-serving's."""
-        named = self.named_protocol(inputs)
-        if named is not None:
-            return named
+        name = inputs.get_property(PROTOCOL_PROPERTY)
+        if name:
+            name = str(name).strip().lower()
+            if name not in self.protocols:
+                raise RequestError(PROTOCOL_PROPERTY, f"{PROTOCOL_PROPERTY} must be one of "
+                                   f"{', '.join(sorted(self.protocols))}, got {name!r}")
+            return self.protocols[name]
         if isinstance(body, dict):
             for key, candidate in PROTOCOLS_BY_BODY:
                 if candidate == "openai-chat" and self.props.chat_protocol == "djl":
@@ -266,21 +265,10 @@ class StreamingService:
                     return self.protocols[candidate]
         return self.protocols["djl"]
 
-    def named_protocol(self, inputs) -> Optional[Protocol]:
-        """The protocol the request's ``djl_stream_protocol`` property names, if any."""
-        name = inputs.get_property(PROTOCOL_PROPERTY)
-        if not name:
-            return None
-        name = str(name).strip().lower()
-        if name not in self.protocols:
-            raise RequestError(PROTOCOL_PROPERTY, f"{PROTOCOL_PROPERTY} must be one of "
-                               f"{', '.join(sorted(self.protocols))}, got {name!r}")
-        return self.protocols[name]
-
     @functools.cached_property
     def protocols(self) -> Dict[str, Protocol]:
         """Every protocol this model answers, by name (built once, after loading)."""
-        protocols: Dict[str, Protocol] = {"djl": djl_protocol(self)}
+        protocols: Dict[str, Protocol] = {"djl": DjlProtocol(self.formatter)}
         for name, factory in PROTOCOLS.items():
             module, _, attribute = factory.partition(":")
             protocols[name] = getattr(importlib.import_module(module), attribute)(self)
@@ -339,10 +327,9 @@ class StreamingService:
             check_input_length(name, n, self.props.max_input_length)
             wanted = n + request.parameters.max_new_tokens
             if context and wanted > context:
-                field = protocol.max_new_tokens_field(request)
                 raise RequestError(
-                    field,
-                    f"{name} ({n} tokens) + {field} "
+                    "parameters.max_new_tokens",
+                    f"{name} ({n} tokens) + parameters.max_new_tokens "
                     f"({request.parameters.max_new_tokens}) is {wanted} tokens; the model's "
                     f"context (max_position_embeddings) is {context}",
                 )
