@@ -39,7 +39,7 @@ from djl_stream.generation.errors import QueueFullError
 from djl_stream.generation.step import Step
 from djl_stream.generation.streaming_utils import StreamingUtils
 from djl_stream.protocols.djl.formatters import StreamFormatter, resolve_formatter
-from djl_stream.protocols.djl.protocol import DjlProtocol
+from djl_stream.protocols.djl.protocol import djl_protocol
 from djl_stream.protocols.protocol import (PROTOCOL_PROPERTY, EncodedStream, Failure,
                                            ParseContext, Protocol, StreamEncoder)
 from djl_stream.protocols.request import GenerationRequest
@@ -59,6 +59,8 @@ ASYNC_MAX_THREADS = 128
 #: Protocols beyond djl-serving's own, by name: ``"module:factory"``, the factory called
 #: with the loaded service (a protocol may read the model's properties or tokenizer).
 PROTOCOLS: Dict[str, str] = {
+    "openai-chat": "djl_stream.protocols.openai.protocol:openai_chat",
+    "openai-completions": "djl_stream.protocols.openai.protocol:openai_completions",
     "tgi": "djl_stream.protocols.tgi.protocol:compat_protocol",
     "tgi-generate": "djl_stream.protocols.tgi.protocol:generate_protocol",
     "tgi-generate-stream": "djl_stream.protocols.tgi.protocol:generate_stream_protocol",
@@ -193,6 +195,9 @@ class StreamingService:
         """The answer to one request (never raises for a request's own failure)."""
         protocol = self.protocols["djl"]
         try:
+            # A request that names its protocol (its route) gets even a body that is not
+            # JSON refused in that protocol's error shape.
+            protocol = self.named_protocol(inputs) or protocol
             body = self.read_body(inputs)
             protocol = self.protocol_for(inputs, body)
             request, prompt_tokens = self.parse(body, protocol)
@@ -250,13 +255,9 @@ class StreamingService:
         (``djl-stream serve`` sets it from the route), else the first of
         :data:`PROTOCOLS_BY_BODY` whose keys the body has and that this model serves, else
         djl-serving's."""
-        name = inputs.get_property(PROTOCOL_PROPERTY)
-        if name:
-            name = str(name).strip().lower()
-            if name not in self.protocols:
-                raise RequestError(PROTOCOL_PROPERTY, f"{PROTOCOL_PROPERTY} must be one of "
-                                   f"{', '.join(sorted(self.protocols))}, got {name!r}")
-            return self.protocols[name]
+        named = self.named_protocol(inputs)
+        if named is not None:
+            return named
         if isinstance(body, dict):
             for key, candidate in PROTOCOLS_BY_BODY:
                 if candidate == "openai-chat" and self.props.chat_protocol == "djl":
@@ -265,10 +266,21 @@ class StreamingService:
                     return self.protocols[candidate]
         return self.protocols["djl"]
 
+    def named_protocol(self, inputs) -> Optional[Protocol]:
+        """The protocol the request's ``djl_stream_protocol`` property names, if any."""
+        name = inputs.get_property(PROTOCOL_PROPERTY)
+        if not name:
+            return None
+        name = str(name).strip().lower()
+        if name not in self.protocols:
+            raise RequestError(PROTOCOL_PROPERTY, f"{PROTOCOL_PROPERTY} must be one of "
+                               f"{', '.join(sorted(self.protocols))}, got {name!r}")
+        return self.protocols[name]
+
     @functools.cached_property
     def protocols(self) -> Dict[str, Protocol]:
         """Every protocol this model answers, by name (built once, after loading)."""
-        protocols: Dict[str, Protocol] = {"djl": DjlProtocol(self.formatter)}
+        protocols: Dict[str, Protocol] = {"djl": djl_protocol(self)}
         for name, factory in PROTOCOLS.items():
             module, _, attribute = factory.partition(":")
             protocols[name] = getattr(importlib.import_module(module), attribute)(self)
@@ -327,9 +339,10 @@ class StreamingService:
             check_input_length(name, n, self.props.max_input_length)
             wanted = n + request.parameters.max_new_tokens
             if context and wanted > context:
+                field = protocol.max_new_tokens_field(request)
                 raise RequestError(
-                    "parameters.max_new_tokens",
-                    f"{name} ({n} tokens) + parameters.max_new_tokens "
+                    field,
+                    f"{name} ({n} tokens) + {field} "
                     f"({request.parameters.max_new_tokens}) is {wanted} tokens; the model's "
                     f"context (max_position_embeddings) is {context}",
                 )
