@@ -6,7 +6,8 @@ Routes, as djl-serving (and SageMaker) expose them:
   reason while it loads or after the load failed;
 - ``POST /invocations`` and ``POST /predictions/{model_name}``: one request to ``handle()``;
 - ``GET /models``: the management list, ``{"models": [{"modelName", "modelUrl", "status"}]}``;
-- ``GET /metrics``: Prometheus metrics (:mod:`djl_stream.serving.metrics`), djl-stream's own.
+- ``GET /metrics``: Prometheus metrics (:mod:`djl_stream.serving.metrics`), djl-stream's own;
+- ``GET /v1/models``: OpenAI's model list, beside the OpenAI routes of :data:`PROTOCOL_ROUTES`.
 
 The server starts answering at once and loads the model in a background thread. Each
 request's ``handle()`` runs in a worker thread, concurrently (djl-serving's synchronous
@@ -314,6 +315,7 @@ class ModelServer:
         self.worker = worker
         self.max_threads = max_threads
         self.metrics = metrics or server_metrics()
+        self.started = int(time.time())
         self.limiter: Optional[anyio.CapacityLimiter] = None
 
     def routes(self) -> list[Route]:
@@ -323,6 +325,7 @@ class ModelServer:
             Route("/predictions/{model_name}", self.predictions, methods=["POST"]),
             Route("/models", self.models, methods=["GET"]),
             Route("/metrics", self.prometheus_metrics, methods=["GET"]),
+            Route("/v1/models", self.openai_models, methods=["GET"]),
             # Other clients' protocols, answered by the same handle(): the route names the
             # protocol to the handler (PROTOCOL_PROPERTY), as the body's shape would.
             *(Route(path, self._protocol_route(name), methods=["POST"])
@@ -357,6 +360,14 @@ class ModelServer:
         return JSONResponse({"models": [{"modelName": worker.model_name,
                                          "modelUrl": worker.model_dir.as_uri(),
                                          "status": worker.status}]})
+
+    async def openai_models(self, request: Request) -> Response:
+        """OpenAI's model list, for clients that look the model up before asking. The id is
+        the ``model`` answers carry: ``option.model_id``, else the directory's name."""
+        worker = self.worker
+        return JSONResponse({"object": "list", "data": [
+            {"id": worker.properties.get("model_id") or worker.model_dir.name,
+             "object": "model", "created": self.started, "owned_by": "djl-stream"}]})
 
     async def prometheus_metrics(self, request: Request) -> Response:
         body, content_type = self.metrics.exposition(request.headers.get("accept"))
