@@ -9,7 +9,9 @@ then that ``djl-stream serve`` answers byte for byte what djl-serving 0.33 answe
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import threading
 
 import pytest
@@ -116,13 +118,76 @@ def test_a_bad_request_is_a_400_naming_the_field_and_the_limit(embedded):
     assert_same_answer(answers)
 
 
-def test_messages_go_through_the_chat_template(embedded, greedy_reference):
+def test_messages_go_through_the_chat_template(embedded, greedy_reference, djl_src,
+                                              embedded_dir):
     _, text = greedy_reference
+    # A messages body is an OpenAI chat completion, as LMI answers one...
     answers = embedded.ask_all({"messages": [{"role": "user", "content": PROMPT}],
-                                "parameters": {"max_new_tokens": 12}, "stream": False})
+                                "max_tokens": 12, "temperature": 0})
+    for target, answer in answers.items():
+        assert answer.json()["choices"][0]["message"]["content"] == text, target.name
+    # ...and djl's answer with option.chat_protocol=djl.
+    fleet = Fleet(embedded_dir, djl_src, {"OPTION_CHAT_PROTOCOL": "djl"})
+    try:
+        answers = fleet.ask_all({"messages": [{"role": "user", "content": PROMPT}],
+                                 "parameters": {"max_new_tokens": 12}, "stream": False},
+                                targets=(SYNC_033, LOCAL))
+    finally:
+        fleet.stop()
     for target, answer in answers.items():
         assert answer.json() == {"generated_text": text}, target.name
-    assert_same_answer(answers)
+    assert_same_answer(answers, targets=(LOCAL,))
+
+
+def normalised(answer):
+    """``answer`` with its ids and creation times (which differ per answer) replaced."""
+    body = re.sub(rb'"id":"chatcmpl-[0-9a-f]{32}"', b'"id":"chatcmpl-ID"', answer.body)
+    body = re.sub(rb'"created":[0-9]+', b'"created":0', body)
+    return dataclasses.replace(answer, chunks=[body])
+
+
+def sse_records(answer):
+    """The JSON records of a server-sent-events body that ends with ``data: [DONE]``."""
+    events = [event for event in answer.body.decode("utf-8").split("\n\n") if event]
+    assert all(event.startswith("data: ") for event in events), events
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(event[len("data: "):]) for event in events[:-1]]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_an_openai_chat_body_is_a_chat_completion_on_every_target(embedded, greedy_reference,
+                                                                 stream):
+    """What an OpenAI client posting to /invocations gets (LMI 0.33's front end also sends
+    /v1/chat/completions there): the same chat completion from every worker, the same
+    bytes from djl-stream serve as from djl-serving 0.33 but for ids and times."""
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    new_ids, text = greedy_reference
+    finish = "stop" if new_ids[-1] == 2 else "length"  # 2: SmolLM2's <|im_end|>
+    body = {"model": "model", "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": 12, "temperature": 0, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    answers = embedded.ask_all(body)
+    for target, answer in answers.items():
+        assert answer.status == 200, (target.name, answer.body)
+        if stream:
+            assert answer.content_type == "text/event-stream", target.name
+            records = sse_records(answer)
+            chunks = [ChatCompletionChunk.model_validate(record) for record in records]
+            assert chunks[0].choices[0].delta.role == "assistant"
+            assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == text
+            assert chunks[-2].choices[0].finish_reason == finish
+            usage = chunks[-1].usage
+        else:
+            assert answer.content_type == "application/json", target.name
+            completion = ChatCompletion.model_validate(answer.json())
+            assert completion.choices[0].message.content == text
+            assert completion.choices[0].finish_reason == finish
+            usage = completion.usage
+        assert usage.completion_tokens == len(new_ids), target.name
+    answers = {target: normalised(answer) for target, answer in answers.items()}
+    assert_same_answer(answers, targets=(SYNC_030, ASYNC_033, LOCAL))
 
 
 def test_several_prompts_stream_side_by_side(tiny):
