@@ -22,7 +22,8 @@ VARIED = {"repetition_penalty": 2.0}
 def djl_text(server: ServerProcess, prompt: str, max_new_tokens: int) -> str:
     """What djl-serving's own route generates for ``prompt`` (greedy)."""
     response = server.http.post("/invocations", json={
-        "inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens}, "stream": False})
+        "inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens}, "stream": False},
+        timeout=120)  # a deadline only: a busy machine generates slowly
     assert response.status_code == 200, response.text
     return response.json()["generated_text"]
 
@@ -133,13 +134,13 @@ def test_an_invalid_parameter_raises_the_clients_error_with_our_message(client, 
 
 def test_the_routes_on_the_wire(server):
     body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 3}}
-    generate = server.http.post("/generate", json=body)
+    generate = server.http.post("/generate", json=body, timeout=60)
     assert generate.status_code == 200
     assert generate.headers["content-type"] == "application/json"
     assert set(generate.json()) == {"generated_text"}
-    compat = server.http.post("/", json=body)
+    compat = server.http.post("/", json=body, timeout=60)
     assert compat.json() == [generate.json()]
-    stream = server.http.post("/generate_stream", json=body)
+    stream = server.http.post("/generate_stream", json=body, timeout=60)
     assert stream.headers["content-type"] == "text/event-stream"
     records = stream.text.split("\n\n")
     assert records[-1] == "" and all(r.startswith("data:{") for r in records[:-1])
