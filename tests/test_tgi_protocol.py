@@ -15,7 +15,7 @@ from djl_stream.generation.step import Generation, Step
 from djl_stream.protocols.protocol import Failure, ParseContext
 from djl_stream.protocols.tgi.protocol import TgiProtocol
 from djl_stream.protocols.tgi.request import MAX_TOP_N_TOKENS, UNSUPPORTED, parse_request
-from djl_stream.protocols.tgi.writers import TgiStreamEncoder, Vocabulary, generate_response
+from djl_stream.protocols.tgi.writers import TgiStreamEncoder, Vocabulary
 from djl_stream.protocols.validation import RequestError, describe
 
 CONTEXT = ParseContext(default_max_new_tokens=50, max_new_tokens_limit=256, max_batch_size=8,

@@ -30,15 +30,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any, Callable, ClassVar, Literal, Optional
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
-                      ValidationError)
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from djl_stream.protocols.request import GenerationRequest, SamplingParameters
+from djl_stream.protocols.schema import (FINITE, MAX_REPETITION_PENALTY, MAX_TEMPERATURE,
+                                         Prompt, StopList, one_or_many)
 from djl_stream.protocols.validation import RequestError, describe, request_error
 
-MAX_STOP_SEQUENCES = 16
-MAX_STOP_LENGTH = 256
 #: The most alternatives per token (``top_logprobs``): the engine's limit,
 #: ``djl_stream.generation.sampling.MAX_TOP_LOGPROBS``, which is not imported here because
 #: that module imports torch and ``model.py`` must import cheaply.
@@ -67,23 +65,9 @@ class DjlAnswer:
 
 
 # ---------------------------------------------------------------------------------------
-# The schema. Strings and lists that may also be one string are normalised to lists
-# before validation; RequestError paths are mapped back to what the client sent.
-
-
-def _as_list(value: Any) -> Any:
-    return [value] if isinstance(value, str) else value
-
-
-def _not_blank(text: str) -> str:
-    if not text.strip():
-        raise PydanticCustomError("blank", "must not be empty or whitespace only")
-    return text
-
-
-_Prompt = Annotated[str, AfterValidator(_not_blank)]
-_Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
-_Float = dict(allow_inf_nan=False)
+# The schema (its pieces shared with the other protocols: djl_stream.protocols.schema).
+# Strings and lists that may also be one string are normalised to lists before
+# validation; RequestError paths are mapped back to what the client sent.
 
 
 class _Parameters(BaseModel):
@@ -91,16 +75,15 @@ class _Parameters(BaseModel):
 
     # The upper bound of max_new_tokens is a model property, checked after validation.
     max_new_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, gt=0, le=100, **_Float)
+    temperature: Optional[float] = Field(None, gt=0, le=MAX_TEMPERATURE, **FINITE)
     top_k: Optional[int] = Field(None, ge=0)
-    top_p: Optional[float] = Field(None, gt=0, le=1, **_Float)
-    typical_p: Optional[float] = Field(None, gt=0, le=1, **_Float)
-    repetition_penalty: Optional[float] = Field(None, gt=0, le=10, **_Float)
+    top_p: Optional[float] = Field(None, gt=0, le=1, **FINITE)
+    typical_p: Optional[float] = Field(None, gt=0, le=1, **FINITE)
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=MAX_REPETITION_PENALTY, **FINITE)
     do_sample: Optional[bool] = None
     manual_seed: Optional[int] = Field(None, ge=0, lt=2**63)
     seed: Optional[int] = Field(None, ge=0, lt=2**63)  # another name for manual_seed
-    stop: Annotated[Optional[list[_Stop]],
-                    BeforeValidator(_as_list), Field(max_length=MAX_STOP_SEQUENCES)] = None
+    stop: StopList = None
     # The upper bound of min_new_tokens is the request's max_new_tokens, checked after.
     min_new_tokens: Optional[int] = Field(None, ge=0)
     ignore_eos: Optional[bool] = None
@@ -117,13 +100,13 @@ class _Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: _Prompt
+    content: Prompt
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    inputs: Annotated[Optional[list[_Prompt]], BeforeValidator(_as_list),
+    inputs: Annotated[Optional[list[Prompt]], BeforeValidator(one_or_many),
                       Field(min_length=1)] = None
     messages: Optional[list[_Message]] = Field(None, min_length=1)
     parameters: Optional[_Parameters] = None

@@ -26,7 +26,7 @@ route) with ``messages`` or ``prompt`` selects them by its shape.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Sequence
 
 from djl_stream.generation.step import Step
 from djl_stream.protocols.openai.request import Answer, parse_chat, parse_completion

@@ -40,18 +40,18 @@ import dataclasses
 import json
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
-                      ValidationError)
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticCustomError
 
-from djl_stream.protocols.djl.request import MAX_STOP_LENGTH, MAX_STOP_SEQUENCES
 from djl_stream.protocols.protocol import ParseContext
 from djl_stream.protocols.request import GenerationRequest, SamplingParameters
+from djl_stream.protocols.schema import (FINITE, MAX_REPETITION_PENALTY, Prompt, StopList,
+                                         one_or_many)
 from djl_stream.protocols.validation import RequestError, describe, request_error
 
 #: OpenAI's own bounds.
 MAX_TOP_LOGPROBS = 20
-MAX_TEMPERATURE = 2.0
+MAX_OPENAI_TEMPERATURE = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,24 +75,7 @@ class Answer:
 
 # ---------------------------------------------------------------------------------------
 # The schema. Strict (``"5"`` is not an integer) and closed (an unknown key is refused
-# with the closest known name), like djl's.
-
-
-def _as_list(value: Any) -> Any:
-    return [value] if isinstance(value, str) else value
-
-
-def _not_blank(text: str) -> str:
-    if not text.strip():
-        raise PydanticCustomError("blank", "must not be empty or whitespace only")
-    return text
-
-
-_Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
-_StopList = Annotated[Optional[list[_Stop]], BeforeValidator(_as_list),
-                      Field(max_length=MAX_STOP_SEQUENCES)]
-_Prompt = Annotated[str, AfterValidator(_not_blank)]
-_Float = dict(allow_inf_nan=False)
+# with the closest known name), like djl's, from the pieces every protocol shares.
 
 
 class _Closed(BaseModel):
@@ -146,17 +129,17 @@ class _Common(_Closed):
     model: Optional[str] = None
     # The upper bound is the model's option.max_new_tokens_limit, checked after validation.
     max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, ge=0, le=MAX_TEMPERATURE, **_Float)
-    top_p: Optional[float] = Field(None, gt=0, le=1, **_Float)
+    temperature: Optional[float] = Field(None, ge=0, le=MAX_OPENAI_TEMPERATURE, **FINITE)
+    top_p: Optional[float] = Field(None, gt=0, le=1, **FINITE)
     n: Optional[int] = Field(None, ge=1)
-    stop: _StopList = None
+    stop: StopList = None
     seed: Optional[int] = Field(None, ge=0, lt=2**63)
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     # vLLM's extensions (benchmark clients send them through extra_body).
     top_k: Optional[int] = Field(None, ge=-1)
-    repetition_penalty: Optional[float] = Field(None, gt=0, le=10, **_Float)
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=MAX_REPETITION_PENALTY, **FINITE)
     min_tokens: Optional[int] = Field(None, ge=0)
     ignore_eos: Optional[bool] = None
     # Only at the value that asks for nothing (see _UNSUPPORTED).
@@ -196,7 +179,7 @@ class ChatCompletionRequest(_Common):
 class CompletionRequest(_Common):
     """The body of ``POST /v1/completions`` (OpenAI's legacy completions)."""
 
-    prompt: Annotated[list[_Prompt], BeforeValidator(_as_list), Field(min_length=1)]
+    prompt: Annotated[list[Prompt], BeforeValidator(one_or_many), Field(min_length=1)]
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # Only at the value that asks for nothing.
     echo: Any = None

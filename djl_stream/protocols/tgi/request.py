@@ -33,12 +33,14 @@ As in TGI, setting a sampling warper (``temperature`` other than 1, ``top_k``, `
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from djl_stream.protocols.protocol import ParseContext
 from djl_stream.protocols.request import GenerationRequest, SamplingParameters
+from djl_stream.protocols.schema import (FINITE, MAX_REPETITION_PENALTY, MAX_TEMPERATURE,
+                                         StopList)
 from djl_stream.protocols.validation import RequestError, describe, request_error
 
 #: The most alternatives per token ``top_n_tokens`` may ask for: the engine's own limit,
@@ -47,18 +49,6 @@ from djl_stream.protocols.validation import RequestError, describe, request_erro
 MAX_TOP_N_TOKENS = 20
 #: TGI's seed is an unsigned 64-bit integer; torch's generators take the same range.
 MAX_SEED = 2**64 - 1
-#: The same limits as djl-serving's schema (:mod:`djl_stream.protocols.djl.request`);
-#: TGI's default is 4 stop sequences.
-MAX_STOP_SEQUENCES = 16
-MAX_STOP_LENGTH = 256
-
-
-def _as_list(value: Any) -> Any:
-    return [value] if isinstance(value, str) else value
-
-
-_Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
-_Float = dict(allow_inf_nan=False)
 
 
 class TgiParameters(BaseModel):
@@ -69,15 +59,17 @@ class TgiParameters(BaseModel):
     # Honoured. The upper bound of max_new_tokens is a model property, checked afterwards.
     max_new_tokens: Optional[int] = Field(None, ge=1)
     do_sample: Optional[bool] = None
-    temperature: Optional[float] = Field(None, gt=0, **_Float)
+    temperature: Optional[float] = Field(None, gt=0, le=MAX_TEMPERATURE, **FINITE)
     top_k: Optional[int] = Field(None, gt=0)
     # TGI refuses exactly 1; 1 switches the warper off, so it is accepted here.
-    top_p: Optional[float] = Field(None, gt=0, le=1, **_Float)
-    typical_p: Optional[float] = Field(None, gt=0, le=1, **_Float)
-    repetition_penalty: Optional[float] = Field(None, gt=0, **_Float)
+    top_p: Optional[float] = Field(None, gt=0, le=1, **FINITE)
+    typical_p: Optional[float] = Field(None, gt=0, le=1, **FINITE)
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=MAX_REPETITION_PENALTY,
+                                                **FINITE)
     seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
-    stop: Annotated[Optional[list[_Stop]],
-                    BeforeValidator(_as_list), Field(max_length=MAX_STOP_SEQUENCES)] = None
+    # Stop strings here, temperature and repetition penalty above: djl's limits (TGI's allow 4
+    # stop sequences and no upper bounds), since the engine is the same.
+    stop: StopList = None
     return_full_text: Optional[bool] = None
     details: Optional[bool] = None
     top_n_tokens: Optional[int] = Field(None, ge=0, le=MAX_TOP_N_TOKENS)
@@ -88,7 +80,7 @@ class TgiParameters(BaseModel):
     watermark: Optional[bool] = None
     grammar: Optional[Any] = None
     adapter_id: Optional[str] = None
-    frequency_penalty: Optional[float] = Field(None, **_Float)
+    frequency_penalty: Optional[float] = Field(None, **FINITE)
 
 
 class TgiBody(BaseModel):

@@ -1,0 +1,51 @@
+"""Pydantic building blocks that every protocol's request schema shares.
+
+The limits a request meets are the engine's, not the protocol's: a stop string or a
+repetition penalty is refused at the same bound on djl's, OpenAI's and TGI's routes, so
+each protocol's schema builds on these types instead of restating them.
+
+    >>> from pydantic import BaseModel
+    >>> class Body(BaseModel):
+    ...     prompt: Prompt
+    ...     stop: StopList = None
+    >>> Body(prompt="Hi", stop="\\n").stop
+    ['\\n']
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional
+
+from pydantic import AfterValidator, BeforeValidator, Field
+from pydantic_core import PydanticCustomError
+
+#: Stop strings one request may give, and the longest one.
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_LENGTH = 256
+#: The highest temperature and repetition penalty: far beyond any useful value, and low
+#: enough that the scaled logits stay finite.
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 10.0
+
+#: Field options for a float a client sends: NaN and infinities are refused.
+FINITE = dict(allow_inf_nan=False)
+
+
+def one_or_many(value: Any) -> Any:
+    """A lone string as a one-item list (``"stop": "\\n"`` means ``["\\n"]``)."""
+    return [value] if isinstance(value, str) else value
+
+
+def _not_blank(text: str) -> str:
+    if not text.strip():
+        raise PydanticCustomError("blank", "must not be empty or whitespace only")
+    return text
+
+
+#: A prompt or message content: a string with something in it besides whitespace.
+Prompt = Annotated[str, AfterValidator(_not_blank)]
+#: One stop string.
+Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
+#: ``stop``: one string or a list of them, at most :data:`MAX_STOP_SEQUENCES`.
+StopList = Annotated[Optional[list[Stop]], BeforeValidator(one_or_many),
+                     Field(max_length=MAX_STOP_SEQUENCES)]
