@@ -9,8 +9,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Iterator, Mapping, Optional
 
 import httpx
 
@@ -23,10 +24,12 @@ def free_port() -> int:
 
 class ServerProcess:
     """The server for ``model_dir``; its output goes to ``log_path`` (a temporary file by
-    default). ``env`` adds environment variables (``OPTION_*`` ones, for instance)."""
+    default). ``env`` adds environment variables (``OPTION_*`` ones, for instance).
+    ``client_timeout`` is a deadline for each HTTP call of ``http``, not a speed target:
+    the machine that runs the tests may be busy."""
 
     def __init__(self, model_dir: Path, *, log_path: Optional[Path] = None,
-                 env: Optional[Mapping[str, str]] = None, client_timeout: float = 10.0) -> None:
+                 env: Optional[Mapping[str, str]] = None, client_timeout: float = 120.0) -> None:
         self.model_dir = Path(model_dir)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -72,3 +75,14 @@ class ServerProcess:
             self.process.kill()
             self.process.wait()
         self.log.close()
+
+
+@contextmanager
+def serving(model_dir: Path, **options) -> Iterator[ServerProcess]:
+    """A ready server for ``model_dir`` (``options`` as :class:`ServerProcess`'s), stopped on
+    leaving: what a module-scoped server fixture yields."""
+    process = ServerProcess(model_dir, **options)
+    try:
+        yield process.wait_ready(timeout=300)
+    finally:
+        process.stop()

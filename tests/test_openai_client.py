@@ -11,7 +11,7 @@ import shutil
 
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import ServerProcess, serving
 
 HI = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
 
@@ -23,11 +23,8 @@ def client_of(server: ServerProcess) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    process = ServerProcess(tiny_model_dir)
-    try:
-        yield process.wait_ready(timeout=120)
-    finally:
-        process.stop()
+    with serving(tiny_model_dir) as process:
+        yield process
 
 
 @pytest.fixture(scope="module")
@@ -178,9 +175,8 @@ def test_a_failing_generation_raises_in_the_sdk(tmp_path, tiny_model_dir):
         f.write(FAILING_ENGINE)
     with open(directory / "serving.properties", "a") as f:
         f.write("option.stream_engine=Fails-after-two\n")
-    process = ServerProcess(directory)
-    try:
-        client = client_of(process.wait_ready(timeout=120))
+    with serving(directory) as process:
+        client = client_of(process)
         stream = client.chat.completions.create(model="m", messages=HI, stream=True)
         received = []
         with pytest.raises(openai.APIError, match="RuntimeError: device lost"):
@@ -193,8 +189,6 @@ def test_a_failing_generation_raises_in_the_sdk(tmp_path, tiny_model_dir):
         assert raised.value.status_code == 424
         assert raised.value.body == {"message": "cannot prefill", "type": "server_error",
                                      "param": None, "code": "generation_failed"}
-    finally:
-        process.stop()
 
 
 # -- the embedded model ------------------------------------------------------------------
@@ -205,9 +199,7 @@ def test_greedy_chat_says_what_the_djl_route_says_for_the_same_prompt(embedded_m
     import httpx
 
     prompt = "What is the capital of France?"
-    process = ServerProcess(embedded_model_dir)
-    try:
-        process.wait_ready(timeout=180)
+    with serving(embedded_model_dir) as process:
         # model/ wraps inputs in the chat template as one user turn (apply_chat_template=auto)
         djl = httpx.post(process.url + "/invocations", timeout=120, json={
             "inputs": prompt, "parameters": {"max_new_tokens": 32}, "stream": False})
@@ -219,8 +211,6 @@ def test_greedy_chat_says_what_the_djl_route_says_for_the_same_prompt(embedded_m
                            client.chat.completions.create(model="model", messages=messages,
                                                           max_tokens=32, temperature=0,
                                                           stream=True))
-    finally:
-        process.stop()
     text = djl.json()["generated_text"]
     assert "Paris" in text
     assert answer.choices[0].message.content == streamed == text

@@ -11,7 +11,7 @@ import re
 import pytest
 from huggingface_hub import InferenceClient, TextGenerationOutput
 from huggingface_hub.errors import ValidationError
-from server_process import ServerProcess
+from server_process import ServerProcess, serving
 
 PROMPT = "Paris is"
 #: The random tiny model repeats itself under greedy decoding; a penalty makes its tokens
@@ -43,11 +43,8 @@ def assert_adds_up(outputs) -> None:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    process = ServerProcess(tiny_model_dir)
-    try:
-        yield process.wait_ready(timeout=120)
-    finally:
-        process.stop()
+    with serving(tiny_model_dir) as process:
+        yield process
 
 
 @pytest.fixture(scope="module")
@@ -167,11 +164,8 @@ CAPITAL = "What is the capital of France?"
 
 @pytest.fixture(scope="module")
 def embedded(embedded_model_dir):
-    process = ServerProcess(embedded_model_dir)
-    try:
-        yield process.wait_ready(timeout=180)
-    finally:
-        process.stop()
+    with serving(embedded_model_dir) as process:
+        yield process
 
 
 @pytest.mark.embedded
