@@ -22,9 +22,13 @@ from pydantic_core import PydanticCustomError
 #: Stop strings one request may give, and the longest one.
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_LENGTH = 256
-#: The highest temperature and repetition penalty: far beyond any useful value, and low
-#: enough that the scaled logits stay finite.
+#: The range of temperature and repetition penalty: the scores are divided by them, so
+#: values near 0 overflow to infinity (and one request's NaNs used to fail its whole
+#: batch); 1e-4 keeps a float32 logit of 1e4 finite, and is greedy in all but name. The
+#: upper bounds lie far beyond any useful value.
+MIN_TEMPERATURE = 1e-4
 MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
 
 #: Field options for a float a client sends: NaN and infinities are refused.

@@ -34,7 +34,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from djl_stream.protocols.request import GenerationRequest, SamplingParameters
 from djl_stream.protocols.schema import (FINITE, MAX_REPETITION_PENALTY, MAX_TEMPERATURE,
-                                         Prompt, StopList, one_or_many)
+                                         MIN_REPETITION_PENALTY, MIN_TEMPERATURE, Prompt,
+                                         StopList, one_or_many)
 from djl_stream.protocols.validation import RequestError, describe, request_error
 
 #: The most alternatives per token (``top_logprobs``): the engine's limit,
@@ -75,11 +76,13 @@ class _Parameters(BaseModel):
 
     # The upper bound of max_new_tokens is a model property, checked after validation.
     max_new_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, gt=0, le=MAX_TEMPERATURE, **FINITE)
+    temperature: Optional[float] = Field(None, ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE,
+                                         **FINITE)
     top_k: Optional[int] = Field(None, ge=0)
     top_p: Optional[float] = Field(None, gt=0, le=1, **FINITE)
     typical_p: Optional[float] = Field(None, gt=0, le=1, **FINITE)
-    repetition_penalty: Optional[float] = Field(None, gt=0, le=MAX_REPETITION_PENALTY, **FINITE)
+    repetition_penalty: Optional[float] = Field(None, ge=MIN_REPETITION_PENALTY,
+                                                le=MAX_REPETITION_PENALTY, **FINITE)
     do_sample: Optional[bool] = None
     manual_seed: Optional[int] = Field(None, ge=0, lt=2**63)
     seed: Optional[int] = Field(None, ge=0, lt=2**63)  # another name for manual_seed

@@ -7,7 +7,8 @@ worded as on djl's routes. What OpenAI's parameters become:
 
 - ``max_completion_tokens`` (chat) or ``max_tokens`` → ``max_new_tokens`` (default
   ``option.default_max_new_tokens``, at most ``option.max_new_tokens_limit``);
-- ``temperature`` 0 → greedy decoding; above 0 (OpenAI's default is 1) → sampling with
+- ``temperature`` 0 (or below 1e-4, which would overflow the scores, as vLLM treats
+  its own epsilon) → greedy decoding; above (OpenAI's default is 1) → sampling with
   that temperature and ``top_p``; ``seed`` → ``manual_seed``; ``stop`` as on djl's routes;
 - ``n`` → the prompt repeated ``n`` times (``n`` × prompts at most
   ``option.max_rolling_batch_size``);
@@ -45,8 +46,9 @@ from pydantic_core import PydanticCustomError
 
 from djl_stream.protocols.protocol import ParseContext
 from djl_stream.protocols.request import GenerationRequest, SamplingParameters
-from djl_stream.protocols.schema import (FINITE, MAX_REPETITION_PENALTY, Prompt, StopList,
-                                         one_or_many)
+from djl_stream.protocols.schema import (FINITE, MAX_REPETITION_PENALTY,
+                                         MIN_REPETITION_PENALTY, MIN_TEMPERATURE, Prompt,
+                                         StopList, one_or_many)
 from djl_stream.protocols.validation import RequestError, describe, request_error
 
 #: OpenAI's own bounds.
@@ -139,7 +141,8 @@ class _Common(_Closed):
     user: Optional[str] = None
     # vLLM's extensions (benchmark clients send them through extra_body).
     top_k: Optional[int] = Field(None, ge=-1)
-    repetition_penalty: Optional[float] = Field(None, gt=0, le=MAX_REPETITION_PENALTY, **FINITE)
+    repetition_penalty: Optional[float] = Field(None, ge=MIN_REPETITION_PENALTY,
+                                                le=MAX_REPETITION_PENALTY, **FINITE)
     min_tokens: Optional[int] = Field(None, ge=0)
     ignore_eos: Optional[bool] = None
     # Only at the value that asks for nothing (see _UNSUPPORTED).
@@ -284,7 +287,7 @@ def _max_new_tokens(field: str, value: Optional[int], context: ParseContext) -> 
 def _sampling(parsed: _Common, max_new_tokens: int, logprobs: bool,
               top_logprobs: int) -> SamplingParameters:
     temperature = 1.0 if parsed.temperature is None else parsed.temperature
-    sample = temperature > 0
+    sample = temperature >= MIN_TEMPERATURE
     if parsed.min_tokens is not None and parsed.min_tokens > max_new_tokens:
         raise RequestError("min_tokens", f"min_tokens must be at most the most tokens to "
                                          f"generate ({max_new_tokens}), got {parsed.min_tokens}")

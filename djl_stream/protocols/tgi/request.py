@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from djl_stream.protocols.protocol import ParseContext
 from djl_stream.protocols.request import GenerationRequest, SamplingParameters
 from djl_stream.protocols.schema import (FINITE, MAX_REPETITION_PENALTY, MAX_TEMPERATURE,
-                                         StopList)
+                                         MIN_REPETITION_PENALTY, MIN_TEMPERATURE, StopList)
 from djl_stream.protocols.validation import RequestError, describe, request_error
 
 #: The most alternatives per token ``top_n_tokens`` may ask for: the engine's own limit,
@@ -59,13 +59,14 @@ class TgiParameters(BaseModel):
     # Honoured. The upper bound of max_new_tokens is a model property, checked afterwards.
     max_new_tokens: Optional[int] = Field(None, ge=1)
     do_sample: Optional[bool] = None
-    temperature: Optional[float] = Field(None, gt=0, le=MAX_TEMPERATURE, **FINITE)
+    temperature: Optional[float] = Field(None, ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE,
+                                         **FINITE)
     top_k: Optional[int] = Field(None, gt=0)
     # TGI refuses exactly 1; 1 switches the warper off, so it is accepted here.
     top_p: Optional[float] = Field(None, gt=0, le=1, **FINITE)
     typical_p: Optional[float] = Field(None, gt=0, le=1, **FINITE)
-    repetition_penalty: Optional[float] = Field(None, gt=0, le=MAX_REPETITION_PENALTY,
-                                                **FINITE)
+    repetition_penalty: Optional[float] = Field(None, ge=MIN_REPETITION_PENALTY,
+                                                le=MAX_REPETITION_PENALTY, **FINITE)
     seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
     # Stop strings here, temperature and repetition penalty above: djl's limits (TGI's allow 4
     # stop sequences and no upper bounds), since the engine is the same.
