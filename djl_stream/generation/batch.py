@@ -99,15 +99,43 @@ class CausalLMBatch:
         Freed rows leave the KV cache at once, and so do the leading columns that were
         padding for every row that stays.
         """
-        keep = set(request_ids)
-        rows = [i for i, seq in enumerate(self.sequences) if seq.request_id in keep]
+        rows = self._rows_of(request_ids)
         if not rows:
             return None
         if len(rows) == len(self.sequences):
             return self
-        device = self.attention_mask.device
-        index = torch.tensor(rows, dtype=torch.long, device=device)
+        index = torch.tensor(rows, dtype=torch.long, device=self.attention_mask.device)
         kv_cache.select_rows(self.past_key_values, index)
+        return self._with_rows(rows, index, self.past_key_values)
+
+    def split(self, groups: Sequence[Iterable[Hashable]]) -> List["CausalLMBatch"]:
+        """One batch per group of request ids, each with a copy of its rows of the cache,
+        leaving this batch as it was (to run requests apart after a failed step)."""
+        parts = []
+        for group in groups:
+            rows = self._rows_of(group)
+            index = torch.tensor(rows, dtype=torch.long, device=self.attention_mask.device)
+            parts.append(self._with_rows(rows, index,
+                                         kv_cache.copy_rows(self.past_key_values, index)))
+        return parts
+
+    @property
+    def cache_length(self) -> int:
+        """Positions the KV cache holds per row (0 before prefill)."""
+        return kv_cache.seq_length(self.past_key_values)
+
+    def truncate_cache(self, length: int) -> None:
+        """Cut the KV cache back to ``length`` positions: undoes what a forward pass that
+        raised half-way wrote into the layers it reached."""
+        kv_cache.truncate(self.past_key_values, length)
+
+    def _rows_of(self, request_ids: Iterable[Hashable]) -> List[int]:
+        keep = set(request_ids)
+        return [i for i, seq in enumerate(self.sequences) if seq.request_id in keep]
+
+    def _with_rows(self, rows: List[int], index: torch.Tensor, past_key_values) -> "CausalLMBatch":
+        """The batch of ``rows`` around ``past_key_values``, which already holds just those
+        rows; leading columns that are padding for every row leave the mask and cache."""
         attention_mask = self.attention_mask.index_select(0, index)
         input_ids = self.input_ids.index_select(0, index)
         position_ids = self.position_ids.index_select(0, index)
@@ -115,7 +143,7 @@ class CausalLMBatch:
         if unused:
             attention_mask = attention_mask[:, unused:]
             if self.prefilled:
-                kv_cache.trim_left(self.past_key_values, unused)
+                kv_cache.trim_left(past_key_values, unused)
             else:
                 input_ids = input_ids[:, unused:]
                 position_ids = position_ids[:, unused:]
@@ -124,7 +152,7 @@ class CausalLMBatch:
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=self.past_key_values,
+            past_key_values=past_key_values,
         )
 
     @classmethod
@@ -167,7 +195,10 @@ def generate_token(
     """Run one forward pass: prefill for a new batch, one decode step otherwise.
 
     Returns each row's :class:`Generation` and the batch for the next step (None when every
-    row finished). Only the last position's logits are computed (``logits_to_keep=1``), so
+    row finished). A row that cannot choose or record its token (its own parameters made
+    its scores unusable, say) gets a Generation with an ``error`` and leaves the batch;
+    the others go on. What raises here is the batch's: the forward pass or a batched
+    operation, before any sequence changed. Only the last position's logits are computed (``logits_to_keep=1``), so
     a long prompt does not pay for a vocabulary projection of every prompt token. Rows
     whose request asked for ``logprobs`` / ``top_logprobs`` get them in their
     :class:`Generation` (see :func:`~djl_stream.generation.sampling.token_logprobs`).
@@ -183,13 +214,19 @@ def generate_token(
         )
         logits = outputs.logits[:, -1, :]
         choosers = [seq.chooser for seq in batch.sequences]
-        tokens = choose_next_tokens(choosers, logits, [seq.all_ids for seq in batch.sequences])
+        tokens, failures = choose_next_tokens(choosers, logits,
+                                              [seq.all_ids for seq in batch.sequences])
         details = token_logprobs(choosers, logits, tokens)
-    generations = [
-        seq.append(token) if detail is None
-        else seq.append(token, detail.logprob, detail.top)
-        for seq, token, detail in zip(batch.sequences, tokens, details)
-    ]
+    generations = []
+    for row, (seq, token, detail) in enumerate(zip(batch.sequences, tokens, details)):
+        if row in failures:
+            generations.append(seq.fail(failures[row]))
+            continue
+        try:
+            generations.append(seq.append(token) if detail is None
+                               else seq.append(token, detail.logprob, detail.top))
+        except Exception as error:  # noqa: BLE001 - this row fails, its batch mates go on
+            generations.append(seq.fail(error))
     device = batch.attention_mask.device
     next_batch = CausalLMBatch(
         sequences=batch.sequences,

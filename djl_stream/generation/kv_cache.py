@@ -66,6 +66,27 @@ def select_rows(cache, indices: torch.Tensor) -> None:
         layer.values = layer.values.index_select(0, idx)
 
 
+def copy_rows(cache, indices: torch.Tensor):
+    """A new ``DynamicCache`` holding a copy of the batch rows in ``indices``; ``cache`` is
+    left as it was."""
+    from transformers import DynamicCache
+
+    copy = DynamicCache()
+    for index, layer in enumerate(layers(cache)):
+        idx = indices.to(layer.keys.device)
+        copy.update(layer.keys.index_select(0, idx), layer.values.index_select(0, idx), index)
+    return copy
+
+
+def truncate(cache, length: int) -> None:
+    """Keep the first ``length`` positions of every layer (layers that hold no more are
+    left alone)."""
+    for layer in layers(cache):
+        if layer.keys.shape[2] > length:
+            layer.keys = layer.keys[:, :, :length, :]
+            layer.values = layer.values[:, :, :length, :]
+
+
 def trim_left(cache, columns: int) -> None:
     """Drop the first ``columns`` positions of every row (padding no row attends to)."""
     if columns <= 0:

@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import AbstractSet, List, Optional, Sequence, Tuple
+from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from transformers import (
@@ -37,6 +37,30 @@ from transformers import (
 #: The most alternatives a request may ask for per token (``top_logprobs``), as in
 #: OpenAI's API and vLLM's default ``max_logprobs``.
 MAX_TOP_LOGPROBS = 20
+
+
+class UnusableScores(ValueError):
+    """A row's processed scores leave nothing to choose from: a NaN, a +inf, or every
+    token at -inf. Its own parameters overflowed (a tiny temperature or repetition
+    penalty), so that row fails and its batch mates go on."""
+
+
+def check_scores(scores: torch.Tensor) -> None:
+    """Raise :class:`UnusableScores` unless ``scores`` (one row) can be sampled from.
+
+    One device-to-host sync; -inf entries are fine (barred tokens) as long as one is not.
+
+    >>> check_scores(torch.tensor([[0.0, float("-inf")]]))
+    >>> check_scores(torch.tensor([[float("inf"), 1.0]]))
+    Traceback (most recent call last):
+    ...
+    djl_stream.generation.sampling.UnusableScores: the sampling parameters made the scores non-finite (NaN or infinite): use a larger temperature or repetition_penalty
+    """
+    unusable = (torch.isnan(scores).any() | torch.isposinf(scores).any()
+                | torch.isneginf(scores).all())
+    if bool(unusable):
+        raise UnusableScores("the sampling parameters made the scores non-finite (NaN or "
+                             "infinite): use a larger temperature or repetition_penalty")
 
 
 class TokenChooser:
@@ -146,6 +170,7 @@ class TokenChooser:
         scores = scores.float()
         if self.processors:
             scores = self.processors(input_ids, scores)
+        check_scores(scores)
         if not self.do_sample:
             return int(scores.argmax(dim=-1).item())
         probs = torch.softmax(scores, dim=-1)
@@ -156,21 +181,29 @@ def choose_next_tokens(
     choosers: Sequence[TokenChooser],
     logits: torch.Tensor,
     all_ids: Sequence[Sequence[int]],
-) -> List[int]:
-    """Next token of every row of ``logits`` (``(batch, vocab)``).
+) -> Tuple[List[int], Dict[int, Exception]]:
+    """Next token of every row of ``logits`` (``(batch, vocab)``), and the rows that
+    could not choose one, with why.
 
     Greedy rows share one batched argmax and a single device-to-host copy; the others go
-    through their own processors, one row at a time.
+    through their own processors, one row at a time. A row whose processors or draw
+    raise (:class:`UnusableScores`, or anything else its parameters cause) is reported
+    instead of failing the batch: a request's parameters can only end that request.
     """
     tokens = logits.argmax(dim=-1).tolist()
+    failures: Dict[int, Exception] = {}
     for row, chooser in enumerate(choosers):
         if chooser.is_greedy:
             continue
-        ids = None
-        if chooser.needs_input_ids:
-            ids = torch.tensor([list(all_ids[row])], dtype=torch.long, device=logits.device)
-        tokens[row] = chooser.choose(ids, logits[row : row + 1])
-    return tokens
+        try:
+            ids = None
+            if chooser.needs_input_ids:
+                ids = torch.tensor([list(all_ids[row])], dtype=torch.long,
+                                   device=logits.device)
+            tokens[row] = chooser.choose(ids, logits[row : row + 1])
+        except Exception as error:  # noqa: BLE001 - this row fails, its batch mates go on
+            failures[row] = error
+    return tokens, failures
 
 
 @dataclasses.dataclass(frozen=True)

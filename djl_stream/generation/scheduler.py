@@ -394,8 +394,16 @@ class Scheduler:
                 sequences, pad_token_id=self.pad_token_id, device=self.device
             )
             generations, batch = generate_token(self.model, batch)
-        except Exception as error:  # noqa: BLE001 - fail these requests, keep serving
-            self._fail(jobs, error)
+        except Exception as error:  # noqa: BLE001 - find who caused it, keep serving
+            if len(jobs) == 1:
+                self._fail(jobs, error)
+                return
+            # One of them may have caused it (a prompt the model cannot take): prefill
+            # each on its own, so that only the one that fails again fails.
+            logger.warning("prefill of %d requests failed (%s: %s); retrying each alone",
+                           len(jobs), type(error).__name__, error)
+            for job in jobs:
+                self._prefill([job])
             return
         self._dispatch(generations)
         if batch is not None:
@@ -406,12 +414,44 @@ class Scheduler:
 
     def _decode(self) -> None:
         batch = self._running
+        cached = batch.cache_length
         try:
             generations, self._running = generate_token(self.model, batch)
-        except Exception as error:  # noqa: BLE001 - fail these requests, keep serving
+        except Exception as error:  # noqa: BLE001 - find who caused it, keep serving
             self._running = None
-            self._fail(self._jobs_of(batch.sequences), error)
+            self._decode_apart(batch, cached, error)
             return
+        self._dispatch(generations)
+
+    def _decode_apart(self, batch: CausalLMBatch, cached: int, error: Exception) -> None:
+        """A decode step of several requests raised: run each request's rows as a batch of
+        its own, so that the one that caused it (if one did) fails alone and the others
+        go on, in one batch again.
+
+        The failed forward pass may have written this step into some layers' caches; they
+        are cut back to ``cached`` positions first. Only when every request fails on its
+        own do they all fail, as before.
+        """
+        jobs = self._jobs_of(batch.sequences)
+        if len(jobs) <= 1:
+            self._fail(jobs, error)
+            return
+        logger.warning("a decode step of %d requests failed (%s: %s); retrying each alone",
+                       len(jobs), type(error).__name__, error)
+        batch.truncate_cache(cached)
+        survivors: List[CausalLMBatch] = []
+        generations: List[Generation] = []
+        for job, part in zip(jobs, batch.split([[seq.request_id for seq in job.sequences]
+                                                for job in jobs])):
+            try:
+                part_generations, part = generate_token(self.model, part)
+            except Exception as part_error:  # noqa: BLE001 - this one fails alone
+                self._fail([job], part_error)
+                continue
+            generations.extend(part_generations)
+            if part is not None:
+                survivors.append(part)
+        self._running = CausalLMBatch.concatenate(survivors) if survivors else None
         self._dispatch(generations)
 
     def _drop_cancelled(self) -> None:
@@ -438,7 +478,17 @@ class Scheduler:
         for generation in generations:
             by_job.setdefault(generation.request_id[0], []).append(generation)
         for job_id, job_generations in by_job.items():
-            job = self._jobs[job_id]
+            job = self._jobs.get(job_id)
+            if job is None:
+                continue  # it failed earlier; its rows leave at the next _drop_cancelled
+            errors = [g.error for g in job_generations if g.error is not None]
+            if errors:
+                # Its own parameters broke its row: this request ends, the batch goes on
+                # (its other rows leave the batch with it, at the next _drop_cancelled).
+                logger.warning("request %d failed alone: %s", job_id, errors[0])
+                with self._wakeup:
+                    self._end(job, FAILED, GenerationFailed(errors[0]))
+                continue
             self._advance(job.stats, len(job_generations), now)
             per_prompt: List[Optional[Generation]] = [None] * len(job.sequences)
             for generation in job_generations:

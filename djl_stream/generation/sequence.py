@@ -90,10 +90,17 @@ class GenerationSequence:
         self.generated_ids: List[int] = []
         self.text = ""
         self.finish_reason: Optional[str] = None
+        self.error: Optional[str] = None
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.finish_reason is not None or self.error is not None
+
+    def fail(self, error: BaseException) -> Generation:
+        """End the sequence because choosing its token failed; the :class:`Generation`
+        carries the error and no text (what was held back is never released)."""
+        self.error = f"{type(error).__name__}: {error}"
+        return Generation(self.request_id, -1, "", error=self.error)
 
     def append(
         self,

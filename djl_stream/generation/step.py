@@ -23,6 +23,10 @@ class Generation:
     likely first) are filled only for a sequence asked for them, from the model's own
     distribution before any sampling processor; ``special`` marks a special token (such as
     the end-of-sequence one), which adds no text.
+
+    ``error`` says why the sequence failed this step (its own parameters made its scores
+    unusable, say): it carries no token then, and the request it belongs to ends with
+    that error while the batch goes on.
     """
 
     request_id: Hashable
@@ -32,10 +36,11 @@ class Generation:
     logprob: Optional[float] = None
     top_logprobs: Tuple[Tuple[int, float], ...] = ()
     special: bool = False
+    error: Optional[str] = None
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.finish_reason is not None or self.error is not None
 
 
 class Step(list):
