@@ -106,11 +106,30 @@ def test_default_max_new_tokens_comes_from_the_properties(handler):
     assert len(stream_lines(out)) == 16
 
 
+def test_a_null_stop_is_no_stop(handler):
+    # TGI's and OpenAI's clients send null for what they leave unset; it used to be a 424.
+    out = request(handler, {"inputs": "hi", "parameters": {"stop": None, "max_new_tokens": 2},
+                            "stream": False})
+    assert out.code == 200, body_json(out)
+
+
 @pytest.mark.parametrize(
     "body, field, words",
     [
         ({"inputs": "hi", "parameters": {"max_new_tokens": 257}}, "parameters.max_new_tokens", "256"),
-        ({"inputs": "hi", "parameters": {"temperature": 0}}, "parameters.temperature", "greater than 0"),
+        ({"inputs": "hi", "parameters": {"temperature": 0}}, "parameters.temperature", "at least 0.0001"),
+        # Issue 9: each of these was a 424 (the handler failed) where a 400 belongs.
+        ({"inputs": "hi", "parameters": {"do_sample": True, "temperature": 1e-37}},
+         "parameters.temperature", "at least 0.0001"),
+        ({"inputs": "hi", "parameters": {"repetition_penalty": 1e-300}},
+         "parameters.repetition_penalty", "at least 0.01"),
+        ({"inputs": None}, "inputs", "required"),
+        (b'{"inputs": "x\\ud800y"}', "inputs", "lone surrogate (U+D800)"),
+        (b'{"messages": [{"role": "user", "content": "x\\udfffy"}]}', "messages[0].content",
+         "lone surrogate (U+DFFF)"),
+        (b'{"inputs": "hi", "parameters": {"stop": ["\\ud800"]}}', "parameters.stop[0]",
+         "lone surrogate"),
+        (b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "body", "nested more than 32"),
         ({"inputs": "hi", "parameters": {"beams": 2}}, "parameters.beams", "not a known parameter"),
         ({"inputs": ""}, "inputs", "empty"),
         ({"inputs": "word " * 100}, "inputs", "option.max_input_length) is 64"),

@@ -51,5 +51,7 @@ Prompt = Annotated[str, AfterValidator(_not_blank)]
 #: One stop string.
 Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
 #: ``stop``: one string or a list of them, at most :data:`MAX_STOP_SEQUENCES`.
-StopList = Annotated[Optional[list[Stop]], BeforeValidator(one_or_many),
-                     Field(max_length=MAX_STOP_SEQUENCES)]
+#: (The length bound sits inside ``Optional``: around it, pydantic applies it to ``None``
+#: and raises a TypeError for ``"stop": null``.)
+StopList = Annotated[Optional[Annotated[list[Stop], Field(max_length=MAX_STOP_SEQUENCES)]],
+                     BeforeValidator(one_or_many)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from typing import Any, Callable, Optional
 
 from pydantic import BaseModel, ValidationError
@@ -175,9 +176,59 @@ def parse_json_body(raw: bytes | bytearray | memoryview | str) -> Any:
         raise ValueError(f"{constant} is not a JSON value")
 
     try:
-        return json.loads(text, parse_constant=refuse)
+        value = json.loads(text, parse_constant=refuse)
     except ValueError as err:  # JSONDecodeError is a ValueError, and so is refuse()'s
         raise RequestError("body", f"the request body is not valid JSON: {err}") from None
+    except RecursionError:
+        raise RequestError("body", f"the request body is nested more than {MAX_JSON_DEPTH} "
+                                   f"levels deep") from None
+    check_json_values(value)
+    return value
+
+
+#: The deepest nesting of arrays and objects a body may have: every schema here needs 4.
+MAX_JSON_DEPTH = 32
+#: A UTF-16 surrogate code point on its own: JSON's ``"\ud800"`` escapes decode to one, but
+#: it is not a character, so no tokenizer (and no UTF-8 encoder) can take it.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_json_values(value: Any) -> None:
+    """Refuse a decoded body nested deeper than :data:`MAX_JSON_DEPTH`, or holding a lone
+    surrogate in a string or key, naming where (``messages[0].content``).
+
+    >>> check_json_values({"inputs": ["ok", "x\ud800y"]})
+    Traceback (most recent call last):
+    ...
+    djl_stream.protocols.validation.RequestError: inputs[1] must be valid Unicode text: it holds a lone surrogate (U+D800) at character 1
+    """
+    stack = [("", value, 0)]
+    while stack:
+        path, item, depth = stack.pop()
+        if isinstance(item, str):
+            _check_text(path or "body", item)
+            continue
+        if not isinstance(item, (dict, list)):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise RequestError(path or "body", f"the request body is nested more than "
+                                               f"{MAX_JSON_DEPTH} levels deep (at {path})")
+        if isinstance(item, dict):
+            for key, child in item.items():
+                child_path = f"{path}.{key}" if path else str(key)
+                _check_text(child_path, key)
+                stack.append((child_path, child, depth + 1))
+        else:
+            stack.extend((f"{path}[{index}]", child, depth + 1)
+                         for index, child in enumerate(item))
+
+
+def _check_text(path: str, text: str) -> None:
+    found = _LONE_SURROGATE.search(text)
+    if found:
+        raise RequestError(path, f"{path} must be valid Unicode text: it holds a lone "
+                                 f"surrogate (U+{ord(found.group()):04X}) at character "
+                                 f"{found.start()}")
 
 
 def check_input_length(field: str, n_tokens: int, limit: int) -> None:

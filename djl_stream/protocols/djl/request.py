@@ -109,8 +109,10 @@ class _Message(BaseModel):
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    inputs: Annotated[Optional[list[Prompt]], BeforeValidator(one_or_many),
-                      Field(min_length=1)] = None
+    # The length bound inside Optional: around it, pydantic applies it to None and raises
+    # a TypeError (a 424) for "inputs": null.
+    inputs: Annotated[Optional[Annotated[list[Prompt], Field(min_length=1)]],
+                      BeforeValidator(one_or_many)] = None
     messages: Optional[list[_Message]] = Field(None, min_length=1)
     parameters: Optional[_Parameters] = None
     stream: Optional[bool] = None
