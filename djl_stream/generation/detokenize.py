@@ -349,8 +349,12 @@ class IncrementalDetokenizer:
         return piece
 
     def finish(self) -> str:
-        """Ends the sequence; returns the text still held back (a trailing half character
-        as U+FFFD, an open byte run, ...). Later calls return ""."""
+        """Ends the sequence; returns the text still held back (an open byte run, ...).
+        Later calls return "".
+
+        A sequence cut off inside a character (by ``max_new_tokens``) would end in U+FFFD
+        for the bytes it has of that character; they are not text, so the tail drops
+        every trailing U+FFFD, and the text, streamed or not, never ends in one."""
         if self._finished:
             return ""
         self._finished = True
@@ -361,7 +365,7 @@ class IncrementalDetokenizer:
         if not expected.startswith(emitted):
             logger.warning("streamed text %r diverged from the decoded text %r", emitted, expected)
             return ""
-        tail = expected[len(emitted):]
+        tail = expected[len(emitted):].rstrip(REPLACEMENT)
         if tail:
             self._pieces.append(tail)
             self._text = None
