@@ -274,3 +274,15 @@ def test_dynamic_batching_input_is_refused_with_a_clear_400(handler):
     out = handler.handle(inp)
     assert out.code == 400
     assert body_json(out)["field"] == "batch_size"
+
+
+def test_a_batch_size_header_does_not_make_a_request_a_batch(handler):
+    # djl-serving turns every HTTP header into a property, so a client can send the
+    # property the front end uses for dynamic batches; only the front end prefixes the
+    # content keys (batch_000.data), so a lone request stays a request.
+    inp = Input(properties={"batch_size": "2", "content-type": "application/json"})
+    inp.add("data", json.dumps({"inputs": "a", "parameters": {"max_new_tokens": 2},
+                                "stream": False}).encode())
+    out = handler.handle(inp)
+    assert out.code == 200, body_json(out)
+    assert "generated_text" in body_json(out)

@@ -72,6 +72,25 @@ PROTOCOLS_BY_BODY: Tuple[Tuple[str, str], ...] = (("messages", "openai-chat"),
                                                   ("prompt", "openai-completions"))
 
 
+def is_dynamic_batch(inputs) -> bool:
+    """Whether djl-serving's front end merged several requests into ``inputs``.
+
+    ``Input.is_batch()`` only looks for a ``batch_size`` property, and the front end turns
+    every HTTP header into a property, so a client's ``batch_size: 2`` header would pass
+    for a batch. What a header cannot forge is the content: the front end's
+    ``PyPredictor`` prefixes each merged request's keys with ``batch_000.``,
+    ``batch_001.``...
+
+    >>> from djl_stream.serving.inputs import Input
+    >>> forged = Input(properties={"batch_size": "2"}).add("data", b"{}")
+    >>> is_dynamic_batch(forged)
+    False
+    """
+    if not inputs.is_batch():
+        return False
+    return any(str(key).startswith("batch_") for key in inputs.get_content().get_keys())
+
+
 def select_engine(props: ModelProperties) -> str:
     """The engine for this machine: ``option.stream_engine`` when set, transformers-neuronx
     where Neuron devices and the real package are present, Accelerate (GPU or CPU)
@@ -306,7 +325,7 @@ class StreamingService:
 
     def read_body(self, inputs) -> Any:
         """The request's decoded JSON body; raises :class:`RequestError`."""
-        if inputs.is_batch():
+        if is_dynamic_batch(inputs):
             # djl-serving's dynamic batching (batch_size > 1) merges requests into one
             # Input; the real engine refuses it with streaming, and continuous batching
             # already shares decode steps between concurrent requests.
