@@ -197,7 +197,7 @@ def check_json_values(value: Any) -> None:
     """Refuse a decoded body nested deeper than :data:`MAX_JSON_DEPTH`, or holding a lone
     surrogate in a string or key, naming where (``messages[0].content``).
 
-    >>> check_json_values({"inputs": ["ok", "x\ud800y"]})
+    >>> check_json_values({"inputs": ["ok", "x\\ud800y"]})
     Traceback (most recent call last):
     ...
     djl_stream.protocols.validation.RequestError: inputs[1] must be valid Unicode text: it holds a lone surrogate (U+D800) at character 1

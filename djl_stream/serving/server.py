@@ -307,7 +307,7 @@ class ModelServer:
 
     >>> server = ModelServer(ModelWorker("model/"))
     >>> sorted(route.path for route in server.routes())[:5]
-    ['/generate', '/generate_stream', '/invocations', '/metrics', '/models']
+    ['/', '/generate', '/generate_stream', '/invocations', '/metrics']
     """
 
     def __init__(self, worker: ModelWorker, max_threads: int = DEFAULT_MAX_THREADS,

@@ -1,0 +1,35 @@
+"""Every example in djl_stream's docstrings runs and shows what it says.
+
+The examples are the first thing a reader of a public name sees; this keeps them true.
+Those that need a tokenizer get the real SmolLM2 one as ``tokenizer``.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import io
+import pkgutil
+
+import pytest
+
+import djl_stream
+
+MODULES = sorted(info.name for info in pkgutil.walk_packages(djl_stream.__path__, "djl_stream.")
+                 if not info.name.endswith("__main__"))
+
+
+def test_every_module_is_looked_at():
+    assert "djl_stream.generation.detokenize" in MODULES
+    assert "djl_stream.protocols.openai.request" in MODULES
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name, smollm2_tokenizer):
+    module = importlib.import_module(name)
+    globs = {**vars(module), "tokenizer": smollm2_tokenizer}
+    report = io.StringIO()
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for test in doctest.DocTestFinder().find(module, name, globs=globs):
+        runner.run(test, out=report.write)
+    assert runner.failures == 0, report.getvalue()
