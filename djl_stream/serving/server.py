@@ -17,8 +17,10 @@ Everything a client sees is what djl-serving's front end sends for the same ``Ou
 exists, then every item is its own HTTP chunk, flushed as soon as it is formatted; an
 iterator that raises adds the exception's text, raw, as the last chunk (djl-stream's own
 handler never does: it ends a failed stream with an error record in the stream's format).
-Unlike djl-serving, a client that goes away stops generation (the iterator is closed).
-Framework errors are JSON ``{"code", "type", "message"}``.
+Unlike djl-serving, a client that goes away stops generation: before its answer is ready
+(queued, or a non-streaming request) its :class:`~djl_stream.serving.cancellation.
+Cancellation` is cancelled, mid-stream the iterator is closed as well. Framework errors
+are JSON ``{"code", "type", "message"}``.
 
 Example::
 
@@ -50,6 +52,7 @@ from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from djl_stream.protocols.protocol import PROTOCOL_PROPERTY
+from djl_stream.serving.cancellation import Cancellation, attach_cancellation
 from djl_stream.serving.metrics import PrometheusMetrics, record_request, server_metrics
 from djl_stream.serving.worker import (
     READY,
@@ -75,6 +78,9 @@ PROTOCOL_ROUTES = {
 }
 #: Where the access-log middleware and a stream share what happened to a request.
 _LOG_KEY = "djl_stream.log"
+#: The status logged and counted for a request whose client left before its answer was
+#: ready (nothing is sent): nginx's "client closed request".
+CLIENT_CLOSED_REQUEST = 499
 #: Response headers the server computes itself; a handler's value would corrupt framing.
 _FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
 _ERROR_TYPES = {
@@ -153,12 +159,16 @@ class StreamingOutputResponse:
     HTTP chunk at once. A task listens for ``http.disconnect`` meanwhile; when the client
     leaves, pulling stops and the iterator's ``close()`` is called — after any ``next()``
     in flight has returned, never at the same time. ``close()`` is likewise called when the
-    iterator failed; only an iterator that ran to its end is left alone.
+    iterator failed; only an iterator that ran to its end is left alone. A ``cancellation``
+    is cancelled as soon as the client leaves, so that a handler that registered on it
+    stops generating without waiting for the ``next()`` in flight.
     """
 
-    def __init__(self, output: Any, limiter: Optional[anyio.CapacityLimiter] = None) -> None:
+    def __init__(self, output: Any, limiter: Optional[anyio.CapacityLimiter] = None,
+                 cancellation: Optional[Cancellation] = None) -> None:
         self.output = output
         self.limiter = limiter
+        self.cancellation = cancellation
         self.state = _StreamState()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -189,6 +199,8 @@ class StreamingOutputResponse:
                     self.state.disconnected = True
                     logger.info("client disconnected; stopping the stream after %d items",
                                 self.state.items)
+                    if self.cancellation is not None:
+                        await anyio.to_thread.run_sync(self.cancellation.cancel)
                     stream_scope.cancel()
                 return
 
@@ -239,6 +251,27 @@ class StreamingOutputResponse:
             logger.exception("closing the stream iterator failed")
 
 
+async def _cancel_when_client_leaves(receive: Receive, cancellation: Cancellation) -> None:
+    """Wait for ``http.disconnect`` (the request's body is already read) and cancel."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            logger.info("client disconnected before its answer was ready; cancelling it")
+            # In a thread: the handler's callbacks close its engine's stream.
+            await anyio.to_thread.run_sync(cancellation.cancel)
+            return
+
+
+class ClientGoneResponse:
+    """The answer to a client that left before it was ready: nothing is sent. The access
+    log and the metrics count it with status :data:`CLIENT_CLOSED_REQUEST`."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        log = scope.get(_LOG_KEY)
+        if log is not None:
+            log.update(status=CLIENT_CLOSED_REQUEST, disconnected=True)
+
+
 def route_template(scope: Scope) -> str:
     """The path template of the app's route that takes this request (``/predictions/
     {model_name}``, not the model's name: a metric label must not grow with every URL),
@@ -287,15 +320,15 @@ class AccessLog:
             try:
                 await self.app(scope, receive, logged_send)
             finally:
-                status = seen["status"] or 500
+                status = seen["status"] or log.get("status") or 500
                 parts = [scope["method"], scope["path"], str(status),
                          f"{time.perf_counter() - start:.3f}s", f"{seen['bytes']}B"]
                 if "items" in log:
                     first = seen["first"]
                     parts += [f"items={log['items']}",
                               f"first_chunk={first:.3f}s" if first is not None else "first_chunk=-"]
-                    if log.get("disconnected"):
-                        parts.append("client-disconnected")
+                if log.get("disconnected"):
+                    parts.append("client-disconnected")
                 parts += record.log_fields()
                 logger.info(" ".join(parts))
                 if self.metrics is not None:
@@ -382,23 +415,49 @@ class ModelServer:
             return error_response(404, f"Model not found: {name}", "ModelNotFoundException")
         return await self._predict(request)
 
-    async def _predict(self, request: Request, protocol: Optional[str] = None
-                       ) -> Response | StreamingOutputResponse:
+    async def _predict(self, request: Request, protocol: Optional[str] = None) -> ASGIApp:
         worker = self.worker
         if worker.status != READY:
             return error_response(503, worker.not_ready_message())
+        return await self._answer(request, protocol, Cancellation())
+
+    async def _answer(self, request: Request, protocol: Optional[str],
+                      cancellation: Cancellation) -> ASGIApp:
+        worker = self.worker
         body = await request.body()
         inp = worker.make_input(body, request.headers, request.query_params)
         if protocol is not None:
             inp.properties[PROTOCOL_PROPERTY] = protocol
-        output = await anyio.to_thread.run_sync(worker.invoke, inp, limiter=self.limiter)
+        attach_cancellation(inp, cancellation)
+        async with anyio.create_task_group() as tasks:
+            # Queued for room in the batch, or generating a whole answer: a client that
+            # leaves meanwhile must stop that work, not only a stream's.
+            tasks.start_soon(_cancel_when_client_leaves, request.receive, cancellation)
+            try:
+                output = await anyio.to_thread.run_sync(worker.invoke, inp,
+                                                        limiter=self.limiter)
+            finally:
+                tasks.cancel_scope.cancel()
+        if cancellation.client_left:
+            await self._discard(output)
+            return ClientGoneResponse()
         if getattr(output, "stream_content", None) is not None:
-            return StreamingOutputResponse(output, self.limiter)
+            return StreamingOutputResponse(output, self.limiter, cancellation)
         response = Response(output_body(output), status_code=int(output.code))
         # Replace Starlette's defaults wholesale, keeping only the computed content-length.
         response.raw_headers = [h for h in response.raw_headers if h[0] == b"content-length"]
         response.raw_headers += output_headers(output)
         return response
+
+    async def _discard(self, output: Any) -> None:
+        """Close the stream of an answer nobody will read (a handler that ignored the
+        cancellation may still have returned one)."""
+        close = getattr(getattr(output, "stream_content", None), "close", None)
+        if close is not None:
+            try:
+                await anyio.to_thread.run_sync(close, limiter=self.limiter)
+            except Exception:
+                logger.exception("closing the stream of a client that left failed")
 
 
 async def _http_error(request: Request, error: Exception) -> Response:
