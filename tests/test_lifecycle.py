@@ -1,5 +1,5 @@
 """A request's life in ``djl-stream serve`` when it ends early: clients that leave before
-their answer is ready.
+their answer is ready, and the graceful shutdown on SIGTERM.
 
 Real server subprocesses on the tiny model. What the server did is read from its own
 figures at ``GET /metrics`` (tokens generated and prefilled, requests cancelled, the load)
@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import socket
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Dict, Iterator
+from typing import Any, Callable, Dict, Iterator, List
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import ServerProcess
@@ -24,6 +27,8 @@ from server_process import ServerProcess
 #: Enough decode steps that a generation is still running when the test acts on it.
 LONG = 900
 DEADLINE = 120.0
+SHUTTING_DOWN = {"code": 503, "type": "ServiceUnavailableException",
+                 "message": "the server is shutting down"}
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +152,82 @@ def test_queued_requests_whose_clients_left_are_never_prefilled(one_row_server, 
     assert minus(after, before, "djl_stream_prompt_tokens_total") == \
         prompt_tokens(smollm2_tokenizer, holder)
     assert minus(after, before, "djl_stream_requests_cancelled_total") == 3
+
+
+# -- graceful shutdown ----------------------------------------------------------------------
+
+def read_lines(lines: Iterator[str]) -> List[Any]:
+    return [json.loads(line) for line in lines if line]
+
+
+def refused_while_shutting_down(server: ServerProcess) -> None:
+    """Once SIGTERM is handled: /ping is 503, a new generation is refused with the
+    server's JSON error and its connection closed; other routes still answer."""
+    deadline = time.monotonic() + DEADLINE
+    ping = server.http.get("/ping")
+    while ping.status_code == 200:  # the signal is handled on the server's event loop
+        assert time.monotonic() < deadline, "SIGTERM never closed the door"
+        ping = server.http.get("/ping")
+    assert ping.status_code == 503
+    assert ping.json()["message"] == "the server is shutting down"
+    refused = server.http.post("/invocations", json=generation("Too late", stream=True))
+    assert refused.status_code == 503
+    assert refused.json() == SHUTTING_DOWN
+    assert refused.headers["connection"] == "close"
+    assert server.http.get("/metrics").status_code == 200
+
+
+def test_sigterm_lets_running_streams_finish_then_exits_0(long_model_dir):
+    server = ServerProcess(long_model_dir, env={"DJL_STREAM_SHUTDOWN_GRACE": "600"}
+                           ).wait_ready(timeout=300)
+    try:
+        length = 300
+        with server.http.stream("POST", "/invocations", json=generation(
+                "First", stream=True, max_new_tokens=length)) as first, \
+                server.http.stream("POST", "/invocations", json=generation(
+                    "Second", stream=True, max_new_tokens=length)) as second:
+            streams = [first.iter_lines(), second.iter_lines()]
+            heads = [next(lines) for lines in streams]  # both are running
+            server.send_signal(signal.SIGTERM)
+            refused_while_shutting_down(server)
+            rests = [read_lines(lines) for lines in streams]
+        for head, rest in zip(heads, rests):
+            lines = [json.loads(head)] + rest
+            assert len(lines) == length  # one line per token: every one of them
+            assert not any("error" in line for line in lines)
+        assert server.wait_exit() == 0
+    finally:
+        server.stop()
+
+
+def test_sigterm_ends_what_outlasts_the_grace_period_with_errors_then_exits_0(long_model_dir):
+    server = ServerProcess(long_model_dir, args=["--shutdown-grace", "2"]).wait_ready(timeout=300)
+    try:
+        whole: Dict[str, httpx.Response] = {}
+
+        def ask_whole() -> None:
+            with httpx.Client(base_url=server.url, timeout=DEADLINE) as client:
+                whole["answer"] = client.post("/invocations", json=generation(
+                    "Unstreamed", stream=False, max_new_tokens=3000))
+
+        asker = threading.Thread(target=ask_whole)
+        asker.start()
+        with server.http.stream("POST", "/invocations", json=generation(
+                "Streamed", stream=True, max_new_tokens=3000)) as streamed:
+            lines = streamed.iter_lines()
+            head = json.loads(next(lines))
+            figures_when(server, lambda m: m["djl_stream_batch_rows"] == 2)  # both running
+            server.send_signal(signal.SIGTERM)
+            rest = read_lines(lines)
+        asker.join(DEADLINE)
+        # The stream ends with its own error record, as a failure mid-stream does.
+        assert "output_tokens" in head and all("output_tokens" in line for line in rest[:-1])
+        assert set(rest[-1]) == {"error"} and "shutting down" in rest[-1]["error"]
+        assert 1 + len(rest[:-1]) < 3000
+        # The answer that was not ready is a 503 another replica can take.
+        assert whole["answer"].status_code == 503
+        assert whole["answer"].json()["type"] == "ServiceUnavailableException"
+        assert "shutting down" in whole["answer"].json()["message"]
+        assert server.wait_exit() == 0
+    finally:
+        server.stop()
