@@ -50,6 +50,7 @@ from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from djl_stream.protocols.protocol import PROTOCOL_PROPERTY
+from djl_stream.serving.http_errors import error_response
 from djl_stream.serving.metrics import PrometheusMetrics, record_request, server_metrics
 from djl_stream.serving.worker import (
     READY,
@@ -77,25 +78,6 @@ PROTOCOL_ROUTES = {
 _LOG_KEY = "djl_stream.log"
 #: Response headers the server computes itself; a handler's value would corrupt framing.
 _FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
-_ERROR_TYPES = {
-    400: "BadRequestException",
-    404: "ResourceNotFoundException",
-    405: "MethodNotAllowedException",
-    413: "RequestEntityTooLargeException",
-    500: "InternalServerException",
-    503: "ServiceUnavailableException",
-}
-
-
-def error_response(code: int, message: str, error_type: Optional[str] = None) -> JSONResponse:
-    """A framework error the way djl-serving writes one.
-
-    >>> error_response(404, "Model not found: gpt", "ModelNotFoundException").body
-    b'{"code":404,"type":"ModelNotFoundException","message":"Model not found: gpt"}'
-    """
-    error_type = error_type or _ERROR_TYPES.get(code, "ServiceException")
-    return JSONResponse({"code": code, "type": error_type, "message": message},
-                        status_code=code)
 
 
 def output_headers(output: Any) -> list[tuple[bytes, bytes]]:
