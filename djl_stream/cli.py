@@ -177,7 +177,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     worker = ModelWorker(args.model_dir)
     if worker.load() != READY:
-        print(f"djl-stream: {worker.not_ready_message()}", file=sys.stderr)
+        # The console is the operator's: the whole error, not the short one clients get.
+        print(f"djl-stream: model {worker.model_name} failed to load: {worker.failure_reason}",
+              file=sys.stderr)
         return 1
     body = json.dumps(generation_request(args)).encode("utf-8")
     inp = worker.make_input(body, {"content-type": "application/json"})

@@ -339,8 +339,9 @@ class ModelServer:
 
     async def models(self, request: Request) -> Response:
         worker = self.worker
+        # The directory's name only: its absolute path tells a client about the host.
         return JSONResponse({"models": [{"modelName": worker.model_name,
-                                         "modelUrl": worker.model_dir.as_uri(),
+                                         "modelUrl": worker.model_dir.name,
                                          "status": worker.status}]})
 
     async def openai_models(self, request: Request) -> Response:
@@ -393,7 +394,9 @@ async def _http_error(request: Request, error: Exception) -> Response:
 
 async def _internal_error(request: Request, error: Exception) -> Response:
     logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=error)
-    return error_response(500, f"{type(error).__name__}: {error}")
+    # The exception's text can hold paths and settings: the log has it, the client a type.
+    return error_response(500, f"internal server error ({type(error).__name__}); "
+                               "the server log has the details")
 
 
 def create_app(model_dir: str | Path, environ: Optional[Mapping[str, str]] = None, *,
