@@ -21,6 +21,20 @@ import sys
 from typing import Any, Optional, Sequence
 
 
+def _positive(kind: type) -> Any:
+    """An argparse type: a number of ``kind`` greater than 0."""
+    def convert(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+        return value
+    convert.__name__ = kind.__name__
+    return convert
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``djl-stream``.
 
@@ -43,6 +57,26 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"],
                        help="log level (default: %(default)s)")
+    # The defaults are HttpLimits' (djl_stream.serving.http_limits), not imported here: it
+    # brings uvicorn and Starlette, which only serve needs.
+    limits = serve.add_argument_group(
+        "limits", "what one client may make the server hold; a 408 or 413 is JSON "
+                  "{code, type, message} and closes the connection")
+    limits.add_argument("--max-request-size", type=_positive(int), metavar="BYTES",
+                        help="largest request body; a larger one is answered 413 without "
+                             "being read (default: 8388608, 8 MiB)")
+    limits.add_argument("--timeout-header", type=_positive(float), metavar="SECONDS",
+                        help="time from a request's first byte to the end of its head; "
+                             "then 408 (default: 10)")
+    limits.add_argument("--timeout-body", type=_positive(float), metavar="SECONDS",
+                        help="time from the end of a request's head to the end of its "
+                             "body; then 408 (default: 30)")
+    limits.add_argument("--timeout-keep-alive", type=_positive(float), metavar="SECONDS",
+                        help="time a connection may stay idle, new or between requests, "
+                             "before it is closed (default: 5)")
+    limits.add_argument("--limit-concurrency", type=_positive(int), metavar="N",
+                        help="most connections and requests in progress; uvicorn answers "
+                             "503 (text/plain) beyond it (default: 1000)")
     serve.set_defaults(run=_serve)
 
     generate = commands.add_parser(
@@ -121,10 +155,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 # -- serve --
 
+#: The flags of ``serve`` that set a field of the same name of ``HttpLimits``.
+LIMIT_FLAGS = ("max_request_size", "timeout_header", "timeout_body", "timeout_keep_alive",
+               "limit_concurrency")
+
+
+def http_limits(args: argparse.Namespace) -> Any:
+    """The ``HttpLimits`` that ``serve``'s flags ask for; the defaults for those not given.
+
+    >>> http_limits(build_parser().parse_args(["serve", "m/", "--timeout-body", "5"]))
+    HttpLimits(max_request_size=8388608, timeout_header=10.0, timeout_body=5.0, timeout_keep_alive=5.0, limit_concurrency=1000)
+    """
+    from djl_stream.serving.http_limits import HttpLimits
+
+    given = {name: getattr(args, name) for name in LIMIT_FLAGS if getattr(args, name) is not None}
+    return HttpLimits(**given)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from djl_stream.serving.server import serve
 
-    serve(args.model_dir, host=args.host, port=args.port, log_level=args.log_level)
+    serve(args.model_dir, host=args.host, port=args.port, log_level=args.log_level,
+          limits=http_limits(args))
     return 0
 
 

@@ -11,7 +11,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Mapping, Optional
+from typing import Iterator, Mapping, Optional, Sequence
 
 import httpx
 
@@ -24,12 +24,14 @@ def free_port() -> int:
 
 class ServerProcess:
     """The server for ``model_dir``; its output goes to ``log_path`` (a temporary file by
-    default). ``env`` adds environment variables (``OPTION_*`` ones, for instance).
+    default). ``env`` adds environment variables (``OPTION_*`` ones, for instance), ``args``
+    flags of ``serve`` (``--timeout-body 1``).
     ``client_timeout`` is a deadline for each HTTP call of ``http``, not a speed target:
     the machine that runs the tests may be busy."""
 
     def __init__(self, model_dir: Path, *, log_path: Optional[Path] = None,
-                 env: Optional[Mapping[str, str]] = None, client_timeout: float = 120.0) -> None:
+                 env: Optional[Mapping[str, str]] = None, client_timeout: float = 120.0,
+                 args: Sequence[str] = ()) -> None:
         self.model_dir = Path(model_dir)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -40,7 +42,8 @@ class ServerProcess:
         self.log_path = Path(log_path)
         self.log = self.log_path.open("wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "djl_stream", "serve", str(self.model_dir), "--port", str(self.port)],
+            [sys.executable, "-m", "djl_stream", "serve", str(self.model_dir), "--port", str(self.port),
+             *args],
             stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         self.http = httpx.Client(base_url=self.url, timeout=client_timeout)
 

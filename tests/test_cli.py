@@ -70,6 +70,22 @@ def test_every_command_has_help(command: list[str], expected: str) -> None:
     assert expected in result.stdout
 
 
+def test_serve_limit_flags_default_to_the_servers_limits(capsys: pytest.CaptureFixture) -> None:
+    from djl_stream.serving.http_limits import HttpLimits
+
+    defaults = HttpLimits()
+    assert cli.http_limits(cli.build_parser().parse_args(["serve", "m/"])) == defaults
+    # The help states the defaults without importing the server: it must say the same.
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for name in cli.LIMIT_FLAGS:
+        value = getattr(defaults, name)
+        flag = "--" + name.replace("_", "-")
+        stated = help_text.split(flag)[-1].split("(default: ")[1].split(")")[0]
+        assert stated.split(",")[0] == (f"{value:g}" if isinstance(value, float) else str(value))
+
+
 def test_importing_the_cli_is_cheap() -> None:
     code = ("import sys, djl_stream.cli; "
             "print(sorted(m for m in ('torch', 'transformers', 'starlette', 'uvicorn', 'httpx') "

@@ -1,16 +1,16 @@
 """The local server's own errors, in the shape djl-serving's front end gives its own.
 
-A framework error (no route, wrong method, model not loaded) is JSON ``{"code", "type",
-"message"}``; errors a handler answers keep the handler's shape
+A framework error (no route, wrong method, model not loaded, a body too large or too slow)
+is JSON ``{"code", "type", "message"}``; errors a handler answers keep the handler's shape
 (:mod:`djl_stream.serving.replies`).
 
-    >>> error_response(503, "model model is loading").status_code
-    503
+    >>> error_response(408, "the request body did not arrive in time").status_code
+    408
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
 
 from starlette.responses import JSONResponse
 
@@ -19,13 +19,15 @@ ERROR_TYPES = {
     400: "BadRequestException",
     404: "ResourceNotFoundException",
     405: "MethodNotAllowedException",
+    408: "RequestTimeoutException",
     413: "RequestEntityTooLargeException",
     500: "InternalServerException",
     503: "ServiceUnavailableException",
 }
 
 
-def error_response(code: int, message: str, error_type: Optional[str] = None) -> JSONResponse:
+def error_response(code: int, message: str, error_type: Optional[str] = None,
+                   headers: Optional[Mapping[str, str]] = None) -> JSONResponse:
     """A framework error the way djl-serving writes one.
 
     >>> error_response(404, "Model not found: gpt", "ModelNotFoundException").body
@@ -33,4 +35,4 @@ def error_response(code: int, message: str, error_type: Optional[str] = None) ->
     """
     error_type = error_type or ERROR_TYPES.get(code, "ServiceException")
     return JSONResponse({"code": code, "type": error_type, "message": message},
-                        status_code=code)
+                        status_code=code, headers=headers)

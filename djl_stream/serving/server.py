@@ -51,6 +51,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from djl_stream.protocols.protocol import PROTOCOL_PROPERTY
 from djl_stream.serving.http_errors import error_response
+from djl_stream.serving.http_limits import HttpLimits, RequestLimits
 from djl_stream.serving.metrics import PrometheusMetrics, record_request, server_metrics
 from djl_stream.serving.worker import (
     READY,
@@ -400,12 +401,14 @@ async def _internal_error(request: Request, error: Exception) -> Response:
 
 
 def create_app(model_dir: str | Path, environ: Optional[Mapping[str, str]] = None, *,
-               max_threads: int = DEFAULT_MAX_THREADS) -> Starlette:
+               max_threads: int = DEFAULT_MAX_THREADS,
+               limits: HttpLimits = HttpLimits()) -> Starlette:
     """The ASGI app serving ``model_dir``; loading starts when the app starts.
 
     ``environ`` supplies ``OPTION_*`` variables (default ``os.environ``); ``max_threads``
-    bounds concurrent ``handle()`` calls and open streams. ``app.state.worker`` is the
-    :class:`ModelWorker`.
+    bounds concurrent ``handle()`` calls and open streams; ``limits`` bounds request bodies
+    (the rest of :class:`HttpLimits` is uvicorn's, :func:`serve`). ``app.state.worker`` is
+    the :class:`ModelWorker`.
 
     >>> app = create_app("model/")
     >>> app.state.worker.status
@@ -415,7 +418,8 @@ def create_app(model_dir: str | Path, environ: Optional[Mapping[str, str]] = Non
     app = Starlette(
         routes=server.routes(),
         lifespan=server.lifespan,
-        middleware=[Middleware(AccessLog, metrics=server.metrics)],
+        middleware=[Middleware(AccessLog, metrics=server.metrics),
+                    Middleware(RequestLimits, limits=limits)],
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},
     )
     app.state.worker = server.worker
@@ -423,17 +427,18 @@ def create_app(model_dir: str | Path, environ: Optional[Mapping[str, str]] = Non
 
 
 def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8080,
-          log_level: str = "info") -> None:
-    """Serve ``model_dir`` with uvicorn until interrupted.
+          log_level: str = "info", limits: HttpLimits = HttpLimits()) -> None:
+    """Serve ``model_dir`` with uvicorn until interrupted, within ``limits``.
 
-    >>> serve("model/", port=8080)  # doctest: +SKIP
+    >>> serve("model/", port=8080, limits=HttpLimits(timeout_body=60))  # doctest: +SKIP
     """
     import uvicorn
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(model_dir), host=host, port=port, log_level=log_level,
+    uvicorn.run(create_app(model_dir, limits=limits), host=host, port=port,
+                log_level=log_level, **limits.uvicorn_options(),
                 # Our AccessLog line has timings; uvicorn's would be a second, poorer one.
                 access_log=False,
                 # Open streams must not hold a shutdown forever.
