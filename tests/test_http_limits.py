@@ -1,5 +1,5 @@
 """``djl-stream serve`` against clients that send too much, too slowly, or not at all
-(issue 9, items 3 and 5), on raw sockets to a real uvicorn process.
+(issue 9, items 3, 5 and 8), on raw sockets to a real uvicorn process.
 
 The server runs the word-streaming fixture handler of ``test_server`` with small limits
 (a 1000-byte body, one second for a head, for a body and for an idle connection). Each test
@@ -208,6 +208,24 @@ def test_a_malformed_request_gets_a_json_400(server):
     assert answer.json() == {"code": 400, "type": "BadRequestException",
                              "message": "Invalid HTTP request received."}
     assert_still_serving(server)
+
+
+# -- item 8: a client that leaves while uploading --
+
+def test_an_upload_cut_off_midway_logs_one_line_and_no_traceback(server):
+    since = len(server.logs())
+    with connect(server) as sock:
+        sock.sendall(head(content_type="application/json", content_length="900") + b"{" * 100)
+    wait_for_log(server, since, "client-disconnected")
+    # Whatever else the cut-off request logs is logged before this request's own line.
+    assert_still_serving(server)
+    log = wait_for_log(server, since, "POST /invocations 200")
+    assert "Traceback" not in log
+    assert "ERROR" not in log
+    cut_off = [line for line in log.splitlines() if "POST /invocations" in line
+               and " 200 " not in line]
+    assert len(cut_off) == 1
+    assert " 499 " in cut_off[0] and "client-disconnected" in cut_off[0]
 
 
 # -- the connection limit: uvicorn's own answer --

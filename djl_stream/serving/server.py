@@ -44,7 +44,7 @@ import anyio.to_thread
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -75,6 +75,8 @@ PROTOCOL_ROUTES = {
     # TGI's compatibility route, where huggingface_hub's InferenceClient(base_url=...) posts
     "/": "tgi",
 }
+#: The status logged (and counted) for a client that left before it was answered.
+CLIENT_CLOSED_REQUEST = 499
 #: Where the access-log middleware and a stream share what happened to a request.
 _LOG_KEY = "djl_stream.log"
 #: Response headers the server computes itself; a handler's value would corrupt framing.
@@ -243,6 +245,10 @@ class AccessLog:
     client left early; for a generation, the scheduler's figures (queue, ttft, itl, e2e,
     prompt and generated tokens: :class:`~djl_stream.serving.metrics.RequestRecord`). With
     ``metrics``, each request is counted there by route and status.
+
+    A client that leaves while sending its body is what clients do, not a server error: its
+    line has status 499 (nginx's "client closed request") and ``client-disconnected``, and
+    nothing else is logged for it.
     """
 
     def __init__(self, app: ASGIApp, metrics: Optional[PrometheusMetrics] = None) -> None:
@@ -269,16 +275,21 @@ class AccessLog:
         with record_request() as record:
             try:
                 await self.app(scope, receive, logged_send)
+            except ClientDisconnect:
+                if seen["status"] is not None:
+                    raise
+                log["disconnected"] = True
             finally:
-                status = seen["status"] or 500
+                status = seen["status"] or (CLIENT_CLOSED_REQUEST if log.get("disconnected")
+                                            else 500)
                 parts = [scope["method"], scope["path"], str(status),
                          f"{time.perf_counter() - start:.3f}s", f"{seen['bytes']}B"]
                 if "items" in log:
                     first = seen["first"]
                     parts += [f"items={log['items']}",
                               f"first_chunk={first:.3f}s" if first is not None else "first_chunk=-"]
-                    if log.get("disconnected"):
-                        parts.append("client-disconnected")
+                if log.get("disconnected"):
+                    parts.append("client-disconnected")
                 parts += record.log_fields()
                 logger.info(" ".join(parts))
                 if self.metrics is not None:
