@@ -52,8 +52,8 @@ class HttpLimits:
 
     Attributes:
         max_request_size: the largest request body in bytes (413 beyond). 8 MiB: more than
-            SageMaker forwards to a real-time endpoint (6 MB), an eighth of djl-serving's
-            64 MiB, at which a body still costs seconds of JSON parsing.
+            SageMaker forwards to a real-time endpoint (6 MB); djl-serving's own default
+            is 64 MiB.
         timeout_header: seconds from a request's first byte to the end of its head (408).
         timeout_body: seconds from the end of a request's head to the end of its body (408).
         timeout_keep_alive: seconds a connection may stay idle (new, or between requests)
