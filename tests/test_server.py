@@ -393,6 +393,7 @@ def test_an_unhandled_error_is_a_500_naming_only_its_type(server: Server) -> Non
     # to the log, not to the client (it may name paths; issue 9, item 9).
     answer = server.http.post("/invocations", json={"status": "teapot", "message": "x"})
     assert answer.status_code == 500
+    assert answer.headers["connection"] == "close"  # uvicorn closes it after an exception
     assert answer.json() == {"code": 500, "type": "InternalServerException",
                              "message": "internal server error (ValueError); "
                                         "the server log has the details"}

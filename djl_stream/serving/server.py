@@ -407,8 +407,10 @@ async def _http_error(request: Request, error: Exception) -> Response:
 async def _internal_error(request: Request, error: Exception) -> Response:
     logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=error)
     # The exception's text can hold paths and settings: the log has it, the client a type.
+    # Starlette re-raises the error after this answer and uvicorn then closes the
+    # connection: say so, or a client reuses it and its next request is reset.
     return error_response(500, f"internal server error ({type(error).__name__}); "
-                               "the server log has the details")
+                               "the server log has the details", headers={"connection": "close"})
 
 
 def create_app(model_dir: str | Path, environ: Optional[Mapping[str, str]] = None, *,
