@@ -180,6 +180,50 @@ def test_a_head_sent_slowly_is_answered_408(server):
     assert_still_serving(server)
 
 
+def read_answer(sock: socket.socket) -> Answer:
+    """One response with a Content-Length, leaving the connection open."""
+    raw = b""
+    while b"\r\n\r\n" not in raw:
+        raw += sock.recv(65536) or pytest.fail(f"closed after {raw!r}")
+    length = int(Answer(raw).headers["content-length"])
+    while len(raw.partition(b"\r\n\r\n")[2]) < length:
+        raw += sock.recv(65536) or pytest.fail(f"closed after {raw!r}")
+    return Answer(raw)
+
+
+def test_a_body_answered_without_being_read_is_dropped_and_the_connection_serves_on(server):
+    with connect(server) as sock:
+        # Another model's route answers 404 before reading the body, which comes later.
+        sock.sendall(head(path="/predictions/othermodel", content_length="20"))
+        assert read_answer(sock).status == 404
+        sock.sendall(b"x" * 20)
+        sock.sendall(head("GET", "/ping"))
+        answer = read_answer(sock)
+    assert answer.status == 200
+    assert answer.json() == {"status": "Healthy"}
+
+
+def test_a_body_answered_without_being_read_must_still_arrive_in_time(server):
+    with connect(server) as sock:
+        sock.sendall(head(path="/predictions/othermodel", content_length="1000"))
+        assert read_answer(sock).status == 404
+        # A byte at a time, never idle long enough for the keep-alive timeout.
+        deadline = time.monotonic() + DEADLINE
+        while True:
+            assert time.monotonic() < deadline, "the connection was never closed"
+            if select.select([sock], [], [], 0.2)[0]:
+                try:
+                    assert sock.recv(1) == b""  # closed, without another answer
+                except ConnectionResetError:
+                    pass  # closed as a byte was on its way
+                break
+            try:
+                sock.sendall(b"x")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+    assert_still_serving(server)
+
+
 def test_connections_that_send_nothing_are_closed(server):
     # Half-open connections used to stay for good (200 of them, still there after 90 s).
     idle = [connect(server) for _ in range(20)]

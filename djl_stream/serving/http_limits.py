@@ -192,57 +192,78 @@ class LimitedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self.limits = limits
         self._head_timer: Optional[asyncio.TimerHandle] = None
+        self._drain_timer: Optional[asyncio.TimerHandle] = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        # uvicorn arms its keep-alive timer after each response only: a connection that
-        # never sends a byte would otherwise stay open for good.
-        self.timeout_keep_alive_task = self.loop.call_later(
-            self.timeout_keep_alive, self.timeout_keep_alive_handler)
+        self._retime()
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
-        self._stop_head_timer()
+        for timer in (self._head_timer, self._drain_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._drain_timer = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self.conn.their_state is h11.IDLE:
-            self._start_head_timer()  # the first bytes of a request head
         super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:
-            self._stop_head_timer()  # the head is complete (or was refused)
+        self._retime()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self.transport.is_closing():
-            return
-        if self.conn.their_state is h11.SEND_BODY:
-            # Answered without reading the body (a 404, a 503 while the model loads):
-            # close rather than read the rest for nothing, for as long as it takes.
-            self.transport.close()
-        elif self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:
-            self._start_head_timer()  # part of a pipelined request's head is waiting
+        self._retime()
 
     def send_400_response(self, msg: str) -> None:
         # uvicorn's own answer to a request h11 cannot parse is text/plain.
         self._answer_and_close(400, msg)
 
-    def _start_head_timer(self) -> None:
-        if self._head_timer is None:
-            self._head_timer = self.loop.call_later(self.limits.timeout_header,
-                                                    self._head_timed_out)
-
-    def _stop_head_timer(self) -> None:
+    def _retime(self) -> None:
+        """Time what the connection now waits for: the rest of a request head (408 after
+        ``timeout_header``), the rest of a body the app answered without reading (dropped
+        as it comes, for ``timeout_body`` at most), or nothing (closed after
+        ``timeout_keep_alive``; uvicorn starts that timer after a response only, so a new
+        connection that never sent a byte stayed open for good)."""
+        if self.transport.is_closing():
+            return
+        client, server = self.conn.their_state, self.conn.our_state
+        if client is h11.SEND_BODY and server is h11.DONE:
+            # Answered before the body was read (a 404, a 503 while the model loads): h11
+            # reads the rest and drops it, so that the connection can take the next request.
+            if self._drain_timer is None:
+                self._drain_timer = self.loop.call_later(self.limits.timeout_body,
+                                                         self._drain_timed_out)
+        elif self._drain_timer is not None:
+            self._drain_timer.cancel()
+            self._drain_timer = None
+        if client is h11.IDLE and self.conn.trailing_data[0]:
+            if self._head_timer is None:  # timed from the head's first bytes
+                self._head_timer = self.loop.call_later(self.limits.timeout_header,
+                                                        self._head_timed_out)
+            return
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+        if client is h11.IDLE and self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    def _drain_timed_out(self) -> None:
+        self._drain_timer = None
+        if not self.transport.is_closing() and self.conn.their_state is h11.SEND_BODY:
+            logger.info("%s: the rest of a request body the server answered without was not "
+                        "sent within %g s (--timeout-body): closed", self._client_name(),
+                        self.limits.timeout_body)
+            self.transport.close()
+
+    def _client_name(self) -> str:
+        return "%s:%d" % self.client if self.client else "a client"
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
         if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
             return
-        client = "%s:%d" % self.client if self.client else "a client"
         logger.info("%s did not complete a request head within %g s (--timeout-header): "
-                    "answered 408 and closed", client, self.limits.timeout_header)
+                    "answered 408 and closed", self._client_name(), self.limits.timeout_header)
         self._answer_and_close(408, f"the request head was not complete within "
                                     f"{self.limits.timeout_header:g} s (--timeout-header)")
 
