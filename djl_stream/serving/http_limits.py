@@ -11,7 +11,9 @@ uvicorn reads the requests; what it lacks is added here, each answer a JSON fram
 - :class:`LimitedH11Protocol`, uvicorn's h11 protocol with a head timeout (408 once a
   request has begun and its head is not complete ``timeout_header`` seconds later), the
   keep-alive timeout also on a new connection that sends nothing (uvicorn starts it only
-  after a response), and JSON instead of uvicorn's plain text for a malformed request.
+  after a response), ``timeout_body`` also for the rest of a body the app answered without
+  reading (uvicorn reads and drops it for as long as it comes), and JSON instead of
+  uvicorn's plain text for a malformed request.
 - :meth:`HttpLimits.uvicorn_options`: the rest is uvicorn's own: ``timeout_keep_alive``,
   and ``limit_concurrency``, beyond which uvicorn answers ``503 Service Unavailable`` in
   plain text before the app sees the request.
@@ -55,7 +57,8 @@ class HttpLimits:
             SageMaker forwards to a real-time endpoint (6 MB); djl-serving's own default
             is 64 MiB.
         timeout_header: seconds from a request's first byte to the end of its head (408).
-        timeout_body: seconds from the end of a request's head to the end of its body (408).
+        timeout_body: seconds from the end of a request's head to the end of its body
+            (408); for a body answered without being read, from the answer (closed).
         timeout_keep_alive: seconds a connection may stay idle (new, or between requests)
             before it is closed, without an answer.
         limit_concurrency: most connections and requests in progress at once; uvicorn
