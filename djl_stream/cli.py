@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 
 def _positive(kind: type) -> Any:
@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"],
                        help="log level (default: %(default)s)")
+    serve.add_argument("--shutdown-grace", type=_grace_seconds, default=None, metavar="SECONDS",
+                       help="on SIGTERM, refuse new requests (503) and give the running ones "
+                            "this long to finish before ending them with an error record "
+                            "(default: $DJL_STREAM_SHUTDOWN_GRACE, else 20)")
     # The defaults are HttpLimits' (djl_stream.serving.http_limits), not imported here: it
     # brings uvicorn and Starlette, which only serve needs.
     limits = serve.add_argument_group(
@@ -155,6 +159,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 # -- serve --
 
+def _grace_seconds(text: str) -> float:
+    from djl_stream.serving.admission import grace_seconds
+
+    try:
+        return grace_seconds(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def shutdown_grace(args: argparse.Namespace, environ: Mapping[str, str]) -> float:
+    """``--shutdown-grace``, else ``DJL_STREAM_SHUTDOWN_GRACE``, else 20 seconds; raises
+    ``ValueError`` for a variable that is no grace period.
+
+    >>> shutdown_grace(argparse.Namespace(shutdown_grace=None), {"DJL_STREAM_SHUTDOWN_GRACE": "45"})
+    45.0
+    """
+    from djl_stream.serving.admission import (DEFAULT_SHUTDOWN_GRACE, SHUTDOWN_GRACE_ENV,
+                                              grace_seconds)
+
+    if args.shutdown_grace is not None:
+        return args.shutdown_grace
+    value = environ.get(SHUTDOWN_GRACE_ENV, "").strip()
+    if not value:
+        return DEFAULT_SHUTDOWN_GRACE
+    try:
+        return grace_seconds(value)
+    except ValueError as error:
+        raise ValueError(f"{SHUTDOWN_GRACE_ENV}: {error}") from None
+
+
 #: The flags of ``serve`` that set a field of the same name of ``HttpLimits``.
 LIMIT_FLAGS = ("max_request_size", "timeout_header", "timeout_body", "timeout_keep_alive",
                "limit_concurrency")
@@ -173,11 +207,19 @@ def http_limits(args: argparse.Namespace) -> Any:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import os
+
     from djl_stream.serving.server import serve
 
-    serve(args.model_dir, host=args.host, port=args.port, log_level=args.log_level,
-          limits=http_limits(args))
-    return 0
+    try:
+        grace = shutdown_grace(args, os.environ)
+    except ValueError as error:
+        print(f"djl-stream serve: {error}", file=sys.stderr)
+        return 2
+    started = serve(args.model_dir, host=args.host, port=args.port, log_level=args.log_level,
+                    shutdown_grace=grace, limits=http_limits(args))
+    # 3 is uvicorn's own status for a server that could not start (a port in use)
+    return 0 if started else 3
 
 
 # -- generate --

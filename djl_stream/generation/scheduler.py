@@ -268,6 +268,9 @@ class Scheduler:
         self._wakeup = threading.Condition()
         self._running: Optional[CausalLMBatch] = None
         self._stopping = False
+        # A queued request was cancelled: the next cycle takes it out of the queue,
+        # wherever it waits, so that it never reaches a prefill.
+        self._queue_has_cancelled = False
         self._observers = _OBSERVERS if observers is None else list(observers)
         self._state = BatchState()
         self._thread = threading.Thread(target=self._loop, name="djl-stream-scheduler", daemon=True)
@@ -315,6 +318,8 @@ class Scheduler:
     def cancel(self, job: _Job) -> None:
         with self._wakeup:
             job.cancelled = True
+            if job.stats.admitted_at is None:
+                self._queue_has_cancelled = True
             self._wakeup.notify()
 
     @property
@@ -364,8 +369,7 @@ class Scheduler:
         """Block until there is something to do; return the jobs admitted now."""
         with self._wakeup:
             while True:
-                while self._waiting and self._waiting[0].cancelled:
-                    self._end(self._waiting.popleft(), CANCELLED)
+                self._drop_cancelled_waiting()
                 if self._waiting or self._running is not None or self._stopping:
                     break
                 # Idle: the last word observers hear must be this state, not a busy one.
@@ -387,7 +391,25 @@ class Scheduler:
                 admitted.append(job)
             return admitted
 
+    def _drop_cancelled_waiting(self) -> None:
+        """Under ``self._wakeup``: end the queued requests whose streams were closed."""
+        if not self._queue_has_cancelled:
+            return
+        self._queue_has_cancelled = False
+        for job in [job for job in self._waiting if job.cancelled]:
+            self._waiting.remove(job)
+            self._end(job, CANCELLED)
+
     def _prefill(self, jobs: List[_Job]) -> None:
+        # A stream closed between its admission and now is not worth a forward pass.
+        cancelled = [job for job in jobs if job.cancelled]
+        if cancelled:
+            with self._wakeup:
+                for job in cancelled:
+                    self._end(job, CANCELLED)
+            jobs = [job for job in jobs if job not in cancelled]
+            if not jobs:
+                return
         sequences = [seq for job in jobs for seq in job.sequences]
         try:
             batch = CausalLMBatch.from_sequences(

@@ -29,6 +29,7 @@ import dataclasses
 import logging
 from typing import Any, Callable, Iterator, List, Optional, Sequence
 
+from djl_stream.generation.errors import ShuttingDown
 from djl_stream.generation.step import Step
 from djl_stream.protocols.request import GenerationRequest
 from djl_stream.protocols.validation import RequestError
@@ -61,7 +62,8 @@ class Failure:
 
     ``kind`` is ``invalid`` (the request; 400 or the protocol's equivalent), ``failed``
     (generation failed before its first chunk; 424), ``out_of_memory`` (507) or ``busy``
-    (the waiting queue is full; 503). ``field`` names the request field for ``invalid``.
+    (the waiting queue is full, or the server is shutting down; 503). ``field`` names the
+    request field for ``invalid``.
     """
 
     kind: str
@@ -181,7 +183,10 @@ class EncodedStream(Iterator[bytes]):
         self.close()
         if not self._started:
             raise error
-        logger.exception("generation failed mid-stream", exc_info=error)
+        if isinstance(error, ShuttingDown):
+            logger.info("stream ended: %s", error)  # expected, not a bug to trace back
+        else:
+            logger.exception("generation failed mid-stream", exc_info=error)
         return self._encoder.error(f"{type(error).__name__}: {error}")
 
     def close(self) -> None:

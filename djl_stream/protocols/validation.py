@@ -215,7 +215,10 @@ def check_json_values(value: Any) -> None:
                                                f"{MAX_JSON_DEPTH} levels deep (at {path})")
         if isinstance(item, dict):
             for key, child in item.items():
-                child_path = f"{path}.{key}" if path else str(key)
+                # A key with a lone surrogate is named escaped: the answer naming it is
+                # UTF-8 too.
+                shown = _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", key)
+                child_path = f"{path}.{shown}" if path else shown
                 _check_text(child_path, key)
                 stack.append((child_path, child, depth + 1))
         else:

@@ -17,8 +17,11 @@ Everything a client sees is what djl-serving's front end sends for the same ``Ou
 exists, then every item is its own HTTP chunk, flushed as soon as it is formatted; an
 iterator that raises adds the exception's text, raw, as the last chunk (djl-stream's own
 handler never does: it ends a failed stream with an error record in the stream's format).
-Unlike djl-serving, a client that goes away stops generation (the iterator is closed).
-Framework errors are JSON ``{"code", "type", "message"}``.
+Unlike djl-serving, a client that goes away stops generation: before its answer is ready
+(queued, or a non-streaming request) its :class:`~djl_stream.serving.cancellation.
+Cancellation` is cancelled, mid-stream the iterator is closed as well. On SIGTERM the
+server shuts down gracefully (:class:`GracefulServer`). Framework errors are JSON
+``{"code", "type", "message"}``.
 
 Example::
 
@@ -31,16 +34,20 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
+import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Mapping, Optional
+from types import FrameType
+from typing import Any, AsyncIterator, Callable, Mapping, Optional
 
 import anyio
 import anyio.to_thread
+import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -50,6 +57,8 @@ from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from djl_stream.protocols.protocol import PROTOCOL_PROPERTY
+from djl_stream.serving.admission import DEFAULT_SHUTDOWN_GRACE, SHUTTING_DOWN, Admission
+from djl_stream.serving.cancellation import Cancellation, attach_cancellation
 from djl_stream.serving.http_errors import error_response
 from djl_stream.serving.http_limits import HttpLimits, RequestLimits
 from djl_stream.serving.metrics import PrometheusMetrics, record_request, server_metrics
@@ -75,10 +84,14 @@ PROTOCOL_ROUTES = {
     # TGI's compatibility route, where huggingface_hub's InferenceClient(base_url=...) posts
     "/": "tgi",
 }
-#: The status logged (and counted) for a client that left before it was answered.
-CLIENT_CLOSED_REQUEST = 499
 #: Where the access-log middleware and a stream share what happened to a request.
 _LOG_KEY = "djl_stream.log"
+#: The status logged and counted for a request whose client left before its answer was
+#: ready (nothing is sent): nginx's "client closed request".
+CLIENT_CLOSED_REQUEST = 499
+#: Seconds uvicorn still waits for open connections once the graceful shutdown is over
+#: (every request ended), for a handler that ignores its cancellation.
+SHUTDOWN_BACKSTOP = 5
 #: Response headers the server computes itself; a handler's value would corrupt framing.
 _FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
 
@@ -138,12 +151,16 @@ class StreamingOutputResponse:
     HTTP chunk at once. A task listens for ``http.disconnect`` meanwhile; when the client
     leaves, pulling stops and the iterator's ``close()`` is called — after any ``next()``
     in flight has returned, never at the same time. ``close()`` is likewise called when the
-    iterator failed; only an iterator that ran to its end is left alone.
+    iterator failed; only an iterator that ran to its end is left alone. A ``cancellation``
+    is cancelled as soon as the client leaves, so that a handler that registered on it
+    stops generating without waiting for the ``next()`` in flight.
     """
 
-    def __init__(self, output: Any, limiter: Optional[anyio.CapacityLimiter] = None) -> None:
+    def __init__(self, output: Any, limiter: Optional[anyio.CapacityLimiter] = None,
+                 cancellation: Optional[Cancellation] = None) -> None:
         self.output = output
         self.limiter = limiter
+        self.cancellation = cancellation
         self.state = _StreamState()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -174,6 +191,8 @@ class StreamingOutputResponse:
                     self.state.disconnected = True
                     logger.info("client disconnected; stopping the stream after %d items",
                                 self.state.items)
+                    if self.cancellation is not None:
+                        await anyio.to_thread.run_sync(self.cancellation.cancel)
                     stream_scope.cancel()
                 return
 
@@ -222,6 +241,54 @@ class StreamingOutputResponse:
             await anyio.to_thread.run_sync(close, limiter=self.limiter)
         except Exception:
             logger.exception("closing the stream iterator failed")
+
+
+async def _cancel_when_client_leaves(receive: Receive, cancellation: Cancellation) -> None:
+    """Wait for ``http.disconnect`` (the request's body is already read) and cancel."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            logger.info("client disconnected before its answer was ready; cancelling it")
+            # In a thread: the handler's callbacks close its engine's stream.
+            await anyio.to_thread.run_sync(cancellation.cancel)
+            return
+
+
+class ClientGoneResponse:
+    """The answer to a client that left before it was ready: nothing is sent. The access
+    log and the metrics count it with status :data:`CLIENT_CLOSED_REQUEST`."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        log = scope.get(_LOG_KEY)
+        if log is not None:
+            log.update(status=CLIENT_CLOSED_REQUEST, disconnected=True)
+
+
+class ReleasedWhenSent:
+    """An ASGI response that calls ``release`` once ``response`` has been sent (or has
+    failed, or its client left): how a request leaves the :class:`Admission`."""
+
+    def __init__(self, response: ASGIApp, release: Callable[[], None]) -> None:
+        self.response = response
+        self.release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            self.release()
+
+
+def shutting_down_response() -> JSONResponse:
+    """503 for a request that arrives during a graceful shutdown, on a connection that
+    then closes, so that a client's pool opens its next one to another replica.
+
+    >>> shutting_down_response().body
+    b'{"code":503,"type":"ServiceUnavailableException","message":"the server is shutting down"}'
+    """
+    response = error_response(503, SHUTTING_DOWN)
+    response.headers["connection"] = "close"
+    return response
 
 
 def route_template(scope: Scope) -> str:
@@ -278,10 +345,9 @@ class AccessLog:
             except ClientDisconnect:
                 if seen["status"] is not None:
                     raise
-                log["disconnected"] = True
+                log.update(status=CLIENT_CLOSED_REQUEST, disconnected=True)
             finally:
-                status = seen["status"] or (CLIENT_CLOSED_REQUEST if log.get("disconnected")
-                                            else 500)
+                status = seen["status"] or log.get("status") or 500
                 parts = [scope["method"], scope["path"], str(status),
                          f"{time.perf_counter() - start:.3f}s", f"{seen['bytes']}B"]
                 if "items" in log:
@@ -305,10 +371,12 @@ class ModelServer:
     """
 
     def __init__(self, worker: ModelWorker, max_threads: int = DEFAULT_MAX_THREADS,
-                 metrics: Optional[PrometheusMetrics] = None) -> None:
+                 metrics: Optional[PrometheusMetrics] = None,
+                 admission: Optional[Admission] = None) -> None:
         self.worker = worker
         self.max_threads = max_threads
         self.metrics = metrics or server_metrics()
+        self.admission = admission or Admission()
         self.started = int(time.time())
         self.limiter: Optional[anyio.CapacityLimiter] = None
 
@@ -343,11 +411,12 @@ class ModelServer:
 
     async def ping(self, request: Request) -> Response:
         worker = self.worker
-        if worker.status == READY:
+        if worker.status == READY and self.admission.open:
             return JSONResponse({"status": "Healthy"})
+        message = worker.not_ready_message() if self.admission.open else SHUTTING_DOWN
         return JSONResponse({"status": "Unhealthy", "model": worker.model_name,
-                             "modelStatus": worker.status,
-                             "message": worker.not_ready_message()}, status_code=503)
+                             "modelStatus": worker.status, "message": message},
+                            status_code=503)
 
     async def models(self, request: Request) -> Response:
         worker = self.worker
@@ -377,23 +446,57 @@ class ModelServer:
             return error_response(404, f"Model not found: {name}", "ModelNotFoundException")
         return await self._predict(request)
 
-    async def _predict(self, request: Request, protocol: Optional[str] = None
-                       ) -> Response | StreamingOutputResponse:
+    async def _predict(self, request: Request, protocol: Optional[str] = None) -> ASGIApp:
         worker = self.worker
         if worker.status != READY:
             return error_response(503, worker.not_ready_message())
+        cancellation = self.admission.admit()
+        if cancellation is None:
+            return shutting_down_response()
+        try:
+            response = await self._answer(request, protocol, cancellation)
+        except BaseException:
+            self.admission.release(cancellation)
+            raise
+        return ReleasedWhenSent(response, lambda: self.admission.release(cancellation))
+
+    async def _answer(self, request: Request, protocol: Optional[str],
+                      cancellation: Cancellation) -> ASGIApp:
+        worker = self.worker
         body = await request.body()
         inp = worker.make_input(body, request.headers, request.query_params)
         if protocol is not None:
             inp.properties[PROTOCOL_PROPERTY] = protocol
-        output = await anyio.to_thread.run_sync(worker.invoke, inp, limiter=self.limiter)
+        attach_cancellation(inp, cancellation)
+        async with anyio.create_task_group() as tasks:
+            # Queued for room in the batch, or generating a whole answer: a client that
+            # leaves meanwhile must stop that work, not only a stream's.
+            tasks.start_soon(_cancel_when_client_leaves, request.receive, cancellation)
+            try:
+                output = await anyio.to_thread.run_sync(worker.invoke, inp,
+                                                        limiter=self.limiter)
+            finally:
+                tasks.cancel_scope.cancel()
+        if cancellation.client_left:
+            await self._discard(output)
+            return ClientGoneResponse()
         if getattr(output, "stream_content", None) is not None:
-            return StreamingOutputResponse(output, self.limiter)
+            return StreamingOutputResponse(output, self.limiter, cancellation)
         response = Response(output_body(output), status_code=int(output.code))
         # Replace Starlette's defaults wholesale, keeping only the computed content-length.
         response.raw_headers = [h for h in response.raw_headers if h[0] == b"content-length"]
         response.raw_headers += output_headers(output)
         return response
+
+    async def _discard(self, output: Any) -> None:
+        """Close the stream of an answer nobody will read (a handler that ignored the
+        cancellation may still have returned one)."""
+        close = getattr(getattr(output, "stream_content", None), "close", None)
+        if close is not None:
+            try:
+                await anyio.to_thread.run_sync(close, limiter=self.limiter)
+            except Exception:
+                logger.exception("closing the stream of a client that left failed")
 
 
 async def _http_error(request: Request, error: Exception) -> Response:
@@ -421,7 +524,8 @@ def create_app(model_dir: str | Path, environ: Optional[Mapping[str, str]] = Non
     ``environ`` supplies ``OPTION_*`` variables (default ``os.environ``); ``max_threads``
     bounds concurrent ``handle()`` calls and open streams; ``limits`` bounds request bodies
     (the rest of :class:`HttpLimits` is uvicorn's, :func:`serve`). ``app.state.worker`` is
-    the :class:`ModelWorker`.
+    the :class:`ModelWorker`, ``app.state.admission`` the :class:`Admission` that a graceful
+    shutdown drains.
 
     >>> app = create_app("model/")
     >>> app.state.worker.status
@@ -436,23 +540,91 @@ def create_app(model_dir: str | Path, environ: Optional[Mapping[str, str]] = Non
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},
     )
     app.state.worker = server.worker
+    app.state.admission = server.admission
     return app
 
 
-def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8080,
-          log_level: str = "info", limits: HttpLimits = HttpLimits()) -> None:
-    """Serve ``model_dir`` with uvicorn until interrupted, within ``limits``.
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, with SIGTERM answered by a graceful shutdown first.
 
-    >>> serve("model/", port=8080, limits=HttpLimits(timeout_body=60))  # doctest: +SKIP
+    uvicorn alone stops at once on SIGTERM: it closes its socket, waits for open
+    connections (at most ``timeout_graceful_shutdown``), cancels what is left, and
+    re-raises the signal. SageMaker and Kubernetes send SIGTERM before scaling in, while a
+    load balancer may still route a request here for a moment; so this server first keeps
+    listening but admits no new generation (503, and ``/ping`` 503), gives the running
+    requests ``grace`` seconds to finish, ends the rest with their error records
+    (:meth:`Admission.drain`), and only then lets uvicorn shut down as it does, its timeout
+    now a backstop. It exits with status 0: a shutdown that was asked for is a success.
+    A second SIGTERM ends the grace period at once; Ctrl+C (SIGINT) ends the running
+    requests the same way at once and stops as uvicorn does.
+
+    >>> config = uvicorn.Config(create_app("model/"), port=8080)
+    >>> GracefulServer(config, Admission(), grace=20).run()  # doctest: +SKIP
     """
-    import uvicorn
 
+    def __init__(self, config: uvicorn.Config, admission: Admission,
+                 grace: float = DEFAULT_SHUTDOWN_GRACE) -> None:
+        super().__init__(config)
+        self.admission = admission
+        self.grace = grace
+        self._event_loop: Optional[asyncio.AbstractEventLoop] = None
+        self._ending: Optional[asyncio.Future] = None
+
+    async def serve(self, sockets: Optional[list] = None) -> None:
+        self._event_loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
+        loop = self._event_loop
+        if loop is None or loop.is_closed():
+            super().handle_exit(sig, frame)
+            return
+        # A signal handler interrupts the loop wherever it is: do the work on the loop.
+        loop.call_soon_threadsafe(self._on_signal, sig, frame)
+
+    def _on_signal(self, sig: int, frame: Optional[FrameType]) -> None:
+        if sig == signal.SIGTERM:
+            # Never handed to uvicorn, which would re-raise it at the end (exit status 143).
+            if self._ending is None:
+                self._ending = asyncio.ensure_future(self._drain_then_exit())
+            else:
+                self.admission.cut_short()
+            return
+        if self._ending is None:
+            self._ending = asyncio.ensure_future(self.admission.end_all())
+        else:
+            self.admission.cut_short()
+        super().handle_exit(sig, frame)
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self.admission.drain(self.grace)
+        finally:
+            self.should_exit = True  # uvicorn's own shutdown from here on
+
+
+def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8080,
+          log_level: str = "info", shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
+          limits: HttpLimits = HttpLimits()) -> bool:
+    """Serve ``model_dir`` with uvicorn until SIGTERM or Ctrl+C, within ``limits``; return
+    whether the server started (False: it could not, e.g. the port is taken). On SIGTERM,
+    running requests get ``shutdown_grace`` seconds to finish (:class:`GracefulServer`).
+
+    >>> serve("model/", port=8080, shutdown_grace=20, limits=HttpLimits(timeout_body=60))  # doctest: +SKIP
+    """
     if not logging.getLogger().handlers:
         logging.basicConfig(level=log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(model_dir, limits=limits), host=host, port=port,
-                log_level=log_level, **limits.uvicorn_options(),
-                # Our AccessLog line has timings; uvicorn's would be a second, poorer one.
-                access_log=False,
-                # Open streams must not hold a shutdown forever.
-                timeout_graceful_shutdown=5)
+    app = create_app(model_dir, limits=limits)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            **limits.uvicorn_options(),
+                            # Our AccessLog line has timings; uvicorn's would be a second,
+                            # poorer one.
+                            access_log=False,
+                            timeout_graceful_shutdown=SHUTDOWN_BACKSTOP)
+    server = GracefulServer(config, app.state.admission, shutdown_grace)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass  # Ctrl+C: uvicorn re-raises it once its shutdown is done
+    return server.started

@@ -35,7 +35,7 @@ import types
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from djl_stream.generation.errors import QueueFullError
+from djl_stream.generation.errors import QueueFullError, ShuttingDown
 from djl_stream.generation.step import Step
 from djl_stream.generation.streaming_utils import StreamingUtils
 from djl_stream.protocols.djl.formatters import StreamFormatter, resolve_formatter
@@ -45,6 +45,7 @@ from djl_stream.protocols.protocol import (PROTOCOL_PROPERTY, EncodedStream, Fai
 from djl_stream.protocols.request import GenerationRequest
 from djl_stream.protocols.validation import (RequestError, check_input_characters,
                                              check_input_length, parse_json_body)
+from djl_stream.serving.cancellation import Cancellation, CancellableStream, cancellation_of
 from djl_stream.serving.properties import ModelProperties
 from djl_stream.serving.replies import (ErrorReply, JsonReply, Reply, StreamReply,
                                         is_out_of_memory, to_async_output, to_async_outputs,
@@ -71,6 +72,9 @@ PROTOCOLS: Dict[str, str] = {
 #: completions), among the protocols the model serves.
 PROTOCOLS_BY_BODY: Tuple[Tuple[str, str], ...] = (("messages", "openai-chat"),
                                                   ("prompt", "openai-completions"))
+#: The answer to a request whose client left before it was ready: nobody reads it, and the
+#: server (which saw the client go) sends nothing. 499 is nginx's "client closed request".
+CLIENT_LEFT = ErrorReply(499, None, "Client Closed Request", "the client disconnected")
 
 
 #: The most code points Unicode composition (a normalizer's NFC or NFKC) joins into one
@@ -238,7 +242,14 @@ class StreamingService:
     # -- requests -------------------------------------------------------------------
 
     def reply(self, inputs) -> Reply:
-        """The answer to one request (never raises for a request's own failure)."""
+        """The answer to one request (never raises for a request's own failure).
+
+        When the server attached a :class:`~djl_stream.serving.cancellation.Cancellation`
+        (``djl-stream serve`` does; djl-serving never does), cancelling it stops the
+        generation, queued or running: a client that left gets :data:`CLIENT_LEFT`, a
+        request the shutting-down server ended gets a 503 before its first chunk, the
+        stream's error record after it."""
+        cancellation = cancellation_of(inputs)
         protocol = self.protocols["djl"]
         try:
             # A request that names its protocol (its route) gets even a body that is not
@@ -249,6 +260,8 @@ class StreamingService:
             request, prompt_tokens = self.parse(body, protocol)
         except RequestError as error:
             return self._error(protocol, Failure.invalid(error))
+        if cancellation is not None and cancellation.client_left:
+            return CLIENT_LEFT
         try:
             stream = self.stream_generator(
                 self.model, self.tokenizer, list(request.prompts), **request.parameters.as_kwargs()
@@ -258,13 +271,16 @@ class StreamingService:
         except RequestError as error:
             # an engine's own limits (e.g. a Neuron model's compiled batch size)
             return self._error(protocol, Failure.invalid(error))
+        if cancellation is not None:
+            stream = CancellableStream(stream, cancellation)
         wants_stream = self.props.enable_streaming if request.stream is None else request.stream
         if wants_stream:
             return self._start_stream(stream, protocol.stream_encoder(request, prompt_tokens),
-                                      protocol)
-        return self._collect(stream, request, prompt_tokens, protocol)
+                                      protocol, cancellation)
+        return self._collect(stream, request, prompt_tokens, protocol, cancellation)
 
-    def _start_stream(self, stream, encoder: StreamEncoder, protocol: Protocol) -> Reply:
+    def _start_stream(self, stream, encoder: StreamEncoder, protocol: Protocol,
+                      cancellation: Optional[Cancellation] = None) -> Reply:
         """Produce the first chunk now: a generation that fails before it (a prompt the
         model cannot prefill) is answered with an error status instead of a 200 stream
         that carries the error as text."""
@@ -274,19 +290,25 @@ class StreamingService:
         except StopIteration:
             first = None
         except Exception as error:  # noqa: BLE001 - the client gets it as a status
-            logger.exception("generation failed before its first chunk")
+            _log_failure("generation failed before its first chunk", error)
             return self._error(protocol, _failure_of(error))
+        if cancellation is not None and cancellation.client_left:
+            chunks.close()
+            return CLIENT_LEFT
         return StreamReply(first, chunks, encoder.content_type)
 
     def _collect(self, stream, request: GenerationRequest, prompt_tokens: List[int],
-                 protocol: Protocol) -> Reply:
+                 protocol: Protocol, cancellation: Optional[Cancellation] = None) -> Reply:
         try:
             steps = [step if isinstance(step, Step) else Step(step) for step in stream]
         except Exception as error:  # noqa: BLE001 - the client gets it as a status
-            logger.exception("generation failed")
+            _log_failure("generation failed", error)
             return self._error(protocol, _failure_of(error))
         finally:
             getattr(stream, "close", lambda: None)()
+        if cancellation is not None and cancellation.client_left:
+            # The steps stop wherever the client left: there is no answer to write.
+            return CLIENT_LEFT
         return JsonReply(protocol.complete(request, steps, prompt_tokens))
 
     @staticmethod
@@ -444,9 +466,20 @@ def _on_event_loop() -> bool:
 
 def _failure_of(error: BaseException) -> Failure:
     """A generation that raised, as djl-serving's worker classes a handler exception:
-    out of memory (507), or a failure (424)."""
+    out of memory (507), or a failure (424); and one the shutting-down server ended,
+    which another replica can take (503)."""
     text = str(error) or type(error).__name__
+    if isinstance(error, ShuttingDown):
+        return Failure("busy", text)
     return Failure("out_of_memory" if is_out_of_memory(error) else "failed", text)
+
+
+def _log_failure(what: str, error: BaseException) -> None:
+    if isinstance(error, ShuttingDown):
+        # expected at the end of a shutdown's grace period, not a bug to trace back
+        logger.info("%s: %s", what, error)
+    else:
+        logger.error(what, exc_info=error)
 
 
 def _in_djl_serving() -> bool:
