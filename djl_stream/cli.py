@@ -65,10 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     # brings uvicorn and Starlette, which only serve needs.
     limits = serve.add_argument_group(
         "limits", "what one client may make the server hold; a 408 or 413 is JSON "
-                  "{code, type, message} and closes the connection")
+                  "{code, type, message} and closes the connection. Each flag's default is "
+                  "the variable DJL_STREAM_<FLAG> (DJL_STREAM_TIMEOUT_BODY), else the value "
+                  "shown")
     limits.add_argument("--max-request-size", type=_positive(int), metavar="BYTES",
                         help="largest request body; a larger one is answered 413 without "
-                             "being read (default: 8388608, 8 MiB)")
+                             "being read (default: 8388608: 8 MiB)")
     limits.add_argument("--timeout-header", type=_positive(float), metavar="SECONDS",
                         help="time from a request's first byte to the end of its head; "
                              "then 408 (default: 10)")
@@ -189,20 +191,34 @@ def shutdown_grace(args: argparse.Namespace, environ: Mapping[str, str]) -> floa
         raise ValueError(f"{SHUTDOWN_GRACE_ENV}: {error}") from None
 
 
-#: The flags of ``serve`` that set a field of the same name of ``HttpLimits``.
-LIMIT_FLAGS = ("max_request_size", "timeout_header", "timeout_body", "timeout_keep_alive",
-               "limit_concurrency")
+#: The flags of ``serve`` that set a field of the same name of ``HttpLimits``, and the type
+#: of their values.
+LIMIT_FLAGS = {"max_request_size": int, "timeout_header": float, "timeout_body": float,
+               "timeout_keep_alive": float, "limit_concurrency": int}
 
 
-def http_limits(args: argparse.Namespace) -> Any:
-    """The ``HttpLimits`` that ``serve``'s flags ask for; the defaults for those not given.
+def http_limits(args: argparse.Namespace, environ: Mapping[str, str]) -> Any:
+    """The ``HttpLimits`` of ``serve``: each flag, else its variable ``DJL_STREAM_<FLAG>``,
+    else the default; raises ``ValueError`` for a variable that is no such number.
 
-    >>> http_limits(build_parser().parse_args(["serve", "m/", "--timeout-body", "5"]))
-    HttpLimits(max_request_size=8388608, timeout_header=10.0, timeout_body=5.0, timeout_keep_alive=5.0, limit_concurrency=1000)
+    >>> args = build_parser().parse_args(["serve", "m/", "--timeout-body", "5"])
+    >>> http_limits(args, {"DJL_STREAM_TIMEOUT_BODY": "9", "DJL_STREAM_TIMEOUT_HEADER": "2"})
+    HttpLimits(max_request_size=8388608, timeout_header=2.0, timeout_body=5.0, timeout_keep_alive=5.0, limit_concurrency=1000)
     """
     from djl_stream.serving.http_limits import HttpLimits
 
-    given = {name: getattr(args, name) for name in LIMIT_FLAGS if getattr(args, name) is not None}
+    given = {}
+    for name, kind in LIMIT_FLAGS.items():
+        value = getattr(args, name)
+        variable = f"DJL_STREAM_{name.upper()}"
+        text = environ.get(variable, "").strip()
+        if value is None and text:
+            try:
+                value = _positive(kind)(text)
+            except argparse.ArgumentTypeError as error:
+                raise ValueError(f"{variable}: {error}") from None
+        if value is not None:
+            given[name] = value
     return HttpLimits(**given)
 
 
@@ -213,11 +229,12 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         grace = shutdown_grace(args, os.environ)
+        limits = http_limits(args, os.environ)
     except ValueError as error:
         print(f"djl-stream serve: {error}", file=sys.stderr)
         return 2
     started = serve(args.model_dir, host=args.host, port=args.port, log_level=args.log_level,
-                    shutdown_grace=grace, limits=http_limits(args))
+                    shutdown_grace=grace, limits=limits)
     # 3 is uvicorn's own status for a server that could not start (a port in use)
     return 0 if started else 3
 
