@@ -21,6 +21,20 @@ import sys
 from typing import Any, Mapping, Optional, Sequence
 
 
+def _positive(kind: type) -> Any:
+    """An argparse type: a number of ``kind`` greater than 0."""
+    def convert(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+        return value
+    convert.__name__ = kind.__name__
+    return convert
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``djl-stream``.
 
@@ -47,6 +61,28 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGTERM, refuse new requests (503) and give the running ones "
                             "this long to finish before ending them with an error record "
                             "(default: $DJL_STREAM_SHUTDOWN_GRACE, else 20)")
+    # The defaults are HttpLimits' (djl_stream.serving.http_limits), not imported here: it
+    # brings uvicorn and Starlette, which only serve needs.
+    limits = serve.add_argument_group(
+        "limits", "what one client may make the server hold; a 408 or 413 is JSON "
+                  "{code, type, message} and closes the connection. Each flag's default is "
+                  "the variable DJL_STREAM_<FLAG> (DJL_STREAM_TIMEOUT_BODY), else the value "
+                  "shown")
+    limits.add_argument("--max-request-size", type=_positive(int), metavar="BYTES",
+                        help="largest request body; a larger one is answered 413 without "
+                             "being read (default: 8388608: 8 MiB)")
+    limits.add_argument("--timeout-header", type=_positive(float), metavar="SECONDS",
+                        help="time from a request's first byte to the end of its head; "
+                             "then 408 (default: 10)")
+    limits.add_argument("--timeout-body", type=_positive(float), metavar="SECONDS",
+                        help="time from the end of a request's head to the end of its "
+                             "body; then 408 (default: 30)")
+    limits.add_argument("--timeout-keep-alive", type=_positive(float), metavar="SECONDS",
+                        help="time a connection may stay idle, new or between requests, "
+                             "before it is closed (default: 5)")
+    limits.add_argument("--limit-concurrency", type=_positive(int), metavar="N",
+                        help="most connections and requests in progress; uvicorn answers "
+                             "503 (text/plain) beyond it (default: 1000)")
     serve.set_defaults(run=_serve)
 
     generate = commands.add_parser(
@@ -155,6 +191,37 @@ def shutdown_grace(args: argparse.Namespace, environ: Mapping[str, str]) -> floa
         raise ValueError(f"{SHUTDOWN_GRACE_ENV}: {error}") from None
 
 
+#: The flags of ``serve`` that set a field of the same name of ``HttpLimits``, and the type
+#: of their values.
+LIMIT_FLAGS = {"max_request_size": int, "timeout_header": float, "timeout_body": float,
+               "timeout_keep_alive": float, "limit_concurrency": int}
+
+
+def http_limits(args: argparse.Namespace, environ: Mapping[str, str]) -> Any:
+    """The ``HttpLimits`` of ``serve``: each flag, else its variable ``DJL_STREAM_<FLAG>``,
+    else the default; raises ``ValueError`` for a variable that is no such number.
+
+    >>> args = build_parser().parse_args(["serve", "m/", "--timeout-body", "5"])
+    >>> http_limits(args, {"DJL_STREAM_TIMEOUT_BODY": "9", "DJL_STREAM_TIMEOUT_HEADER": "2"})
+    HttpLimits(max_request_size=8388608, timeout_header=2.0, timeout_body=5.0, timeout_keep_alive=5.0, limit_concurrency=1000)
+    """
+    from djl_stream.serving.http_limits import HttpLimits
+
+    given = {}
+    for name, kind in LIMIT_FLAGS.items():
+        value = getattr(args, name)
+        variable = f"DJL_STREAM_{name.upper()}"
+        text = environ.get(variable, "").strip()
+        if value is None and text:
+            try:
+                value = _positive(kind)(text)
+            except argparse.ArgumentTypeError as error:
+                raise ValueError(f"{variable}: {error}") from None
+        if value is not None:
+            given[name] = value
+    return HttpLimits(**given)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import os
 
@@ -162,11 +229,12 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         grace = shutdown_grace(args, os.environ)
+        limits = http_limits(args, os.environ)
     except ValueError as error:
         print(f"djl-stream serve: {error}", file=sys.stderr)
         return 2
     started = serve(args.model_dir, host=args.host, port=args.port, log_level=args.log_level,
-                    shutdown_grace=grace)
+                    shutdown_grace=grace, limits=limits)
     # 3 is uvicorn's own status for a server that could not start (a port in use)
     return 0 if started else 3
 
@@ -220,7 +288,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     worker = ModelWorker(args.model_dir)
     if worker.load() != READY:
-        print(f"djl-stream: {worker.not_ready_message()}", file=sys.stderr)
+        # The console is the operator's: the whole error, not the short one clients get.
+        print(f"djl-stream: model {worker.model_name} failed to load: {worker.failure_reason}",
+              file=sys.stderr)
         return 1
     body = json.dumps(generation_request(args)).encode("utf-8")
     inp = worker.make_input(body, {"content-type": "application/json"})

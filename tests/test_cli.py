@@ -70,6 +70,29 @@ def test_every_command_has_help(command: list[str], expected: str) -> None:
     assert expected in result.stdout
 
 
+def test_serve_limit_flags_default_to_their_variables_then_the_servers_limits(
+        capsys: pytest.CaptureFixture) -> None:
+    from djl_stream.serving.http_limits import HttpLimits
+
+    defaults = HttpLimits()
+    no_flags = cli.build_parser().parse_args(["serve", "m/"])
+    assert cli.http_limits(no_flags, {}) == defaults
+    assert cli.http_limits(no_flags, {"DJL_STREAM_MAX_REQUEST_SIZE": "1000"}).max_request_size == 1000
+    flag = cli.build_parser().parse_args(["serve", "m/", "--max-request-size", "2000"])
+    assert cli.http_limits(flag, {"DJL_STREAM_MAX_REQUEST_SIZE": "1000"}).max_request_size == 2000
+    with pytest.raises(ValueError, match="DJL_STREAM_TIMEOUT_BODY: must be greater than 0"):
+        cli.http_limits(no_flags, {"DJL_STREAM_TIMEOUT_BODY": "-1"})
+    # The help states the defaults without importing the server: it must say the same.
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for name in cli.LIMIT_FLAGS:
+        value = getattr(defaults, name)
+        flag_help = help_text.split("--" + name.replace("_", "-"))[-1]
+        stated = flag_help.split("(default: ")[1].split(")")[0].split(":")[0]
+        assert stated == (f"{value:g}" if isinstance(value, float) else str(value))
+
+
 def test_importing_the_cli_is_cheap() -> None:
     code = ("import sys, djl_stream.cli; "
             "print(sorted(m for m in ('torch', 'transformers', 'starlette', 'uvicorn', 'httpx') "

@@ -133,6 +133,9 @@ def test_a_null_stop_is_no_stop(handler):
         ({"inputs": "hi", "parameters": {"beams": 2}}, "parameters.beams", "not a known parameter"),
         ({"inputs": ""}, "inputs", "empty"),
         ({"inputs": "word " * 100}, "inputs", "option.max_input_length) is 64"),
+        # 64 tokens of SmolLM2's are at most 64 * 81 characters: refused by length alone
+        ({"inputs": "a" * 6000}, "inputs", "the limit is 5184 characters"),
+        ({"inputs": ["hi", "a" * 6000]}, "inputs[1]", "(option.max_input_length, 64 tokens"),
         (b"{not json", "body", "JSON"),
     ],
 )
@@ -144,6 +147,43 @@ def test_bad_requests_answer_400_naming_the_field_and_the_limit(handler, body, f
     assert words in error["message"]
     # and the next request still works
     assert request(handler, {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}).code == 200
+
+
+class CountingTokenizer:
+    """The model's tokenizer, counting the texts it is asked to tokenize."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.texts = 0
+
+    def __call__(self, texts, *args, **kwargs):
+        self.texts += len(texts) if isinstance(texts, list) else 1
+        return self.tokenizer(texts, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_a_prompt_too_long_in_characters_is_refused_without_tokenizing_it(handler, monkeypatch):
+    # Issue 9, item 3: a 50 MB prompt was tokenized (a minute of CPU, 7 GB) before its
+    # length was checked. Whatever the tokenizer, a token stands for at most as many
+    # characters as its longest vocabulary entry: SmolLM2's is 81 (a newline, 80 spaces).
+    service = handler._service
+    counting = CountingTokenizer(service.tokenizer)
+    monkeypatch.setattr(service, "tokenizer", counting)
+    refused = request(handler, {"inputs": "a" * 5_000_000, "stream": False})
+    assert refused.code == 400
+    assert body_json(refused)["message"] == (
+        "inputs is 5000000 characters long; the limit is 5184 characters "
+        "(option.max_input_length, 64 tokens, of at most 81 characters each)")
+    assert counting.texts == 0
+    # The bound is no tighter than the tokenizer: "Hi" and 63 of its longest token are
+    # 5105 characters in 64 tokens: tokenized (by the length check, then the engine), served.
+    longest = "\n" + " " * 80
+    fits = request(handler, {"inputs": "Hi" + longest * 63, "parameters": {"max_new_tokens": 1},
+                             "stream": False})
+    assert fits.code == 200, body_json(fits)
+    assert counting.texts > 0
 
 
 def test_messages_use_the_chat_template(tmp_path, tiny_model_dir):

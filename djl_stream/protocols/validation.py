@@ -245,3 +245,25 @@ def check_input_length(field: str, n_tokens: int, limit: int) -> None:
     if n_tokens > limit:
         raise RequestError(field, f"{field} is {n_tokens} tokens long; "
                                   f"the limit (option.max_input_length) is {limit}")
+
+
+def check_input_characters(field: str, n_chars: int, max_input_length: int,
+                           chars_per_token: int) -> None:
+    """Refuse a prompt too long in characters to fit ``option.max_input_length`` tokens,
+    before paying for its tokenization (a 50 MB prompt took a minute and gigabytes).
+
+    ``chars_per_token`` is the most characters one token can stand for
+    (:func:`djl_stream.serving.service.most_characters_per_token`), so a prompt of more than
+    ``max_input_length * chars_per_token`` characters cannot fit; one of fewer is tokenized
+    and counted (:func:`check_input_length`).
+
+    >>> check_input_characters("inputs", 400_000, 4096, 81)
+    Traceback (most recent call last):
+    ...
+    djl_stream.protocols.validation.RequestError: inputs is 400000 characters long; the limit is 331776 characters (option.max_input_length, 4096 tokens, of at most 81 characters each)
+    """
+    limit = max_input_length * chars_per_token
+    if n_chars > limit:
+        raise RequestError(field, f"{field} is {n_chars} characters long; the limit is {limit} "
+                                  f"characters (option.max_input_length, {max_input_length} "
+                                  f"tokens, of at most {chars_per_token} characters each)")

@@ -51,7 +51,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -59,6 +59,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from djl_stream.protocols.protocol import PROTOCOL_PROPERTY
 from djl_stream.serving.admission import DEFAULT_SHUTDOWN_GRACE, SHUTTING_DOWN, Admission
 from djl_stream.serving.cancellation import Cancellation, attach_cancellation
+from djl_stream.serving.http_errors import error_response
+from djl_stream.serving.http_limits import HttpLimits, RequestLimits
 from djl_stream.serving.metrics import PrometheusMetrics, record_request, server_metrics
 from djl_stream.serving.worker import (
     READY,
@@ -92,25 +94,6 @@ CLIENT_CLOSED_REQUEST = 499
 SHUTDOWN_BACKSTOP = 5
 #: Response headers the server computes itself; a handler's value would corrupt framing.
 _FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
-_ERROR_TYPES = {
-    400: "BadRequestException",
-    404: "ResourceNotFoundException",
-    405: "MethodNotAllowedException",
-    413: "RequestEntityTooLargeException",
-    500: "InternalServerException",
-    503: "ServiceUnavailableException",
-}
-
-
-def error_response(code: int, message: str, error_type: Optional[str] = None) -> JSONResponse:
-    """A framework error the way djl-serving writes one.
-
-    >>> error_response(404, "Model not found: gpt", "ModelNotFoundException").body
-    b'{"code":404,"type":"ModelNotFoundException","message":"Model not found: gpt"}'
-    """
-    error_type = error_type or _ERROR_TYPES.get(code, "ServiceException")
-    return JSONResponse({"code": code, "type": error_type, "message": message},
-                        status_code=code)
 
 
 def output_headers(output: Any) -> list[tuple[bytes, bytes]]:
@@ -329,6 +312,10 @@ class AccessLog:
     client left early; for a generation, the scheduler's figures (queue, ttft, itl, e2e,
     prompt and generated tokens: :class:`~djl_stream.serving.metrics.RequestRecord`). With
     ``metrics``, each request is counted there by route and status.
+
+    A client that leaves while sending its body is what clients do, not a server error: its
+    line has status 499 (nginx's "client closed request") and ``client-disconnected``, and
+    nothing else is logged for it.
     """
 
     def __init__(self, app: ASGIApp, metrics: Optional[PrometheusMetrics] = None) -> None:
@@ -355,6 +342,10 @@ class AccessLog:
         with record_request() as record:
             try:
                 await self.app(scope, receive, logged_send)
+            except ClientDisconnect:
+                if seen["status"] is not None:
+                    raise
+                log.update(status=CLIENT_CLOSED_REQUEST, disconnected=True)
             finally:
                 status = seen["status"] or log.get("status") or 500
                 parts = [scope["method"], scope["path"], str(status),
@@ -429,8 +420,9 @@ class ModelServer:
 
     async def models(self, request: Request) -> Response:
         worker = self.worker
+        # The directory's name only: its absolute path tells a client about the host.
         return JSONResponse({"models": [{"modelName": worker.model_name,
-                                         "modelUrl": worker.model_dir.as_uri(),
+                                         "modelUrl": worker.model_dir.name,
                                          "status": worker.status}]})
 
     async def openai_models(self, request: Request) -> Response:
@@ -517,16 +509,22 @@ async def _http_error(request: Request, error: Exception) -> Response:
 
 async def _internal_error(request: Request, error: Exception) -> Response:
     logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=error)
-    return error_response(500, f"{type(error).__name__}: {error}")
+    # The exception's text can hold paths and settings: the log has it, the client a type.
+    # Starlette re-raises the error after this answer and uvicorn then closes the
+    # connection: say so, or a client reuses it and its next request is reset.
+    return error_response(500, f"internal server error ({type(error).__name__}); "
+                               "the server log has the details", headers={"connection": "close"})
 
 
 def create_app(model_dir: str | Path, environ: Optional[Mapping[str, str]] = None, *,
-               max_threads: int = DEFAULT_MAX_THREADS) -> Starlette:
+               max_threads: int = DEFAULT_MAX_THREADS,
+               limits: HttpLimits = HttpLimits()) -> Starlette:
     """The ASGI app serving ``model_dir``; loading starts when the app starts.
 
     ``environ`` supplies ``OPTION_*`` variables (default ``os.environ``); ``max_threads``
-    bounds concurrent ``handle()`` calls and open streams. ``app.state.worker`` is the
-    :class:`ModelWorker`, ``app.state.admission`` the :class:`Admission` that a graceful
+    bounds concurrent ``handle()`` calls and open streams; ``limits`` bounds request bodies
+    (the rest of :class:`HttpLimits` is uvicorn's, :func:`serve`). ``app.state.worker`` is
+    the :class:`ModelWorker`, ``app.state.admission`` the :class:`Admission` that a graceful
     shutdown drains.
 
     >>> app = create_app("model/")
@@ -537,7 +535,8 @@ def create_app(model_dir: str | Path, environ: Optional[Mapping[str, str]] = Non
     app = Starlette(
         routes=server.routes(),
         lifespan=server.lifespan,
-        middleware=[Middleware(AccessLog, metrics=server.metrics)],
+        middleware=[Middleware(AccessLog, metrics=server.metrics),
+                    Middleware(RequestLimits, limits=limits)],
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},
     )
     app.state.worker = server.worker
@@ -605,18 +604,20 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8080,
-          log_level: str = "info", shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE) -> bool:
-    """Serve ``model_dir`` with uvicorn until SIGTERM or Ctrl+C; return whether the server
-    started (False: it could not, e.g. the port is taken). On SIGTERM, running requests
-    get ``shutdown_grace`` seconds to finish (:class:`GracefulServer`).
+          log_level: str = "info", shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
+          limits: HttpLimits = HttpLimits()) -> bool:
+    """Serve ``model_dir`` with uvicorn until SIGTERM or Ctrl+C, within ``limits``; return
+    whether the server started (False: it could not, e.g. the port is taken). On SIGTERM,
+    running requests get ``shutdown_grace`` seconds to finish (:class:`GracefulServer`).
 
-    >>> serve("model/", port=8080, shutdown_grace=20)  # doctest: +SKIP
+    >>> serve("model/", port=8080, shutdown_grace=20, limits=HttpLimits(timeout_body=60))  # doctest: +SKIP
     """
     if not logging.getLogger().handlers:
         logging.basicConfig(level=log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(model_dir)
+    app = create_app(model_dir, limits=limits)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            **limits.uvicorn_options(),
                             # Our AccessLog line has timings; uvicorn's would be a second,
                             # poorer one.
                             access_log=False,

@@ -43,7 +43,8 @@ from djl_stream.protocols.djl.protocol import djl_protocol
 from djl_stream.protocols.protocol import (PROTOCOL_PROPERTY, EncodedStream, Failure,
                                            ParseContext, Protocol, StreamEncoder)
 from djl_stream.protocols.request import GenerationRequest
-from djl_stream.protocols.validation import RequestError, check_input_length, parse_json_body
+from djl_stream.protocols.validation import (RequestError, check_input_characters,
+                                             check_input_length, parse_json_body)
 from djl_stream.serving.cancellation import Cancellation, CancellableStream, cancellation_of
 from djl_stream.serving.properties import ModelProperties
 from djl_stream.serving.replies import (ErrorReply, JsonReply, Reply, StreamReply,
@@ -74,6 +75,32 @@ PROTOCOLS_BY_BODY: Tuple[Tuple[str, str], ...] = (("messages", "openai-chat"),
 #: The answer to a request whose client left before it was ready: nobody reads it, and the
 #: server (which saw the client go) sends nothing. 499 is nginx's "client closed request".
 CLIENT_LEFT = ErrorReply(499, None, "Client Closed Request", "the client disconnected")
+
+
+#: The most code points Unicode composition (a normalizer's NFC or NFKC) joins into one
+#: character: U+1F82 is four in NFD. A tokenizer that normalizes may see that much less.
+COMPOSITION_RATIO = 4
+
+
+def most_characters_per_token(tokenizer) -> int:
+    """The most characters of a prompt one token of ``tokenizer`` can stand for: its
+    longest vocabulary entry, times :data:`COMPOSITION_RATIO` when the tokenizer normalizes
+    text first (or may: a tokenizer without a ``tokenizers`` backend).
+
+    No fixed factor is safe: SmolLM2 has a token for a newline and 80 spaces, so 4096 of
+    its tokens can hold 331776 characters. The vocabulary says how long a token can be;
+    byte-level entries count one per byte, never fewer than the characters they stand for.
+    Only a tokenizer whose normalizer deletes characters, or whose ``<unk>`` swallows a run
+    of unknown ones, can fit more, and only for prompts made of those.
+
+    >>> most_characters_per_token(tokenizer)  # SmolLM2's: byte-level BPE, no normalizer
+    81
+    """
+    longest = max(map(len, tokenizer.get_vocab()), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return longest * COMPOSITION_RATIO
+    return longest
 
 
 def is_dynamic_batch(inputs) -> bool:
@@ -362,7 +389,8 @@ class StreamingService:
     def parse(self, body: Any, protocol: Optional[Protocol] = None
               ) -> Tuple[GenerationRequest, List[int]]:
         """``body`` validated by ``protocol`` (djl-serving's by default), and each prompt's
-        length in tokens, with chat templates applied and lengths checked; raises
+        length in tokens, with chat templates applied and lengths checked (in characters
+        first, so that a prompt far too long is refused without tokenizing it); raises
         :class:`RequestError`."""
         protocol = protocol or self.protocols["djl"]
         request = protocol.parse(body, self.parse_context)
@@ -373,6 +401,9 @@ class StreamingService:
                 f"{field} has {len(request.prompts)} prompts; the limit "
                 f"(option.max_rolling_batch_size) is {self.props.max_rolling_batch_size}",
             )
+        for i, prompt in enumerate(request.prompts):
+            check_input_characters(protocol.prompt_field(request, i), len(prompt),
+                                   self.props.max_input_length, self.characters_per_token)
         context = getattr(self.model.config, "max_position_embeddings", None)
         lengths = [len(ids) for ids in self.tokenizer(list(request.prompts))["input_ids"]]
         for i, n in enumerate(lengths):
@@ -388,6 +419,12 @@ class StreamingService:
                     f"context (max_position_embeddings) is {context}",
                 )
         return request, lengths
+
+    @functools.cached_property
+    def characters_per_token(self) -> int:
+        """:func:`most_characters_per_token` of the model's tokenizer (asked once, after
+        loading: it reads the whole vocabulary)."""
+        return most_characters_per_token(self.tokenizer)
 
     @property
     def has_chat_template(self) -> bool:

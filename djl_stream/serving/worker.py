@@ -162,7 +162,8 @@ class ModelWorker:
 
     ``environ`` (default ``os.environ``) supplies ``OPTION_*`` variables, as SageMaker sets
     them. :meth:`load` imports the entry point and sends the init call; until it is done
-    ``status`` is ``"LOADING"``, then ``"READY"``, or ``"FAILED"`` with ``failure_reason``.
+    ``status`` is ``"LOADING"``, then ``"READY"``, or ``"FAILED"`` with ``failure_reason``
+    (the whole error, for the log and the console; clients get :meth:`not_ready_message`).
 
     ``handle()`` is called from whatever thread calls :meth:`invoke`, concurrently when
     requests overlap — unlike djl's one-request-at-a-time worker — because concurrent
@@ -182,6 +183,7 @@ class ModelWorker:
         self._properties = djl_init_properties(self.model_dir, self.environ)
         self.status = LOADING
         self.failure_reason: Optional[str] = None
+        self.failure_type: Optional[str] = None
         self.module: Optional[types.ModuleType] = None
         self._handle: Any = None
         self._lock = threading.Lock()
@@ -223,6 +225,7 @@ class ModelWorker:
                 self._send_init()
             except Exception as error:
                 self.failure_reason = f"{type(error).__name__}: {error}"
+                self.failure_type = type(error).__name__
                 self.status = FAILED
                 logger.exception("model %s failed to load", self.model_name)
             else:
@@ -347,9 +350,16 @@ class ModelWorker:
         return result
 
     def not_ready_message(self) -> str:
-        """Why requests are refused now: still loading, or the load failed (with why)."""
+        """Why requests are refused now, as clients are told: still loading, or the load
+        failed. Of a failure only the exception's type: its text names paths and settings
+        (``failure_reason`` has it, and the log its traceback).
+
+        >>> ModelWorker("model/").not_ready_message()
+        'model model is loading'
+        """
         if self.status == FAILED:
-            return f"model {self.model_name} failed to load: {self.failure_reason}"
+            return (f"model {self.model_name} failed to load ({self.failure_type}); "
+                    "the server log has the details")
         if self.status == LOADING:
             return f"model {self.model_name} is loading"
         return f"model {self.model_name} is ready"

@@ -1,0 +1,302 @@
+"""``djl-stream serve`` against clients that send too much, too slowly, or not at all
+(issue 9, items 3, 5 and 8), on raw sockets to a real uvicorn process.
+
+The server runs the word-streaming fixture handler of ``test_server`` with small limits
+(a 1000-byte body, one second for a head, for a body and for an idle connection). Each test
+asserts the answer (a JSON 408 or 413 that closes the connection) and that the server goes
+on serving. Deadlines are generous (:data:`DEADLINE`) and only bound how long a test waits
+for what must eventually happen.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+import httpx
+import pytest
+from server_process import ServerProcess, serving
+from test_server import write_model_dir
+
+#: How long a test waits for an answer or a log line that must come; never a speed target.
+DEADLINE = 60.0
+LIMITS = ["--timeout-header", "1", "--timeout-body", "1", "--timeout-keep-alive", "1"]
+#: One limit from its variable, as a container would set it (the 413s below name it).
+LIMITS_ENV = {"DJL_STREAM_MAX_REQUEST_SIZE": "1000"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    model_dir = write_model_dir(tmp_path_factory.mktemp("limits") / "wordmodel")
+    with serving(model_dir, args=LIMITS, env=LIMITS_ENV) as running:
+        yield running
+
+
+def connect(server: ServerProcess) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.settimeout(DEADLINE)
+    return sock
+
+
+def head(method: str = "POST", path: str = "/invocations", **headers: str) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", "Host: localhost",
+             *(f"{name.replace('_', '-')}: {value}" for name, value in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+class Answer:
+    """One response read off a socket up to the server's closing it."""
+
+    def __init__(self, raw: bytes) -> None:
+        head_bytes, _, self.body = raw.partition(b"\r\n\r\n")
+        status_line, *header_lines = head_bytes.decode("latin-1").split("\r\n")
+        self.status = int(status_line.split()[1])
+        self.headers = {name.lower(): value.strip() for name, _, value in
+                        (line.partition(":") for line in header_lines)}
+
+    def json(self) -> dict:
+        return json.loads(self.body)
+
+
+def answer_then_close(sock: socket.socket) -> Answer:
+    """Read until the server closes the connection; a server that never does fails the
+    test at :data:`DEADLINE` (socket.timeout)."""
+    raw = b""
+    while chunk := sock.recv(65536):
+        raw += chunk
+    assert raw, "the server closed the connection without an answer"
+    return Answer(raw)
+
+
+def assert_still_serving(server: ServerProcess) -> None:
+    # A new connection each time: the server closes idle ones after a second.
+    with httpx.Client(base_url=server.url, timeout=DEADLINE) as client:
+        assert client.get("/ping").status_code == 200
+        answer = client.post("/invocations", json={"words": ["still", "here"]})
+        assert answer.status_code == 200
+        assert [json.loads(line) for line in answer.text.splitlines()] == [
+            {"output_tokens": ["still"]}, {"output_tokens": ["here"]}]
+
+
+def wait_for_log(server: ServerProcess, since: int, text: str) -> str:
+    """The log written after offset ``since``, once it holds ``text``."""
+    deadline = time.monotonic() + DEADLINE
+    while text not in (new := server.logs()[since:]):
+        assert time.monotonic() < deadline, f"never logged {text!r}:\n{new}"
+        time.sleep(0.05)
+    return new
+
+
+# -- item 3: the request body's size --
+
+def test_a_content_length_over_the_limit_is_refused_before_the_body_is_read(server):
+    with connect(server) as sock:
+        # Not a byte of the body is sent: the answer cannot wait for it.
+        sock.sendall(head(content_type="application/json", content_length="1001"))
+        answer = answer_then_close(sock)
+    assert answer.status == 413
+    assert answer.headers["connection"] == "close"
+    assert answer.headers["content-type"] == "application/json"
+    assert answer.json() == {
+        "code": 413, "type": "RequestEntityTooLargeException",
+        "message": "the request body is 1001 bytes (content-length); "
+                   "the limit (--max-request-size) is 1000 bytes"}
+    assert_still_serving(server)
+
+
+def test_a_client_expecting_100_continue_is_refused_without_sending_its_body(server):
+    with connect(server) as sock:
+        sock.sendall(head(content_length="50000000", expect="100-continue"))
+        answer = answer_then_close(sock)  # a 100 Continue first would fail the parse below
+    assert answer.status == 413
+
+
+def test_a_chunked_body_is_refused_as_soon_as_it_outgrows_the_limit(server):
+    with connect(server) as sock:
+        # 1200 bytes in two chunks and no last chunk: the answer comes without the rest.
+        chunk = b"258\r\n" + b"a" * 600 + b"\r\n"
+        sock.sendall(head(transfer_encoding="chunked") + chunk + chunk)
+        answer = answer_then_close(sock)
+    assert answer.status == 413
+    assert answer.json() == {
+        "code": 413, "type": "RequestEntityTooLargeException",
+        "message": "the request body is larger than the limit (--max-request-size) of 1000 bytes"}
+    assert_still_serving(server)
+
+
+def test_a_body_within_the_limit_is_served(server):
+    words = ["w" * 900]  # 915 bytes of JSON
+    with httpx.Client(base_url=server.url, timeout=DEADLINE) as client:
+        answer = client.post("/invocations", json={"words": words})
+    assert answer.status_code == 200
+    assert json.loads(answer.text) == {"output_tokens": words}
+
+
+# -- item 5: time --
+
+def test_a_body_shorter_than_its_content_length_is_answered_408(server):
+    with connect(server) as sock:
+        sock.sendall(head(content_type="application/json", content_length="100") + b'{"words"')
+        answer = answer_then_close(sock)
+    assert answer.status == 408
+    assert answer.headers["connection"] == "close"
+    assert answer.json() == {
+        "code": 408, "type": "RequestTimeoutException",
+        "message": "the request body was not complete within 1 s (--timeout-body): "
+                   "8 of 100 bytes arrived"}
+    assert_still_serving(server)
+
+
+def test_a_chunked_body_without_its_last_chunk_is_answered_408(server):
+    with connect(server) as sock:
+        sock.sendall(head(transfer_encoding="chunked") + b"8\r\n{\"words\"\r\n")
+        answer = answer_then_close(sock)
+    assert answer.status == 408
+    assert answer.json()["message"] == ("the request body was not complete within 1 s "
+                                        "(--timeout-body): 8 bytes arrived")
+    assert_still_serving(server)
+
+
+def test_a_head_sent_slowly_is_answered_408(server):
+    # Slowloris: one header line at a time, each well within any per-read timeout.
+    lines = iter([b"POST /invocations HTTP/1.1\r\n", b"Host: localhost\r\n",
+                  *(b"X-Drip-%d: 1\r\n" % i for i in range(100_000))])
+    deadline = time.monotonic() + DEADLINE
+    with connect(server) as sock:
+        while time.monotonic() < deadline:
+            readable, _, _ = select.select([sock], [], [], 0.2)
+            if readable:
+                break
+            sock.sendall(next(lines))
+        answer = answer_then_close(sock)
+    assert answer.status == 408
+    assert answer.headers["connection"] == "close"
+    assert answer.json() == {
+        "code": 408, "type": "RequestTimeoutException",
+        "message": "the request head was not complete within 1 s (--timeout-header)"}
+    assert_still_serving(server)
+
+
+def read_answer(sock: socket.socket) -> Answer:
+    """One response with a Content-Length, leaving the connection open."""
+    raw = b""
+    while b"\r\n\r\n" not in raw:
+        raw += sock.recv(65536) or pytest.fail(f"closed after {raw!r}")
+    length = int(Answer(raw).headers["content-length"])
+    while len(raw.partition(b"\r\n\r\n")[2]) < length:
+        raw += sock.recv(65536) or pytest.fail(f"closed after {raw!r}")
+    return Answer(raw)
+
+
+def test_a_body_answered_without_being_read_is_dropped_and_the_connection_serves_on(server):
+    with connect(server) as sock:
+        # Another model's route answers 404 before reading the body, which comes later.
+        sock.sendall(head(path="/predictions/othermodel", content_length="20"))
+        assert read_answer(sock).status == 404
+        sock.sendall(b"x" * 20)
+        sock.sendall(head("GET", "/ping"))
+        answer = read_answer(sock)
+    assert answer.status == 200
+    assert answer.json() == {"status": "Healthy"}
+
+
+def test_a_body_answered_without_being_read_must_still_arrive_in_time(server):
+    with connect(server) as sock:
+        sock.sendall(head(path="/predictions/othermodel", content_length="1000"))
+        assert read_answer(sock).status == 404
+        # A byte at a time, never idle long enough for the keep-alive timeout.
+        deadline = time.monotonic() + DEADLINE
+        while True:
+            assert time.monotonic() < deadline, "the connection was never closed"
+            if select.select([sock], [], [], 0.2)[0]:
+                try:
+                    assert sock.recv(1) == b""  # closed, without another answer
+                except ConnectionResetError:
+                    pass  # closed as a byte was on its way
+                break
+            try:
+                sock.sendall(b"x")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+    assert_still_serving(server)
+
+
+def test_connections_that_send_nothing_are_closed(server):
+    # Half-open connections used to stay for good (200 of them, still there after 90 s).
+    idle = [connect(server) for _ in range(20)]
+    try:
+        for sock in idle:
+            assert sock.recv(1) == b""  # closed without an answer; socket.timeout if never
+    finally:
+        for sock in idle:
+            sock.close()
+    assert_still_serving(server)
+
+
+def test_a_connection_idle_after_its_answer_is_closed(server):
+    with connect(server) as sock:
+        sock.sendall(head("GET", "/ping"))
+        answer = answer_then_close(sock)  # uvicorn's keep-alive timeout, set by the flag
+    assert answer.status == 200
+    assert answer.json() == {"status": "Healthy"}
+
+
+def test_a_malformed_request_gets_a_json_400(server):
+    with connect(server) as sock:
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        answer = answer_then_close(sock)
+    assert answer.status == 400
+    assert answer.json() == {"code": 400, "type": "BadRequestException",
+                             "message": "Invalid HTTP request received."}
+    assert_still_serving(server)
+
+
+# -- item 8: a client that leaves while uploading --
+
+def test_an_upload_cut_off_midway_logs_one_line_and_no_traceback(server):
+    since = len(server.logs())
+    with connect(server) as sock:
+        sock.sendall(head(content_type="application/json", content_length="900") + b"{" * 100)
+    wait_for_log(server, since, "client-disconnected")
+    # Whatever else the cut-off request logs is logged before this request's own line.
+    assert_still_serving(server)
+    log = wait_for_log(server, since, "POST /invocations 200")
+    assert "Traceback" not in log
+    assert "ERROR" not in log
+    cut_off = [line for line in log.splitlines() if "POST /invocations" in line
+               and " 200 " not in line]
+    assert len(cut_off) == 1
+    assert " 499 " in cut_off[0] and "client-disconnected" in cut_off[0]
+
+
+# -- the connection limit: uvicorn's own answer --
+
+def test_requests_beyond_the_connection_limit_get_uvicorns_503(tmp_path: Path):
+    model_dir = write_model_dir(tmp_path / "wordmodel")
+    # A keep-alive long enough that the idle connection below is still counted.
+    args = ["--limit-concurrency", "2", "--timeout-keep-alive", "600"]
+    with serving(model_dir, args=args) as running:
+        running.http.close()  # its pooled connection would count too
+        held: Optional[socket.socket] = connect(running)
+        try:
+            with connect(running) as sock:
+                sock.sendall(head("GET", "/ping", connection="close"))
+                refused = answer_then_close(sock)
+        finally:
+            held.close()
+        # uvicorn answers before the app runs: plain text, not the server's JSON
+        assert refused.status == 503
+        assert refused.headers["content-type"] == "text/plain; charset=utf-8"
+        assert refused.body == b"Service Unavailable"
+        deadline = time.monotonic() + DEADLINE
+        while True:  # the server notices the held connection close soon after
+            with connect(running) as sock:
+                sock.sendall(head("GET", "/ping", connection="close"))
+                if answer_then_close(sock).status == 200:
+                    break
+            assert time.monotonic() < deadline, "the limit never freed up"
+            time.sleep(0.05)
