@@ -5,8 +5,9 @@ socket for HTTP framing) with the status it must get and the shape of the body: 
 error naming the field it was refused for, in the route's own shape (djl-serving's
 ``{"code", "type", "field", "message"}``, OpenAI's ``{"error": {"message", "type",
 "param", "code"}}``, TGI's ``{"error", "error_type"}``), or a 200 where the input is odd but
-valid. A few answers come from uvicorn before our code runs; those cases say so
-(``uvicorn=True``) and are the documented exceptions to "a JSON body".
+valid. Malformed HTTP is answered by djl-stream's h11 protocol (``serving/http_limits.py``)
+before any route runs, in the same JSON shape; an answer that came from uvicorn itself
+would be marked ``uvicorn=True``, the documented exception to "a JSON body".
 
 The limits assumed are those :data:`SERVER_OPTIONS` sets, so that the catalogue means the
 same on the tiny model and the embedded one.
@@ -28,8 +29,9 @@ SERVER_OPTIONS: Mapping[str, str] = {
     "max_rolling_batch_size": "8",
     "default_max_new_tokens": "4",
 }
-#: Server flags (``djl-stream serve``) the framing cases assume.
-SERVER_FLAGS: Tuple[str, ...] = ()
+#: Server flags (``djl-stream serve``) the framing cases assume: short timeouts, so that
+#: the cases that wait for them are short.
+SERVER_FLAGS: Tuple[str, ...] = ("--timeout-header", "2", "--timeout-body", "2")
 
 DJL = "djl"
 OPENAI = "openai"
@@ -259,19 +261,19 @@ def _framing_cases() -> List[Case]:
         Case("PUT /invocations", "framing", 405, method="PUT", body={}),
         Case("DELETE /ping", "framing", 405, path="/ping", method="DELETE"),
         Case("another model's route", "framing", 404, path="/predictions/other", body={}),
-        Case("invalid request line", "framing", 400, raw=b"HELLO\r\n\r\n", uvicorn=True,
+        Case("invalid request line", "framing", 400, raw=b"HELLO\r\n\r\n",
              note="h11 refuses the request line before any application code runs"),
-        Case("HTTP/0.9 request", "framing", 400, raw=b"GET /ping\r\n\r\n", uvicorn=True,
+        Case("HTTP/0.9 request", "framing", 400, raw=b"GET /ping\r\n\r\n",
              note="no HTTP version: h11 refuses it"),
-        Case("bad chunk size", "framing", 400, uvicorn=True,
+        Case("bad chunk size", "framing", 400,
              raw=_request(f"POST /invocations HTTP/1.1\n{host}Transfer-Encoding: chunked\n",
                           b"zz\r\n" + ok + b"\r\n0\r\n\r\n"),
              note="h11 refuses the chunk header"),
-        Case("content-length and chunked", "framing", 400, uvicorn=True,
+        Case("content-length and chunked", "framing", 400,
              raw=_request(f"POST /invocations HTTP/1.1\n{host}Content-Length: {len(ok)}\n"
                           "Transfer-Encoding: chunked\n", b"0\r\n\r\n"),
              note="h11 refuses a request with both framings (request smuggling)"),
-        Case("negative content-length", "framing", 400, uvicorn=True,
+        Case("negative content-length", "framing", 400,
              raw=_request(f"POST /invocations HTTP/1.1\n{host}Content-Length: -5\n", ok),
              note="h11 refuses the header"),
         Case("a valid chunked body", "framing", 200,
@@ -281,9 +283,18 @@ def _framing_cases() -> List[Case]:
         Case("declared 10 GB body", "framing", 413,
              raw=_request(f"POST /invocations HTTP/1.1\n{host}Content-Length: 10000000000\n"
                           "Connection: close\n", b'{"inputs": "'),
-             field="body"),
-        Case("a 20 MB body", "framing", 413,
-             body={"inputs": "x" * 20_000_000}, field="body"),
+             note="refused from its Content-Length, before a byte of the body is read"),
+        Case("a 20 MB body", "framing", 413, body={"inputs": "x" * 20_000_000}),
+        Case("a body shorter than its content-length", "framing", 408,
+             raw=_request(f"POST /invocations HTTP/1.1\n{host}Content-Length: 1000\n", ok),
+             note="after --timeout-body"),
+        Case("a chunked body without its last chunk", "framing", 408,
+             raw=_request(f"POST /invocations HTTP/1.1\n{host}Transfer-Encoding: chunked\n",
+                          b"%x\r\n" % len(ok) + ok + b"\r\n"),
+             note="after --timeout-body"),
+        Case("a head that never ends", "framing", 408,
+             raw=b"POST /invocations HTTP/1.1\r\nHost: 127.0.0.1\r\n",
+             note="after --timeout-header"),
     ]
 
 

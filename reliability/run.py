@@ -26,7 +26,7 @@ from benchmarks.http_load import ServerProcess
 from benchmarks.machine import describe
 
 from . import scenarios
-from .catalogue import CASES, SERVER_OPTIONS, Case
+from .catalogue import CASES, SERVER_FLAGS, SERVER_OPTIONS, Case
 from .probe import Verdict, judge, send
 from .report import write_report
 
@@ -78,16 +78,17 @@ def run(model_dir: Path, quick: bool, workdir: Path) -> dict:
     results: dict = {"sizes": sizes, "findings": []}
     findings: List[scenarios.Finding] = results["findings"]
 
-    with start(model_dir, "catalogue", workdir, SERVER_OPTIONS) as server:
+    with start(model_dir, "catalogue", workdir, SERVER_OPTIONS, SERVER_FLAGS) as server:
         results["catalogue"] = run_catalogue(server)
 
+    limit = int(server_option(model_dir, "max_new_tokens_limit", "2048"))
     main_options = {"max_rolling_batch_size": str(max(32, sizes["streams"]))}
     with start(model_dir, "main", workdir, main_options) as server:
         step_s = scenarios.decode_step_s(server.url)
         results["decode_step_s"] = step_s
         findings.append(scenarios.concurrent_streams(server, sizes["streams"], sizes["tokens"]))
         findings.append(scenarios.poisoned_request(server, sizes["tokens"]))
-        findings.extend(scenarios.disconnects(server, step_s))
+        findings.extend(scenarios.disconnects(server, step_s, limit))
         findings.append(scenarios.slow_reader(server, sizes["tokens"]))
         max_input = int(server_option(model_dir, "max_input_length", "4096"))
         findings.append(scenarios.long_prompt_arrival(server, max_input, step_s))
@@ -95,7 +96,7 @@ def run(model_dir: Path, quick: bool, workdir: Path) -> dict:
 
     queue_options = {"max_rolling_batch_size": "1", "job_queue_size": "4"}
     with start(model_dir, "queue", workdir, queue_options) as server:
-        findings.append(scenarios.queued_disconnect(server, step_s))
+        findings.append(scenarios.queued_disconnect(server, limit))
         findings.append(scenarios.flood(server, sizes["flood"], 4))
 
     with start(model_dir, "slowloris", workdir, flags=SLOWLORIS_FLAGS) as server:

@@ -173,59 +173,60 @@ def _steps_after(server: ServerProcess, leave: Callable[[], None]) -> tuple:
     return tokens, (None if seconds is None else time.perf_counter() - left_at)
 
 
-def disconnects(server: ServerProcess, step_s: float) -> List[Finding]:
-    """A streaming, a non-streaming and a queued client leave; how many decode steps the
-    server runs for them afterwards, and how long until it is idle."""
-    findings = []
-    port = server.port
-    long_body = greedy(PROMPTS[0], 2000, ignore_eos=True)
+def _open_request(server: ServerProcess, body: dict) -> socket.socket:
+    """A request sent on a raw socket, so that the client can vanish at any moment."""
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE_S)
+    sock.sendall(b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
+    return sock
 
-    def raw_request(body: dict) -> socket.socket:
-        payload = json.dumps(body).encode()
-        sock = socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S)
-        sock.sendall(b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                     b"\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
-        return sock
+
+def disconnects(server: ServerProcess, step_s: float, tokens: int) -> List[Finding]:
+    """A streaming and a non-streaming client leave while their ``tokens``-long greedy
+    generation runs: how many decode steps the server runs for them afterwards, and how
+    long until it is idle."""
+    findings = []
+    long_body = greedy(PROMPTS[0], tokens, ignore_eos=True)
 
     def generating() -> bool:
         return metrics(server).get("djl_stream_batch_rows", 0) > 0
 
-    # streaming: read the head and a few lines, then close
-    sock = raw_request(long_body)
-    sock.recv(4096)
-    wait_until(generating)
-    tokens, seconds = _steps_after(server, sock.close)
-    findings.append(_disconnect_finding("streaming", tokens, seconds, step_s))
-    # non-streaming: close while it generates
-    sock = raw_request({**long_body, "stream": False})
-    wait_until(generating)
-    tokens, seconds = _steps_after(server, sock.close)
-    findings.append(_disconnect_finding("non-streaming", tokens, seconds, step_s))
+    for kind, body in (("streaming", long_body), ("non-streaming", {**long_body, "stream": False})):
+        sock = _open_request(server, body)
+        if wait_until(generating, deadline_s=60) is None:
+            sock.close()
+            findings.append(Finding(f"{kind} client leaves", "idle within 2 decode steps",
+                                    False, detail="the request never started generating"))
+            continue
+        steps, seconds = _steps_after(server, sock.close)
+        findings.append(_disconnect_finding(kind, steps, seconds, step_s))
     return findings
 
 
-def queued_disconnect(server: ServerProcess, step_s: float) -> Finding:
+def queued_disconnect(server: ServerProcess, tokens: int) -> Finding:
     """With a batch of one held by a long stream, a second request queues; its client
-    leaves; it must never be prefilled (prompt tokens unchanged)."""
-    port = server.port
-    holder = threading.Thread(target=stream_once, args=(
-        server.url, greedy(PROMPTS[0], 48, ignore_eos=True)))
-    holder.start()
+    leaves; it must never be prefilled (the prompt-token counter does not move for it).
+    The holder is sent away only once the server has dropped the queued request, so the
+    verdict does not depend on how fast the machine is."""
+    holder = _open_request(server, greedy(PROMPTS[0], tokens, ignore_eos=True))
     wait_until(lambda: metrics(server).get("djl_stream_batch_rows", 0) > 0)
-    prompt_before = metrics(server)["djl_stream_prompt_tokens_total"]
-    payload = json.dumps(greedy(PROMPTS[1], 100)).encode()
-    sock = socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S)
-    sock.sendall(b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                 b"\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
+    before = metrics(server)
+    queued = _open_request(server, greedy(PROMPTS[1], 8))
     wait_until(lambda: metrics(server).get("djl_stream_requests_waiting", 0) > 0)
-    sock.close()
-    holder.join(DEADLINE_S)
+    queued.close()
+    dropped = wait_until(lambda: metrics(server)["djl_stream_requests_cancelled_total"]
+                         > before["djl_stream_requests_cancelled_total"], deadline_s=60)
+    holder.close()
     wait_until(lambda: idle(metrics(server)))
-    prefilled = metrics(server)["djl_stream_prompt_tokens_total"] - prompt_before
-    # the holder's own prompt was counted before; anything more is the queued one's
-    return Finding("queued client leaves", "never prefilled", prefilled == 0,
-                   {"prompt tokens prefilled for it": f"{prefilled:.0f}"},
-                   detail="the abandoned request was prefilled" if prefilled else "")
+    prefilled = metrics(server)["djl_stream_prompt_tokens_total"] - \
+        before["djl_stream_prompt_tokens_total"]
+    return Finding("queued client leaves", "dropped from the queue, never prefilled",
+                   dropped is not None and prefilled == 0,
+                   {"dropped": "yes" if dropped is not None else "no",
+                    "prompt tokens prefilled for it": f"{prefilled:.0f}"},
+                   detail="" if prefilled == 0 and dropped is not None
+                   else "the abandoned request stayed queued or was prefilled")
 
 
 def _disconnect_finding(kind: str, tokens: float, seconds: Optional[float],
@@ -356,40 +357,38 @@ def flood(server: ServerProcess, clients: int, tokens: int) -> Finding:
 
 
 def slowloris(server: ServerProcess, connections: int, header_timeout_s: float) -> Finding:
-    """``connections`` clients that send a request head one byte at a time, never ending
-    it: /ping keeps answering, and the server closes them (its header timeout)."""
+    """``connections`` clients that start a request head and never finish it: /ping keeps
+    answering meanwhile, and the server answers each a 408 and closes it once its header
+    timeout has passed."""
     socks = []
     for _ in range(connections):
         sock = socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE_S)
-        sock.sendall(b"POST /invocations HTTP/1.1\r\nHost: x\r\n")
+        sock.sendall(b"POST /invocations HTTP/1.1\r\nHost: x\r\nX-Slow: ")
         socks.append(sock)
-    ping = httpx.get(f"http://127.0.0.1:{server.port}/ping", timeout=DEADLINE_S)
-    closed = 0
     start = time.perf_counter()
-    deadline = start + max(4 * header_timeout_s, 30)
+    ping = httpx.get(f"http://127.0.0.1:{server.port}/ping", timeout=DEADLINE_S)
+    closed = answered_408 = 0
     for sock in socks:
-        sock.settimeout(max(0.1, deadline - time.perf_counter()))
+        received = b""
         try:
             while True:
-                sock.sendall(b"X")
-                time.sleep(0.2)
-                if not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                chunk = sock.recv(4096)
+                if not chunk:
                     closed += 1
                     break
-        except BlockingIOError:
-            if time.perf_counter() < deadline:
-                continue
-        except (OSError, socket.timeout):
+                received += chunk
+        except OSError:
             closed += 1
         finally:
             sock.close()
+        answered_408 += received.startswith(b"HTTP/1.1 408")
     seconds = time.perf_counter() - start
     return Finding(f"slowloris with {connections} connections",
-                   "/ping answers; the server closes them", ping.status_code == 200 and
-                   closed == connections,
+                   "/ping answers; each gets a 408 and is closed",
+                   ping.status_code == 200 and closed == answered_408 == connections,
                    {"/ping during": str(ping.status_code),
-                    "closed by the server": f"{closed} of {connections}",
-                    "after": f"{seconds:.1f} s"})
+                    "closed with a 408": f"{answered_408} of {connections}",
+                    "all closed after": f"{seconds:.1f} s (header timeout {header_timeout_s:g} s)"})
 
 
 def sigterm_during_streams(server: ServerProcess, tokens: int) -> Finding:
