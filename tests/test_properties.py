@@ -66,6 +66,29 @@ def test_bad_values_name_the_property_and_the_rule(key, value, words):
     assert words in str(info.value)
 
 
+def test_the_prefill_budget_is_the_device_s_unless_set():
+    assert ModelProperties.from_init_properties({}).max_batch_prefill_tokens is None
+    assert ModelProperties.from_init_properties(
+        {"max_batch_prefill_tokens": "512"}).max_batch_prefill_tokens == 512
+
+
+@pytest.mark.parametrize(
+    "values, key, words",
+    [
+        ({"max_batch_prefill_tokens": "16"}, "max_batch_prefill_tokens",
+         "at least option.max_rolling_batch_size (32), got 16"),
+        ({"max_batch_prefill_tokens": "16", "max_rolling_batch_size": "64"},
+         "max_batch_prefill_tokens", "at least option.max_rolling_batch_size (64)"),
+        ({"max_batch_prefill_tokens": "lots"}, "max_batch_prefill_tokens", "integer"),
+    ],
+)
+def test_limits_below_what_they_must_hold_are_refused(values, key, words):
+    with pytest.raises(PropertyError) as info:
+        ModelProperties.from_init_properties(values)
+    assert info.value.key == f"option.{key}"
+    assert words in str(info.value)
+
+
 def test_default_may_not_exceed_the_limit():
     with pytest.raises(PropertyError, match="max_new_tokens_limit"):
         ModelProperties.from_init_properties({"default_max_new_tokens": "100", "max_new_tokens_limit": "10"})

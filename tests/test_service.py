@@ -242,6 +242,27 @@ def test_more_prompts_than_the_batch_holds_is_a_400(tmp_path, tiny_model_dir):
     assert "(option.max_rolling_batch_size) is 2" in error["message"]
 
 
+def test_a_long_prompt_is_prefilled_in_chunks_of_option_max_batch_prefill_tokens(
+        tmp_path, tiny_model_dir, handler):
+    directory = variant_dir(tmp_path, tiny_model_dir, "", "option.max_batch_prefill_tokens=32\n")
+    module = init(load_entry_point(directory), directory)
+    assert scheduler_of(module).max_batch_prefill_tokens == 32
+    widths = []
+    hook = module._service.model.model.register_forward_pre_hook(
+        lambda decoder, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+        with_kwargs=True)
+    body = {"inputs": "word " * 60, "parameters": {"max_new_tokens": 8}, "stream": False}
+    try:
+        chunked = body_json(request(module, body))
+    finally:
+        hook.remove()
+    length = len(module._service.tokenizer(body["inputs"])["input_ids"])
+    assert 32 < length <= 64
+    assert widths[:2] == [32, length - 32] and set(widths[2:]) == {1}  # 2 chunks, then decode
+    # the default budget reads it in one pass, and the text is the same
+    assert chunked == body_json(request(handler, body))
+
+
 def test_a_full_queue_answers_503_and_serving_goes_on(tmp_path, tiny_model_dir):
     directory = variant_dir(tmp_path, tiny_model_dir, "",
                             "option.max_rolling_batch_size=1\njob_queue_size=1\n")

@@ -102,6 +102,11 @@ class ModelProperties:
         default_max_new_tokens: ``max_new_tokens`` when a request gives none.
         max_new_tokens_limit: the largest ``max_new_tokens`` a request may ask for.
         max_input_length: the longest prompt, in tokens, a request may send.
+        max_batch_prefill_tokens: the most prompt tokens (rows × columns, padding
+            included) one prefill forward pass feeds; a longer prompt is read in chunks,
+            with a decode step of the running batch between them (chunked prefill, as
+            TGI's ``max_batch_prefill_tokens``). ``None`` picks one for the device (128 on
+            CPU, 2048 on an accelerator); at least ``max_rolling_batch_size``.
         output_formatter: built-in formatter name (``jsonlines``, ``sse``) or the name of a
             function in ``model.py`` (or that function, as djl's worker may pass it).
         chat_protocol: how a body with ``messages`` is answered when the request names no
@@ -140,6 +145,7 @@ class ModelProperties:
     default_max_new_tokens: int = 50
     max_new_tokens_limit: int = 2048
     max_input_length: int = 4096
+    max_batch_prefill_tokens: Optional[int] = None
     output_formatter: Any = "jsonlines"
     chat_protocol: str = "openai"
     apply_chat_template: Optional[bool] = None
@@ -207,7 +213,8 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
         if key in ("enable_streaming", "trust_remote_code"):
             out[key] = _as_bool(key, value)
         elif key in ("default_max_new_tokens", "max_new_tokens_limit", "max_input_length",
-                     "max_rolling_batch_size", "job_queue_size", "n_positions"):
+                     "max_rolling_batch_size", "job_queue_size", "n_positions",
+                     "max_batch_prefill_tokens"):
             out[key] = _as_int(key, value)
         elif key == "apply_chat_template":
             text = str(value).strip().lower()
@@ -245,7 +252,21 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
             "option.default_max_new_tokens",
             f"must not exceed option.max_new_tokens_limit ({out.get('max_new_tokens_limit', 2048)})",
         )
+    _at_least(out, "max_batch_prefill_tokens", "max_rolling_batch_size",
+              "a decode step feeds that many tokens, and a prefill chunk needs one column "
+              "of every prompt of a request")
     return out
+
+
+def _at_least(values: dict[str, Any], key: str, floor_key: str, why: str) -> None:
+    """Refuse ``key`` set below ``floor_key`` (its default when unset)."""
+    floor = values.get(floor_key, _DEFAULTS[floor_key])
+    if key in values and values[key] < floor:
+        raise PropertyError(f"option.{key}", f"must be at least option.{floor_key} ({floor}), "
+                                             f"got {values[key]}: {why}")
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelProperties)}
 
 
 def read_serving_properties(model_dir: str | Path) -> dict[str, str]:

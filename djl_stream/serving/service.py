@@ -182,7 +182,8 @@ class StreamingService:
                 from djl_stream.generation.engines.accelerate import start_scheduler
 
                 start_scheduler(model, tokenizer, max_batch_size=props.max_rolling_batch_size,
-                                max_queue=props.job_queue_size)
+                                max_queue=props.job_queue_size,
+                                max_batch_prefill_tokens=props.max_batch_prefill_tokens)
             if _in_djl_serving():
                 # No route can be added there: the scheduler's figures go to djl-serving's
                 # model_metric log as [METRICS] lines on the worker's stdout.
