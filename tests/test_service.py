@@ -133,6 +133,11 @@ def test_a_null_stop_is_no_stop(handler):
         ({"inputs": "hi", "parameters": {"beams": 2}}, "parameters.beams", "not a known parameter"),
         ({"inputs": ""}, "inputs", "empty"),
         ({"inputs": "word " * 100}, "inputs", "option.max_input_length) is 64"),
+        # Issue 9: each prompt within max_input_length, together more than a request may
+        # bring (twice max_input_length by default), before any model work.
+        ({"inputs": [" ".join(["word"] * 50)] * 3}, "inputs",
+         "3 prompts of up to 50 tokens take 150 tokens (each is padded to the longest); "
+         "the limit (option.max_request_input_length) is 128"),
         (b"{not json", "body", "JSON"),
     ],
 )
@@ -240,6 +245,30 @@ def test_more_prompts_than_the_batch_holds_is_a_400(tmp_path, tiny_model_dir):
     error = body_json(out)
     assert error["field"] == "inputs"
     assert "(option.max_rolling_batch_size) is 2" in error["message"]
+
+
+def test_option_max_request_input_length_counts_each_prompt_at_the_longest(tmp_path,
+                                                                         tiny_model_dir):
+    directory = variant_dir(tmp_path, tiny_model_dir, "",
+                            "option.max_request_input_length=100\n")
+    module = init(load_entry_point(directory), directory)
+    forwards = []
+    hook = module._service.model.register_forward_pre_hook(
+        lambda model, args, kwargs: forwards.append(kwargs["input_ids"].shape), with_kwargs=True)
+    try:
+        # 40 tokens and two of 1: padded to the longest, 120 tokens of prefill and cache
+        out = request(module, {"inputs": [" ".join(["word"] * 40), "hi", "hi"],
+                               "parameters": {"max_new_tokens": 2}})
+        assert out.code == 400
+        assert body_json(out)["field"] == "inputs"
+        assert body_json(out)["message"] == (
+            "inputs: 3 prompts of up to 40 tokens take 120 tokens (each is padded to the "
+            "longest); the limit (option.max_request_input_length) is 100")
+        assert forwards == []  # refused before any model work
+        assert request(module, {"inputs": [" ".join(["word"] * 40), "hi"],
+                                "parameters": {"max_new_tokens": 2}}).code == 200
+    finally:
+        hook.remove()
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_of_option_max_batch_prefill_tokens(

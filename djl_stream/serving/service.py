@@ -43,7 +43,8 @@ from djl_stream.protocols.djl.protocol import djl_protocol
 from djl_stream.protocols.protocol import (PROTOCOL_PROPERTY, EncodedStream, Failure,
                                            ParseContext, Protocol, StreamEncoder)
 from djl_stream.protocols.request import GenerationRequest
-from djl_stream.protocols.validation import RequestError, check_input_length, parse_json_body
+from djl_stream.protocols.validation import (RequestError, check_input_length,
+                                             check_request_input_length, parse_json_body)
 from djl_stream.serving.properties import ModelProperties
 from djl_stream.serving.replies import (ErrorReply, JsonReply, Reply, StreamReply,
                                         is_out_of_memory, to_async_output, to_async_outputs,
@@ -354,6 +355,10 @@ class StreamingService:
             )
         context = getattr(self.model.config, "max_position_embeddings", None)
         lengths = [len(ids) for ids in self.tokenizer(list(request.prompts))["input_ids"]]
+        # Before any model work: together, a request's prompts may not bring more than
+        # the limit (one request's prefill and KV cache stay bounded).
+        check_request_input_length(protocol.prompt_field(request, 0).split("[")[0], lengths,
+                                   self.props.max_request_input_length)
         for i, n in enumerate(lengths):
             name = protocol.prompt_field(request, i)
             check_input_length(name, n, self.props.max_input_length)
