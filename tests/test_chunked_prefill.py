@@ -10,6 +10,7 @@ which skip the LM head, and the full model's prefill ends and decode steps.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -102,6 +103,15 @@ def make_scheduler(tiny_model):
         scheduler.shutdown()
 
 
+def settled(scheduler):
+    """Wait (60 s at most) until no request is running or prefilling: a closed stream's
+    request leaves at the scheduler's next step, and may take one more token first."""
+    deadline = time.monotonic() + 60
+    while (scheduler.running_size or scheduler.prefilling_size) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not scheduler.running_size and not scheduler.prefilling_size
+
+
 def one_pass_ids(make_scheduler, model, tokenizer, prompts, **parameters):
     """Each prompt's generated ids alone, its prefill in one forward pass."""
     scheduler = make_scheduler(max_batch_prefill_tokens=100_000)
@@ -173,6 +183,7 @@ def test_a_running_stream_takes_decode_steps_between_the_chunks_of_a_long_prompt
         long_seqs = sequences(tiny_model, smollm2_tokenizer, [LONG], max_new_tokens=8)
         collect(scheduler.submit(long_seqs))
         running.close()
+        settled(scheduler)
     finally:
         forwards.remove()
     running_id = running_seqs[0].request_id[0]
@@ -238,6 +249,7 @@ def test_a_chunk_that_raises_fails_only_its_request(make_scheduler, tiny_model,
     after = sequences(tiny_model, smollm2_tokenizer, [LONG], max_new_tokens=8)
     collect(scheduler.submit(after))
     running.close()
+    settled(scheduler)
     generated = running_seqs[0].generated_ids
     assert one_pass_ids(make_scheduler, tiny_model, smollm2_tokenizer, [SHORT],
                         max_new_tokens=len(generated), ignore_eos=True)[0] == generated
