@@ -59,7 +59,7 @@ DEFAULT_MAX_QUEUE = 1000
 #: CPU, prefill is compute-bound: the number keeps one chunk within a few decode steps of
 #: a small model, so that a running stream barely slows while a long prompt is read. An
 #: accelerator reads a few thousand tokens in the time of a few decode steps.
-DEFAULT_MAX_BATCH_PREFILL_TOKENS = {"cpu": 128}
+DEFAULT_MAX_BATCH_PREFILL_TOKENS = {"cpu": 64}
 DEFAULT_ACCELERATOR_PREFILL_TOKENS = 2048
 
 _END = object()
