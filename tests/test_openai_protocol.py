@@ -426,6 +426,18 @@ def test_limits_and_messages_as_on_djls_routes(handler):
     assert body_of(out)["error"]["message"].startswith("the request body is not valid JSON")
 
 
+def test_n_copies_of_a_prompt_count_toward_what_a_request_may_bring(handler):
+    prompt = " ".join(["word"] * 50)  # within max_input_length (64); three copies are not
+    out = call(handler, {"prompt": prompt, "n": 3, "max_tokens": 2, "temperature": 0},
+               "openai-completions")
+    assert out.code == 400
+    error = body_of(out)["error"]
+    assert error["param"] == "prompt"
+    assert error["message"].endswith("the limit (option.max_request_input_length) is 128")
+    assert call(handler, {"prompt": prompt, "n": 2, "max_tokens": 2, "temperature": 0},
+                "openai-completions").code == 200
+
+
 def test_a_streamed_chat_answer_is_server_sent_events(handler):
     out = call(handler, {"messages": HI, "max_tokens": 4, "stream": True, "temperature": 0})
     assert out.code == 200

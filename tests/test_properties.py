@@ -66,6 +66,42 @@ def test_bad_values_name_the_property_and_the_rule(key, value, words):
     assert words in str(info.value)
 
 
+def test_a_request_may_bring_twice_max_input_length_unless_set():
+    assert ModelProperties.from_init_properties({}).max_request_input_length == 8192
+    assert ModelProperties.from_init_properties(
+        {"max_input_length": "100"}).max_request_input_length == 200
+    assert ModelProperties.from_init_properties(
+        {"max_input_length": "100", "max_request_input_length": "150"}
+    ).max_request_input_length == 150
+
+
+def test_the_prefill_budget_is_the_device_s_unless_set():
+    assert ModelProperties.from_init_properties({}).max_batch_prefill_tokens is None
+    assert ModelProperties.from_init_properties(
+        {"max_batch_prefill_tokens": "512"}).max_batch_prefill_tokens == 512
+
+
+@pytest.mark.parametrize(
+    "values, key, words",
+    [
+        ({"max_request_input_length": "100"}, "max_request_input_length",
+         "at least option.max_input_length (4096), got 100"),
+        ({"max_input_length": "64", "max_request_input_length": "63"},
+         "max_request_input_length", "at least option.max_input_length (64)"),
+        ({"max_batch_prefill_tokens": "16"}, "max_batch_prefill_tokens",
+         "at least option.max_rolling_batch_size (32), got 16"),
+        ({"max_batch_prefill_tokens": "16", "max_rolling_batch_size": "64"},
+         "max_batch_prefill_tokens", "at least option.max_rolling_batch_size (64)"),
+        ({"max_batch_prefill_tokens": "lots"}, "max_batch_prefill_tokens", "integer"),
+    ],
+)
+def test_limits_below_what_they_must_hold_are_refused(values, key, words):
+    with pytest.raises(PropertyError) as info:
+        ModelProperties.from_init_properties(values)
+    assert info.value.key == f"option.{key}"
+    assert words in str(info.value)
+
+
 def test_default_may_not_exceed_the_limit():
     with pytest.raises(PropertyError, match="max_new_tokens_limit"):
         ModelProperties.from_init_properties({"default_max_new_tokens": "100", "max_new_tokens_limit": "10"})

@@ -136,6 +136,11 @@ def test_a_null_stop_is_no_stop(handler):
         # 64 tokens of SmolLM2's are at most 64 * 81 characters: refused by length alone
         ({"inputs": "a" * 6000}, "inputs", "the limit is 5184 characters"),
         ({"inputs": ["hi", "a" * 6000]}, "inputs[1]", "(option.max_input_length, 64 tokens"),
+        # Issue 9: each prompt within max_input_length, together more than a request may
+        # bring (twice max_input_length by default), before any model work.
+        ({"inputs": [" ".join(["word"] * 50)] * 3}, "inputs",
+         "3 prompts of up to 50 tokens take 150 tokens (each is padded to the longest); "
+         "the limit (option.max_request_input_length) is 128"),
         (b"{not json", "body", "JSON"),
     ],
 )
@@ -280,6 +285,51 @@ def test_more_prompts_than_the_batch_holds_is_a_400(tmp_path, tiny_model_dir):
     error = body_json(out)
     assert error["field"] == "inputs"
     assert "(option.max_rolling_batch_size) is 2" in error["message"]
+
+
+def test_option_max_request_input_length_counts_each_prompt_at_the_longest(tmp_path,
+                                                                         tiny_model_dir):
+    directory = variant_dir(tmp_path, tiny_model_dir, "",
+                            "option.max_request_input_length=100\n")
+    module = init(load_entry_point(directory), directory)
+    forwards = []
+    hook = module._service.model.register_forward_pre_hook(
+        lambda model, args, kwargs: forwards.append(kwargs["input_ids"].shape), with_kwargs=True)
+    try:
+        # 40 tokens and two of 1: padded to the longest, 120 tokens of prefill and cache
+        out = request(module, {"inputs": [" ".join(["word"] * 40), "hi", "hi"],
+                               "parameters": {"max_new_tokens": 2}})
+        assert out.code == 400
+        assert body_json(out)["field"] == "inputs"
+        assert body_json(out)["message"] == (
+            "inputs: 3 prompts of up to 40 tokens take 120 tokens (each is padded to the "
+            "longest); the limit (option.max_request_input_length) is 100")
+        assert forwards == []  # refused before any model work
+        assert request(module, {"inputs": [" ".join(["word"] * 40), "hi"],
+                                "parameters": {"max_new_tokens": 2}}).code == 200
+    finally:
+        hook.remove()
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_of_option_max_batch_prefill_tokens(
+        tmp_path, tiny_model_dir, handler):
+    directory = variant_dir(tmp_path, tiny_model_dir, "", "option.max_batch_prefill_tokens=32\n")
+    module = init(load_entry_point(directory), directory)
+    assert scheduler_of(module).max_batch_prefill_tokens == 32
+    widths = []
+    hook = module._service.model.model.register_forward_pre_hook(
+        lambda decoder, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+        with_kwargs=True)
+    body = {"inputs": "word " * 60, "parameters": {"max_new_tokens": 8}, "stream": False}
+    try:
+        chunked = body_json(request(module, body))
+    finally:
+        hook.remove()
+    length = len(module._service.tokenizer(body["inputs"])["input_ids"])
+    assert 32 < length <= 64
+    assert widths[:2] == [32, length - 32] and set(widths[2:]) == {1}  # 2 chunks, then decode
+    # the default budget reads it in one pass, and the text is the same
+    assert chunked == body_json(request(handler, body))
 
 
 def test_a_full_queue_answers_503_and_serving_goes_on(tmp_path, tiny_model_dir):

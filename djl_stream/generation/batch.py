@@ -12,6 +12,12 @@ so every row computes what it would compute alone.
 columns no remaining row needs; :meth:`CausalLMBatch.concatenate` merges batches, which is
 how a newly prefilled request joins a running batch (continuous batching).
 
+A long prompt need not be prefilled in one forward pass: :func:`prefill_chunk` feeds the
+leading columns of a batch's prompts through the model and keeps the rest for later, so
+the prefill can be spread over several scheduler steps (chunked prefill) while a running
+batch goes on decoding between them; the last part goes through :func:`generate_token`,
+which chooses the first tokens.
+
 Example::
 
     batch = CausalLMBatch.from_sequences(sequences, pad_token_id=tokenizer.pad_token_id,
@@ -42,7 +48,9 @@ class CausalLMBatch:
 
     Before the first step (prefill) ``input_ids`` holds the left-padded prompts and
     ``past_key_values`` is empty; after it, ``input_ids`` is ``(batch, 1)``: the last chosen
-    token of each row. ``attention_mask`` always covers the cache plus ``input_ids``.
+    token of each row. Part-way through a chunked prefill, the cache holds the prompt
+    columns fed so far and ``input_ids`` the rest. ``attention_mask`` always covers the
+    cache plus ``input_ids``.
     """
 
     sequences: List[GenerationSequence]
@@ -60,7 +68,14 @@ class CausalLMBatch:
 
     @property
     def prefilled(self) -> bool:
+        """Whether the cache holds anything (a part-way chunked prefill counts)."""
         return kv_cache.seq_length(self.past_key_values) > 0
+
+    @property
+    def columns_to_feed(self) -> int:
+        """Tokens per row the next forward pass feeds: the prompt columns left before the
+        first token, 1 once decoding."""
+        return self.input_ids.shape[1]
 
     @classmethod
     def from_sequences(
@@ -142,11 +157,12 @@ class CausalLMBatch:
         unused = _leading_unused_columns(attention_mask)
         if unused:
             attention_mask = attention_mask[:, unused:]
-            if self.prefilled:
-                kv_cache.trim_left(past_key_values, unused)
-            else:
-                input_ids = input_ids[:, unused:]
-                position_ids = position_ids[:, unused:]
+            # The unused columns come out of the cache first, then (before the prefill, or
+            # part-way through a chunked one) out of the prompt columns still to feed.
+            from_cache = min(unused, kv_cache.seq_length(past_key_values))
+            kv_cache.trim_left(past_key_values, from_cache)
+            input_ids = input_ids[:, unused - from_cache:]
+            position_ids = position_ids[:, unused - from_cache:]
         return CausalLMBatch(
             sequences=[self.sequences[i] for i in rows],
             input_ids=input_ids,
@@ -165,7 +181,7 @@ class CausalLMBatch:
         batches = [b for b in batches if b is not None]
         if len(batches) == 1:
             return batches[0]
-        if not all(b.prefilled for b in batches):
+        if not all(b.prefilled and b.columns_to_feed == 1 for b in batches):
             raise ValueError("only prefilled batches can be concatenated")
         past = max(kv_cache.seq_length(b.past_key_values) for b in batches)
         masks = []
@@ -241,6 +257,48 @@ def generate_token(
         return generations, next_batch
     alive = [seq.request_id for seq in batch.sequences if not seq.finished]
     return generations, next_batch.filter(alive)
+
+
+def prefill_chunk(model, batch: CausalLMBatch, columns: int) -> CausalLMBatch:
+    """Feed the next ``columns`` prompt columns of ``batch`` through the model, adding them
+    to its KV cache, and return the batch that feeds the rest.
+
+    Part of a chunked prefill: no logits are computed (the decoder runs without the LM
+    head) and no token is chosen, so at least one column must be left for
+    :func:`generate_token`, which finishes the prefill. ``batch`` is spent: its cache is
+    the returned batch's. Each column sees exactly what it sees in a one-pass prefill:
+    the mask covers the cached columns plus the new ones, and the position ids are the
+    prompt's own.
+    """
+    if not 0 < columns < batch.columns_to_feed:
+        raise ValueError(f"a prefill chunk feeds 1 to {batch.columns_to_feed - 1} columns "
+                         f"of this batch, not {columns}")
+    cached = batch.cache_length
+    with torch.inference_mode():
+        forward, extra = _without_lm_head(model)
+        outputs = forward(
+            input_ids=batch.input_ids[:, :columns],
+            attention_mask=batch.attention_mask[:, :cached + columns],
+            position_ids=batch.position_ids[:, :columns],
+            past_key_values=batch.past_key_values,
+            use_cache=True,
+            **extra,
+        )
+    return dataclasses.replace(
+        batch,
+        input_ids=batch.input_ids[:, columns:],
+        position_ids=batch.position_ids[:, columns:],
+        past_key_values=outputs.past_key_values,
+    )
+
+
+def _without_lm_head(model):
+    """The model's decoder (``model.base_model``: the transformer without the LM head), or
+    the model itself asked for the fewest logits where it has no separate decoder."""
+    decoder = getattr(model, "base_model", None)
+    if decoder is not None and decoder is not model:
+        return decoder, {}
+    return model, last_logits_only(model)
 
 
 _LOGITS_KWARG: "weakref.WeakKeyDictionary[object, Dict[str, int]]" = weakref.WeakKeyDictionary()

@@ -1,11 +1,16 @@
 """Continuous batching: one decode loop per model, shared by every request.
 
-A :class:`Scheduler` owns a thread that repeats one cycle: admit waiting requests (in
-arrival order, while the running batch has room), prefill them as a batch of their own
-and merge them into the running batch, then run one decode step for everyone. A finished,
-stopped or abandoned request leaves the batch, and its KV-cache rows are freed, at the
-next step. Each request keeps its own sampling parameters, seed, stop strings and limits,
-so batching never changes what a request generates.
+A :class:`Scheduler` owns a thread that repeats one cycle: run one forward pass of prefill
+for waiting requests, then one decode step for the running batch. Requests are admitted
+in arrival order while the running batch has room; those that fit in the prefill budget
+(``max_batch_prefill_tokens``: rows × prompt columns per forward pass) are prefilled
+together in one pass, and a longer prompt is prefilled in chunks of that budget, one per
+cycle, building its own KV cache, so that the running batch keeps taking decode steps
+while it is read (chunked prefill). Once its last chunk has chosen its first token, the
+request joins the running batch. A finished, stopped or abandoned request leaves the
+batch, and its KV-cache rows are freed, at the next step. Each request keeps its own
+sampling parameters, seed, stop strings and limits, so batching never changes what a
+request generates.
 
 ``submit()`` returns a :class:`GenerationStream`: an iterator yielding, per decode step in
 which the request advanced, one list with the new text of each of its prompts. Closing it
@@ -41,7 +46,7 @@ import time
 from typing import Deque, Dict, Iterator, List, Optional, Sequence
 
 from djl_stream.generation import kv_cache
-from djl_stream.generation.batch import CausalLMBatch, generate_token
+from djl_stream.generation.batch import CausalLMBatch, generate_token, prefill_chunk
 from djl_stream.generation.errors import GenerationFailed, QueueFullError
 from djl_stream.generation.sequence import GenerationSequence
 from djl_stream.generation.step import Generation, Step
@@ -50,6 +55,12 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BATCH_SIZE = 32
 DEFAULT_MAX_QUEUE = 1000
+#: The prefill budget (tokens per forward pass) when none is set, by device type. On a
+#: CPU, prefill is compute-bound: the number keeps one chunk within a few decode steps of
+#: a small model, so that a running stream barely slows while a long prompt is read. An
+#: accelerator reads a few thousand tokens in the time of a few decode steps.
+DEFAULT_MAX_BATCH_PREFILL_TOKENS = {"cpu": 64}
+DEFAULT_ACCELERATOR_PREFILL_TOKENS = 2048
 
 _END = object()
 
@@ -113,9 +124,9 @@ class RequestStats:
 class BatchState:
     """The scheduler's load at one moment.
 
-    ``kv_cache_tokens`` is rows × cached positions of the running batch: the token slots
-    its KV cache holds in memory, left padding included (rows of different lengths are
-    padded to the longest).
+    ``kv_cache_tokens`` counts the token slots the KV caches hold in memory: rows × cached
+    positions of the running batch, left padding included (rows of different lengths are
+    padded to the longest), plus those of prompts part-way through a chunked prefill.
     """
 
     running_rows: int = 0
@@ -141,7 +152,7 @@ class SchedulerObserver:
         """Queued (in the thread that called :meth:`Scheduler.submit`)."""
 
     def request_admitted(self, stats: RequestStats) -> None:
-        """Left the queue; its prefill runs next."""
+        """Left the queue; its prefill (its first chunk) runs next."""
 
     def request_advanced(self, stats: RequestStats, tokens: int,
                          interval: Optional[float]) -> None:
@@ -195,6 +206,20 @@ class _Job:
             self.outbox.put(error if error is not None else _END)
 
 
+class _Prefill:
+    """Requests being prefilled together, and their batch (built at its first chunk)."""
+
+    __slots__ = ("jobs", "batch")
+
+    def __init__(self, jobs: List[_Job]):
+        self.jobs = jobs
+        self.batch: Optional[CausalLMBatch] = None
+
+    @property
+    def rows(self) -> int:
+        return sum(len(job.sequences) for job in self.jobs)
+
+
 class GenerationStream(Iterator[List[str]]):
     """The stream of one request; see the module docstring. ``close()`` cancels it."""
 
@@ -241,6 +266,10 @@ class Scheduler:
     ``max_batch_size`` caps the rows (prompts) decoding together
     (``option.max_rolling_batch_size``); ``max_queue`` caps the requests waiting for room
     (``job_queue_size``), beyond which :meth:`submit` raises :class:`QueueFullError`.
+    ``max_batch_prefill_tokens`` caps the tokens (rows × columns) one prefill forward pass
+    feeds (``option.max_batch_prefill_tokens``); ``None`` picks one for the device (see
+    :func:`default_max_batch_prefill_tokens`). It is at least ``max_batch_size``, which a
+    decode step feeds anyway, so that a chunk can hold one column of every row.
     ``observers`` are told what happens (see :class:`SchedulerObserver`); by default, the
     process-wide ones of :func:`add_observer`.
     """
@@ -253,17 +282,31 @@ class Scheduler:
         device,
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         max_queue: int = DEFAULT_MAX_QUEUE,
+        max_batch_prefill_tokens: Optional[int] = None,
         observers: Optional[Sequence[SchedulerObserver]] = None,
     ):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
+        if max_batch_prefill_tokens is None:
+            max_batch_prefill_tokens = max(default_max_batch_prefill_tokens(device),
+                                           max_batch_size)
+        if max_batch_prefill_tokens < max_batch_size:
+            raise ValueError(
+                f"max_batch_prefill_tokens ({max_batch_prefill_tokens}) must be at least "
+                f"max_batch_size ({max_batch_size}): a prefill chunk feeds one column of "
+                "every row of a request at the least")
         self.model = model
         self.pad_token_id = pad_token_id
         self.device = device
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
+        self.max_batch_prefill_tokens = max_batch_prefill_tokens
         self._ids = itertools.count()
         self._waiting: Deque[_Job] = collections.deque()
+        # Admitted requests whose prefill has not finished, in order; one at a time is
+        # read, a chunk per cycle (several only after a shared prefill failed and each of
+        # its requests is retried on its own).
+        self._prefilling: Deque[_Prefill] = collections.deque()
         self._jobs: Dict[int, _Job] = {}
         self._wakeup = threading.Condition()
         self._running: Optional[CausalLMBatch] = None
@@ -331,22 +374,27 @@ class Scheduler:
     def waiting_size(self) -> int:
         return len(self._waiting)
 
+    @property
+    def prefilling_size(self) -> int:
+        """Rows admitted whose prefill has not finished yet."""
+        return sum(prefill.rows for prefill in list(self._prefilling))
+
     # -- the loop ---------------------------------------------------------------------
 
     def _loop(self) -> None:
         while not self._stopping:
-            admitted: List[_Job] = []
             try:
-                admitted = self._wait_for_work()
+                self._wait_for_work()
                 if self._stopping:
                     break
-                if admitted:
-                    self._prefill(admitted)
+                self._drop_cancelled_prefills()
+                if self._prefilling:
+                    self._prefill_step()
                 self._drop_cancelled()
                 if self._running is not None:
                     self._decode()
                 self._publish_running()
-                if self._running is None and not self._waiting:
+                if self._running is None and not self._waiting and not self._prefilling:
                     # The batch just emptied (the loop only gets here with work done).
                     release_cached_memory()
             except Exception as error:  # noqa: BLE001 - the loop must outlive any bug
@@ -354,9 +402,12 @@ class Scheduler:
                 # in flight and start again with an empty batch.
                 running, self._running = self._running, None
                 in_flight = self._jobs_of(running.sequences) if running is not None else []
-                self._fail(list({id(j): j for j in admitted + in_flight}.values()), error)
+                prefilling = [job for prefill in self._prefilling for job in prefill.jobs]
+                self._prefilling.clear()
+                self._fail(list({id(j): j for j in prefilling + in_flight}.values()), error)
                 self._publish_running()
         self._running = None
+        self._prefilling.clear()
         with self._wakeup:
             failure = GenerationFailed("the server is shutting down")
             for job in list(self._jobs.values()):
@@ -365,31 +416,23 @@ class Scheduler:
             self._waiting.clear()
             self._publish(0, 0)
 
-    def _wait_for_work(self) -> List[_Job]:
-        """Block until there is something to do; return the jobs admitted now."""
+    def _wait_for_work(self) -> None:
+        """Block until there is something to do; admit waiting requests when no prefill
+        is under way."""
         with self._wakeup:
             while True:
                 self._drop_cancelled_waiting()
-                if self._waiting or self._running is not None or self._stopping:
+                if (self._waiting or self._prefilling or self._running is not None
+                        or self._stopping):
                     break
                 # Idle: the last word observers hear must be this state, not a busy one.
                 self._publish(0, 0)
                 self._wakeup.wait()
-            room = self.max_batch_size - self.running_size
-            admitted: List[_Job] = []
-            # Arrival order, no overtaking: a big request at the head waits for room
-            # rather than being starved by small ones behind it.
-            now = time.perf_counter()
-            while self._waiting and len(self._waiting[0].sequences) <= room:
-                job = self._waiting.popleft()
-                if job.cancelled:
-                    self._end(job, CANCELLED)
-                    continue
-                room -= len(job.sequences)
-                job.stats.admitted_at = now
-                self._notify("request_admitted", job.stats)
-                admitted.append(job)
-            return admitted
+            if self._prefilling:
+                return  # a request is admitted when its prefill can start at once
+            admitted = self._admit(self.max_batch_size - self.running_size)
+            if admitted:
+                self._prefilling.append(_Prefill(admitted))
 
     def _drop_cancelled_waiting(self) -> None:
         """Under ``self._wakeup``: end the queued requests whose streams were closed."""
@@ -400,33 +443,61 @@ class Scheduler:
             self._waiting.remove(job)
             self._end(job, CANCELLED)
 
-    def _prefill(self, jobs: List[_Job]) -> None:
-        # A stream closed between its admission and now is not worth a forward pass.
-        cancelled = [job for job in jobs if job.cancelled]
-        if cancelled:
-            with self._wakeup:
-                for job in cancelled:
-                    self._end(job, CANCELLED)
-            jobs = [job for job in jobs if job not in cancelled]
-            if not jobs:
-                return
-        sequences = [seq for job in jobs for seq in job.sequences]
+    def _admit(self, room: int) -> List[_Job]:
+        """Take the requests to prefill together off the queue (under ``self._wakeup``).
+
+        Arrival order, no overtaking: a big request at the head waits for room rather
+        than being starved by small ones behind it. The head is taken however long its
+        prompts (it is prefilled in chunks); requests behind it join it while all of
+        them fit in one forward pass of the prefill budget, left padding included.
+        """
+        admitted: List[_Job] = []
+        rows = longest = 0
+        now = time.perf_counter()
+        while self._waiting and len(self._waiting[0].sequences) <= room:
+            job = self._waiting[0]
+            if job.cancelled:
+                self._end(self._waiting.popleft(), CANCELLED)
+                continue
+            job_longest = max(longest, max(len(seq.prompt_ids) for seq in job.sequences))
+            job_rows = rows + len(job.sequences)
+            if admitted and job_rows * job_longest > self.max_batch_prefill_tokens:
+                break
+            self._waiting.popleft()
+            rows, longest = job_rows, job_longest
+            room -= len(job.sequences)
+            job.stats.admitted_at = now
+            self._notify("request_admitted", job.stats)
+            admitted.append(job)
+        return admitted
+
+    def _prefill_step(self) -> None:
+        """One forward pass of the prefill under way: a chunk of its prompts, or the rest
+        of them, which chooses the first tokens and joins the running batch."""
+        prefill = self._prefilling[0]
         try:
-            batch = CausalLMBatch.from_sequences(
-                sequences, pad_token_id=self.pad_token_id, device=self.device
-            )
+            if prefill.batch is None:
+                prefill.batch = CausalLMBatch.from_sequences(
+                    [seq for job in prefill.jobs for seq in job.sequences],
+                    pad_token_id=self.pad_token_id, device=self.device)
+            batch = prefill.batch
+            width = max(1, self.max_batch_prefill_tokens // len(batch))
+            if batch.columns_to_feed > width:
+                prefill.batch = prefill_chunk(self.model, batch, width)
+                return
             generations, batch = generate_token(self.model, batch)
         except Exception as error:  # noqa: BLE001 - find who caused it, keep serving
-            if len(jobs) == 1:
-                self._fail(jobs, error)
+            self._prefilling.popleft()
+            if len(prefill.jobs) == 1:
+                self._fail(prefill.jobs, error)
                 return
             # One of them may have caused it (a prompt the model cannot take): prefill
-            # each on its own, so that only the one that fails again fails.
+            # each on its own, next, so that only the one that fails again fails.
             logger.warning("prefill of %d requests failed (%s: %s); retrying each alone",
-                           len(jobs), type(error).__name__, error)
-            for job in jobs:
-                self._prefill([job])
+                           len(prefill.jobs), type(error).__name__, error)
+            self._prefilling.extendleft(reversed([_Prefill([job]) for job in prefill.jobs]))
             return
+        self._prefilling.popleft()
         self._dispatch(generations)
         if batch is not None:
             self._running = (
@@ -477,6 +548,7 @@ class Scheduler:
         self._dispatch(generations)
 
     def _drop_cancelled(self) -> None:
+        self._drop_cancelled_prefills()
         batch = self._running
         if batch is None:
             return
@@ -492,6 +564,25 @@ class Scheduler:
             for job_id in cancelled:
                 if job_id in self._jobs:
                     self._end(self._jobs[job_id], CANCELLED)
+
+    def _drop_cancelled_prefills(self) -> None:
+        """Cancelled requests (and failed ones) leave their prefill, and with them the KV
+        cache it has built; a prefill left with no request ends."""
+        for prefill in list(self._prefilling):
+            gone = [job for job in prefill.jobs
+                    if job.cancelled or job.job_id not in self._jobs]
+            if not gone:
+                continue
+            prefill.jobs = [job for job in prefill.jobs if job not in gone]
+            if not prefill.jobs:
+                self._prefilling.remove(prefill)
+            elif prefill.batch is not None:
+                prefill.batch = prefill.batch.filter(
+                    [seq.request_id for job in prefill.jobs for seq in job.sequences])
+            logger.info("dropped %d cancelled request(s) from a prefill", len(gone))
+            with self._wakeup:
+                for job in gone:
+                    self._end(job, CANCELLED)
 
     def _dispatch(self, generations: List[Generation]) -> None:
         """Send each job the list of its prompts' new text for this step."""
@@ -558,6 +649,8 @@ class Scheduler:
         running = self._running
         rows = len(running) if running is not None else 0
         kv_tokens = rows * kv_cache.seq_length(running.past_key_values) if rows else 0
+        kv_tokens += sum(len(prefill.batch) * prefill.batch.cache_length
+                         for prefill in self._prefilling if prefill.batch is not None)
         with self._wakeup:
             self._publish(rows, kv_tokens)
 
@@ -572,6 +665,19 @@ class Scheduler:
                 getattr(observer, event)(*args)
             except Exception:  # noqa: BLE001 - watching must never break serving
                 logger.exception("scheduler observer %r failed on %s", observer, event)
+
+
+def default_max_batch_prefill_tokens(device) -> int:
+    """The prefill budget for ``device`` when none is set: small on a CPU, where prefill is
+    compute-bound and a long chunk would stall the running batch, larger on an accelerator.
+
+    >>> default_max_batch_prefill_tokens("cpu") < default_max_batch_prefill_tokens("cuda:0")
+    True
+    """
+    import torch
+
+    kind = torch.device(device).type
+    return DEFAULT_MAX_BATCH_PREFILL_TOKENS.get(kind, DEFAULT_ACCELERATOR_PREFILL_TOKENS)
 
 
 def release_cached_memory() -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from pydantic import BaseModel, ValidationError
 
@@ -267,3 +267,24 @@ def check_input_characters(field: str, n_chars: int, max_input_length: int,
         raise RequestError(field, f"{field} is {n_chars} characters long; the limit is {limit} "
                                   f"characters (option.max_input_length, {max_input_length} "
                                   f"tokens, of at most {chars_per_token} characters each)")
+
+
+def check_request_input_length(field: str, lengths: Sequence[int], limit: int) -> None:
+    """Refuse a request whose prompts together exceed ``option.max_request_input_length``.
+
+    A request's prompts are prefilled as one block and cached side by side, each padded
+    to the longest, so each counts at that length.
+
+    >>> check_request_input_length("inputs", [3000, 20, 20], 8192)
+    Traceback (most recent call last):
+    ...
+    djl_stream.protocols.validation.RequestError: inputs: 3 prompts of up to 3000 tokens take 9000 tokens (each is padded to the longest); the limit (option.max_request_input_length) is 8192
+    """
+    if not lengths:
+        return
+    longest = max(lengths)
+    total = len(lengths) * longest
+    if total > limit:
+        raise RequestError(field, f"{field}: {len(lengths)} prompts of up to {longest} tokens "
+                                  f"take {total} tokens (each is padded to the longest); the "
+                                  f"limit (option.max_request_input_length) is {limit}")

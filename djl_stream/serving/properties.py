@@ -102,6 +102,16 @@ class ModelProperties:
         default_max_new_tokens: ``max_new_tokens`` when a request gives none.
         max_new_tokens_limit: the largest ``max_new_tokens`` a request may ask for.
         max_input_length: the longest prompt, in tokens, a request may send.
+        max_request_input_length: the most prompt tokens one request may bring, all its
+            prompts together, each counted at the length of its longest prompt (a
+            request's prompts are padded to it, in the prefill and in the KV cache);
+            ``None`` means twice ``max_input_length``: two prompts of the longest length
+            (OpenAI's ``n=2``, say), and never the 32 of them a full batch would hold.
+        max_batch_prefill_tokens: the most prompt tokens (rows × columns, padding
+            included) one prefill forward pass feeds; a longer prompt is read in chunks,
+            with a decode step of the running batch between them (chunked prefill, as
+            TGI's ``max_batch_prefill_tokens``). ``None`` picks one for the device (64 on
+            CPU, 2048 on an accelerator); at least ``max_rolling_batch_size``.
         output_formatter: built-in formatter name (``jsonlines``, ``sse``) or the name of a
             function in ``model.py`` (or that function, as djl's worker may pass it).
         chat_protocol: how a body with ``messages`` is answered when the request names no
@@ -140,6 +150,8 @@ class ModelProperties:
     default_max_new_tokens: int = 50
     max_new_tokens_limit: int = 2048
     max_input_length: int = 4096
+    max_request_input_length: Optional[int] = None
+    max_batch_prefill_tokens: Optional[int] = None
     output_formatter: Any = "jsonlines"
     chat_protocol: str = "openai"
     apply_chat_template: Optional[bool] = None
@@ -151,6 +163,10 @@ class ModelProperties:
     context_length_estimate: Optional[tuple[int, ...]] = None
     device_id: int = -1
     extra: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_request_input_length is None:
+            object.__setattr__(self, "max_request_input_length", 2 * self.max_input_length)
 
     @classmethod
     def known_keys(cls) -> list[str]:
@@ -207,7 +223,8 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
         if key in ("enable_streaming", "trust_remote_code"):
             out[key] = _as_bool(key, value)
         elif key in ("default_max_new_tokens", "max_new_tokens_limit", "max_input_length",
-                     "max_rolling_batch_size", "job_queue_size", "n_positions"):
+                     "max_rolling_batch_size", "job_queue_size", "n_positions",
+                     "max_request_input_length", "max_batch_prefill_tokens"):
             out[key] = _as_int(key, value)
         elif key == "apply_chat_template":
             text = str(value).strip().lower()
@@ -245,7 +262,23 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
             "option.default_max_new_tokens",
             f"must not exceed option.max_new_tokens_limit ({out.get('max_new_tokens_limit', 2048)})",
         )
+    _at_least(out, "max_request_input_length", "max_input_length",
+              "a request could not bring even one prompt of the longest length")
+    _at_least(out, "max_batch_prefill_tokens", "max_rolling_batch_size",
+              "a decode step feeds that many tokens, and a prefill chunk needs one column "
+              "of every prompt of a request")
     return out
+
+
+def _at_least(values: dict[str, Any], key: str, floor_key: str, why: str) -> None:
+    """Refuse ``key`` set below ``floor_key`` (its default when unset)."""
+    floor = values.get(floor_key, _DEFAULTS[floor_key])
+    if key in values and values[key] < floor:
+        raise PropertyError(f"option.{key}", f"must be at least option.{floor_key} ({floor}), "
+                                             f"got {values[key]}: {why}")
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelProperties)}
 
 
 def read_serving_properties(model_dir: str | Path) -> dict[str, str]:

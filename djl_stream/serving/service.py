@@ -44,7 +44,8 @@ from djl_stream.protocols.protocol import (PROTOCOL_PROPERTY, EncodedStream, Fai
                                            ParseContext, Protocol, StreamEncoder)
 from djl_stream.protocols.request import GenerationRequest
 from djl_stream.protocols.validation import (RequestError, check_input_characters,
-                                             check_input_length, parse_json_body)
+                                             check_input_length, check_request_input_length,
+                                             parse_json_body)
 from djl_stream.serving.cancellation import Cancellation, CancellableStream, cancellation_of
 from djl_stream.serving.properties import ModelProperties
 from djl_stream.serving.replies import (ErrorReply, JsonReply, Reply, StreamReply,
@@ -213,7 +214,8 @@ class StreamingService:
                 from djl_stream.generation.engines.accelerate import start_scheduler
 
                 start_scheduler(model, tokenizer, max_batch_size=props.max_rolling_batch_size,
-                                max_queue=props.job_queue_size)
+                                max_queue=props.job_queue_size,
+                                max_batch_prefill_tokens=props.max_batch_prefill_tokens)
             if _in_djl_serving():
                 # No route can be added there: the scheduler's figures go to djl-serving's
                 # model_metric log as [METRICS] lines on the worker's stdout.
@@ -407,8 +409,13 @@ class StreamingService:
         context = getattr(self.model.config, "max_position_embeddings", None)
         lengths = [len(ids) for ids in self.tokenizer(list(request.prompts))["input_ids"]]
         for i, n in enumerate(lengths):
+            check_input_length(protocol.prompt_field(request, i), n, self.props.max_input_length)
+        # Before any model work: together, a request's prompts may not bring more than
+        # the limit (one request's prefill and KV cache stay bounded).
+        check_request_input_length(protocol.prompt_field(request, 0).split("[")[0], lengths,
+                                   self.props.max_request_input_length)
+        for i, n in enumerate(lengths):
             name = protocol.prompt_field(request, i)
-            check_input_length(name, n, self.props.max_input_length)
             wanted = n + request.parameters.max_new_tokens
             if context and wanted > context:
                 field = protocol.max_new_tokens_field(request)

@@ -124,15 +124,18 @@ def start_scheduler(
     *,
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
     max_queue: int = DEFAULT_MAX_QUEUE,
+    max_batch_prefill_tokens: Optional[int] = None,
 ) -> Scheduler:
     """The model's continuous-batching scheduler, created with these limits on first use
-    (``option.max_rolling_batch_size`` and ``job_queue_size``)."""
+    (``option.max_rolling_batch_size``, ``job_queue_size`` and
+    ``option.max_batch_prefill_tokens``, ``None`` for the device's default)."""
     return scheduler_for(
         model,
         pad_token_id=pad_token_id(tokenizer, eos_token_ids(model, tokenizer)),
         device=model_input_device(model),
         max_batch_size=max_batch_size,
         max_queue=max_queue,
+        max_batch_prefill_tokens=max_batch_prefill_tokens,
     )
 
 

@@ -1,0 +1,294 @@
+"""Chunked prefill: a long prompt is read at most ``max_batch_prefill_tokens`` tokens (rows ×
+columns) per forward pass, the running batch takes a decode step between its chunks, and
+what it generates is what a one-pass prefill (and transformers' ``generate()``) generates.
+
+On the tiny model through the real scheduler; forward passes are counted by a real forward
+pre-hook on the decoder (``model.model``), which every pass goes through: the chunks,
+which skip the LM head, and the full model's prefill ends and decode steps.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from djl_stream.generation.batch import CausalLMBatch, generate_token, prefill_chunk
+from djl_stream.generation.errors import GenerationFailed
+from djl_stream.generation.scheduler import (CANCELLED, BatchState, Scheduler,
+                                             SchedulerObserver)
+from test_scheduler import collect, sequences
+
+#: 169 tokens with the SmolLM2 tokenizer: many chunks of the budgets below.
+LONG = "The history of the city begins with a small settlement by the river, " * 12
+SHORT = "Colours of the rainbow"
+BUDGET = 16
+
+
+class Forwards:
+    """Every forward pass of the decoder as ``(rows, columns fed, columns cached)``; can
+    hold the first prefill chunk until released, or raise where ``fails(kwargs)`` says."""
+
+    def __init__(self, model, *, hold_first_chunk=False, fails=None, events=None):
+        self.passes: list[tuple[int, int, int]] = []
+        self.events = events
+        self.fails = fails
+        self.chunk_started = threading.Event()
+        self.release = threading.Event()
+        if not hold_first_chunk:
+            self.release.set()
+        self._handle = model.model.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs):
+        ids = kwargs["input_ids"]
+        cached = kwargs["past_key_values"].get_seq_length()
+        self.passes.append((ids.shape[0], ids.shape[1], cached))
+        if self.events is not None and ids.shape[1] > 1:
+            self.events.append(("prefill", ids.shape[0] * ids.shape[1]))
+        if ids.shape[1] > 1 and not self.chunk_started.is_set():
+            self.chunk_started.set()
+            self.release.wait(60)
+        if self.fails is not None and self.fails(kwargs):
+            raise RuntimeError("simulated device failure")
+
+    @property
+    def prefill_passes(self) -> list[tuple[int, int, int]]:
+        return [p for p in self.passes if p[1] > 1]
+
+    def remove(self):
+        self._handle.remove()
+
+
+class Tokens(SchedulerObserver):
+    """Records, into a list shared with :class:`Forwards`, each step that gave a request
+    tokens, and keeps each request's stats and the last load."""
+
+    def __init__(self, events):
+        self.events = events
+        self.stats = {}
+        self.state = None
+        self.ended = threading.Condition()
+
+    def request_submitted(self, stats):
+        self.stats[stats.request_id] = stats
+
+    def request_advanced(self, stats, tokens, interval):
+        self.events.append(("token", stats.request_id))
+
+    def request_ended(self, stats):
+        with self.ended:
+            self.ended.notify_all()
+
+    def batch_changed(self, state):
+        with self.ended:
+            self.state = state
+            self.ended.notify_all()
+
+    def wait(self, condition):
+        with self.ended:
+            assert self.ended.wait_for(condition, 60)
+
+
+@pytest.fixture()
+def make_scheduler(tiny_model):
+    schedulers = []
+
+    def make(**settings):
+        settings.setdefault("max_batch_size", 4)
+        schedulers.append(Scheduler(tiny_model, pad_token_id=2, device="cpu", **settings))
+        return schedulers[-1]
+    yield make
+    for scheduler in schedulers:
+        scheduler.shutdown()
+
+
+def settled(scheduler):
+    """Wait (60 s at most) until no request is running or prefilling: a closed stream's
+    request leaves at the scheduler's next step, and may take one more token first."""
+    deadline = time.monotonic() + 60
+    while (scheduler.running_size or scheduler.prefilling_size) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not scheduler.running_size and not scheduler.prefilling_size
+
+
+def one_pass_ids(make_scheduler, model, tokenizer, prompts, **parameters):
+    """Each prompt's generated ids alone, its prefill in one forward pass."""
+    scheduler = make_scheduler(max_batch_prefill_tokens=100_000)
+    ids = []
+    for prompt in prompts:
+        seqs = sequences(model, tokenizer, [prompt], **parameters)
+        collect(scheduler.submit(seqs))
+        ids.append(seqs[0].generated_ids)
+    return ids
+
+
+@pytest.mark.parametrize("budget", [BUDGET, 40])
+def test_a_prompt_of_many_chunks_generates_what_generate_does(make_scheduler, tiny_model,
+                                                              smollm2_tokenizer, budget):
+    prompt = smollm2_tokenizer(LONG, return_tensors="pt")
+    length = prompt["input_ids"].shape[1]
+    reference = tiny_model.generate(**prompt, max_new_tokens=20, do_sample=False,
+                                    eos_token_id=None, pad_token_id=2)[0, length:].tolist()
+    assert 2 not in reference  # eos cannot end the reference early, nor this run
+    forwards = Forwards(tiny_model)
+    try:
+        seqs = sequences(tiny_model, smollm2_tokenizer, [LONG], max_new_tokens=20)
+        collect(make_scheduler(max_batch_prefill_tokens=budget).submit(seqs))
+    finally:
+        forwards.remove()
+    assert seqs[0].generated_ids == reference
+    # the prompt went in chunks of the budget, each seeing the cache of the ones before
+    chunks = forwards.prefill_passes
+    assert len(chunks) == -(-length // budget) >= 4
+    assert [columns for _, columns, _ in chunks[:-1]] == [budget] * (len(chunks) - 1)
+    assert [cached for _, _, cached in chunks] == [i * budget for i in range(len(chunks))]
+
+
+def test_a_request_with_prompts_of_different_lengths_is_chunked_as_one_batch(
+        make_scheduler, tiny_model, smollm2_tokenizer):
+    prompts = [LONG, "Hi", LONG[:150], SHORT]
+    expected = one_pass_ids(make_scheduler, tiny_model, smollm2_tokenizer, prompts,
+                            max_new_tokens=16)
+    forwards = Forwards(tiny_model)
+    try:
+        seqs = sequences(tiny_model, smollm2_tokenizer, prompts, max_new_tokens=16)
+        steps = list(make_scheduler(max_batch_prefill_tokens=BUDGET).submit(seqs))
+    finally:
+        forwards.remove()
+    assert [seq.generated_ids for seq in seqs] == expected
+    # four rows of a budget of 16: chunks of four columns, the short rows' padding too
+    chunks = forwards.prefill_passes
+    assert len(chunks) > 10
+    assert all(rows * columns <= BUDGET for rows, columns, _ in chunks)
+    # every prompt got its first token in the same step, as from a one-pass prefill
+    assert all(generation is not None for generation in steps[0].generations)
+
+
+def test_a_running_stream_takes_decode_steps_between_the_chunks_of_a_long_prompt(
+        make_scheduler, tiny_model, smollm2_tokenizer):
+    expected_long = one_pass_ids(make_scheduler, tiny_model, smollm2_tokenizer, [LONG],
+                                 max_new_tokens=8)[0]
+    events: list[tuple] = []
+    tokens = Tokens(events)
+    scheduler = make_scheduler(max_batch_prefill_tokens=BUDGET, observers=[tokens])
+    forwards = Forwards(tiny_model, events=events)
+    try:
+        # ignore_eos: it runs until closed, however the random model's tokens fall
+        running_seqs = sequences(tiny_model, smollm2_tokenizer, [SHORT],
+                                 max_new_tokens=100_000, ignore_eos=True)
+        running = scheduler.submit(running_seqs)
+        next(running)  # it is decoding
+        events.clear()
+        long_seqs = sequences(tiny_model, smollm2_tokenizer, [LONG], max_new_tokens=8)
+        collect(scheduler.submit(long_seqs))
+        running.close()
+        settled(scheduler)
+    finally:
+        forwards.remove()
+    running_id = running_seqs[0].request_id[0]
+    prefills = [i for i, event in enumerate(events) if event[0] == "prefill"]
+    assert len(prefills) >= 4
+    assert all(event[1] <= BUDGET for event in events if event[0] == "prefill")
+    for before, after in zip(prefills, prefills[1:]):
+        assert ("token", running_id) in events[before:after], events
+    # both generated what they generate alone
+    assert long_seqs[0].generated_ids == expected_long
+    generated = running_seqs[0].generated_ids
+    assert one_pass_ids(make_scheduler, tiny_model, smollm2_tokenizer, [SHORT],
+                        max_new_tokens=len(generated), ignore_eos=True)[0] == generated
+
+
+def test_a_request_cancelled_mid_prefill_leaves_with_its_cache(make_scheduler, tiny_model,
+                                                                smollm2_tokenizer):
+    events: list[tuple] = []
+    tokens = Tokens(events)
+    scheduler = make_scheduler(max_batch_prefill_tokens=BUDGET, observers=[tokens])
+    forwards = Forwards(tiny_model, hold_first_chunk=True)
+    try:
+        stream = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [LONG],
+                                            max_new_tokens=8))
+        assert forwards.chunk_started.wait(60)
+        assert scheduler.prefilling_size == 1
+        stream.close()
+        forwards.release.set()
+        request_id = stream.sequences[0].request_id[0]
+        tokens.wait(lambda: tokens.stats[request_id].outcome is not None)
+        tokens.wait(lambda: tokens.state == BatchState())
+    finally:
+        forwards.remove()
+    stats = tokens.stats[request_id]
+    assert stats.outcome == CANCELLED
+    assert stats.generated_tokens == 0  # it never got to its first token
+    assert forwards.prefill_passes == [(1, BUDGET, 0)]  # one chunk, no more
+    assert scheduler.prefilling_size == 0
+    # and the scheduler serves on
+    assert collect(scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [SHORT],
+                                              max_new_tokens=3)))[1] == 3
+
+
+def test_a_chunk_that_raises_fails_only_its_request(make_scheduler, tiny_model,
+                                                     smollm2_tokenizer):
+    scheduler = make_scheduler(max_batch_prefill_tokens=BUDGET)
+    failing = Forwards(tiny_model, fails=lambda kwargs: kwargs["input_ids"].shape[1] > 1
+                       and kwargs["past_key_values"].get_seq_length() > 0)  # a later chunk
+    try:
+        running_seqs = sequences(tiny_model, smollm2_tokenizer, [SHORT],
+                                 max_new_tokens=100_000, ignore_eos=True)
+        running = scheduler.submit(running_seqs)
+        next(running)
+        doomed = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [LONG],
+                                            max_new_tokens=8))
+        with pytest.raises(GenerationFailed, match="simulated device failure"):
+            collect(doomed)
+    finally:
+        failing.remove()
+    assert scheduler.prefilling_size == 0
+    # the running stream goes on, with its solo text, and the next long prompt goes in
+    next(running)
+    after = sequences(tiny_model, smollm2_tokenizer, [LONG], max_new_tokens=8)
+    collect(scheduler.submit(after))
+    running.close()
+    settled(scheduler)
+    generated = running_seqs[0].generated_ids
+    assert one_pass_ids(make_scheduler, tiny_model, smollm2_tokenizer, [SHORT],
+                        max_new_tokens=len(generated), ignore_eos=True)[0] == generated
+    assert after[0].generated_ids == one_pass_ids(make_scheduler, tiny_model,
+                                                  smollm2_tokenizer, [LONG],
+                                                  max_new_tokens=8)[0]
+
+
+def test_prefill_chunk_builds_the_cache_a_one_pass_prefill_builds(tiny_model, smollm2_tokenizer):
+    prompts = [LONG[:120], SHORT]
+
+    def batch_of():
+        seqs = sequences(tiny_model, smollm2_tokenizer, prompts, max_new_tokens=6)
+        return seqs, CausalLMBatch.from_sequences(seqs, pad_token_id=2, device="cpu")
+
+    one_pass, batch = batch_of()
+    while batch is not None:
+        _, batch = generate_token(tiny_model, batch)
+    chunked, batch = batch_of()
+    width = batch.columns_to_feed
+    batch = prefill_chunk(tiny_model, batch, 5)
+    batch = prefill_chunk(tiny_model, batch, 7)
+    assert (batch.cache_length, batch.columns_to_feed) == (12, width - 12)
+    assert batch.attention_mask.shape[1] == width  # cached + still to feed
+    while batch is not None:
+        _, batch = generate_token(tiny_model, batch)
+    assert [s.generated_ids for s in chunked] == [s.generated_ids for s in one_pass]
+    with pytest.raises(ValueError, match="1 to"):
+        prefill_chunk(tiny_model, batch_of()[1], width)  # the last column picks a token
+
+
+def test_the_budget_is_at_least_a_decode_step_and_has_a_default_per_device(tiny_model):
+    with pytest.raises(ValueError, match="at least max_batch_size"):
+        Scheduler(tiny_model, pad_token_id=2, device="cpu", max_batch_size=8,
+                  max_batch_prefill_tokens=4)
+    from djl_stream.generation.scheduler import default_max_batch_prefill_tokens
+
+    scheduler = Scheduler(tiny_model, pad_token_id=2, device="cpu", max_batch_size=4)
+    try:
+        assert scheduler.max_batch_prefill_tokens == default_max_batch_prefill_tokens("cpu")
+    finally:
+        scheduler.shutdown()
