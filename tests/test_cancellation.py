@@ -143,18 +143,28 @@ def test_a_request_cancelled_while_queued_is_never_prefilled(one_row, smollm2_to
     assert admissions.prompt_tokens == [len(smollm2_tokenizer("Hello")["input_ids"])]
 
 
-def test_a_running_non_streaming_request_stops_when_its_client_leaves(one_row):
-    scheduler = scheduler_of(one_row)
+def cancel_a_running_whole_answer(handler, error=None):
+    """A non-streaming request of 1000 tokens, cancelled (with ``error``) once it runs;
+    what ``handle()`` answers."""
+    scheduler = scheduler_of(handler)
     cancellation, answers = Cancellation(), {}
     asker = threading.Thread(target=lambda: answers.update(out=cancellable_request(
-        one_row, {"inputs": "Hello", "stream": False,
+        handler, {"inputs": "Hello", "stream": False,
                   "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}, cancellation)))
     asker.start()
     wait_until(lambda: scheduler.running_size == 1, "the request never ran")
-    cancellation.cancel()
+    if error is None:
+        cancellation.cancel()
+    else:
+        cancellation.cancel(error)
     asker.join(DEADLINE)
-    assert answers["out"].code == 499
-    wait_until(lambda: scheduler.running_size == 0, "the request never left the batch")
+    return answers["out"]
+
+
+def test_a_running_non_streaming_request_stops_when_its_client_leaves(one_row):
+    assert cancel_a_running_whole_answer(one_row).code == 499
+    wait_until(lambda: scheduler_of(one_row).running_size == 0,
+               "the request never left the batch")
 
 
 def test_the_shutting_down_server_ends_a_stream_with_its_error_record(one_row):
@@ -171,15 +181,7 @@ def test_the_shutting_down_server_ends_a_stream_with_its_error_record(one_row):
 
 
 def test_the_shutting_down_server_answers_an_unfinished_whole_answer_503(one_row):
-    scheduler = scheduler_of(one_row)
-    cancellation, answers = Cancellation(), {}
-    asker = threading.Thread(target=lambda: answers.update(out=cancellable_request(
-        one_row, {"inputs": "Hello", "stream": False,
-                  "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}, cancellation)))
-    asker.start()
-    wait_until(lambda: scheduler.running_size == 1, "the request never ran")
-    cancellation.cancel(ShuttingDown("the server is shutting down"))
-    asker.join(DEADLINE)
-    assert answers["out"].code == 503
-    assert body_json(answers["out"]) == {"code": 503, "type": "ServiceUnavailableException",
-                                         "message": "the server is shutting down"}
+    out = cancel_a_running_whole_answer(one_row, ShuttingDown("the server is shutting down"))
+    assert out.code == 503
+    assert body_json(out) == {"code": 503, "type": "ServiceUnavailableException",
+                              "message": "the server is shutting down"}
