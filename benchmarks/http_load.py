@@ -79,7 +79,8 @@ class ServerProcess:
     """``python -m djl_stream serve`` in a subprocess, ready once :meth:`start` returns.
 
     ``options`` are model properties (``{"max_rolling_batch_size": "1"}``); ``env`` more
-    environment variables. The server's log goes to ``workdir/<name>.log``.
+    environment variables; ``flags`` more arguments of ``djl-stream serve``
+    (``("--timeout-header", "2")``). The server's log goes to ``workdir/<name>.log``.
     """
 
     def __init__(
@@ -90,8 +91,10 @@ class ServerProcess:
         workdir: Path,
         options: Optional[Mapping[str, str]] = None,
         env: Optional[Mapping[str, str]] = None,
+        flags: Sequence[str] = (),
     ) -> None:
         self.name = name
+        self.flags = tuple(flags)
         self.workdir = workdir / name
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.model_dir, option_env = configure_model_dir(Path(model_dir), options or {}, self.workdir)
@@ -117,7 +120,7 @@ class ServerProcess:
     def launch(self) -> None:
         """Start the process; the model loads in the background."""
         command = [sys.executable, "-m", "djl_stream", "serve", str(self.model_dir),
-                   "--port", str(self.port)]
+                   "--port", str(self.port), *self.flags]
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(command, env=self.env, stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

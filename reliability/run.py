@@ -35,20 +35,7 @@ SLOWLORIS_FLAGS = ("--timeout-header", "2")
 
 
 class Server(ServerProcess):
-    """benchmarks' server process, with extra ``djl-stream serve`` flags."""
-
-    def __init__(self, *args, flags: Sequence[str] = (), **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.flags = tuple(flags)
-
-    def launch(self) -> None:
-        import subprocess
-        import sys
-        command = [sys.executable, "-m", "djl_stream", "serve", str(self.model_dir),
-                   "--port", str(self.port), *self.flags]
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(command, env=self.env, stdout=log,
-                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    """benchmarks' server process, addressed by its base URL for the catalogue."""
 
     @property
     def base_url(self) -> str:
