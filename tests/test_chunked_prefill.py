@@ -17,6 +17,8 @@ import pytest
 from djl_stream.generation.batch import CausalLMBatch, generate_token, prefill_chunk
 from djl_stream.generation.errors import GenerationFailed
 from djl_stream.generation.scheduler import (CANCELLED, BatchState, Scheduler,
+                                             IDLE_PREFILL_FACTOR, attention_parity_context,
+                                             prefill_columns,
                                              SchedulerObserver)
 from test_scheduler import collect, sequences
 
@@ -134,15 +136,52 @@ def test_a_prompt_of_many_chunks_generates_what_generate_does(make_scheduler, ti
     forwards = Forwards(tiny_model)
     try:
         seqs = sequences(tiny_model, smollm2_tokenizer, [LONG], max_new_tokens=20)
-        collect(make_scheduler(max_batch_prefill_tokens=budget).submit(seqs))
+        collect(make_scheduler(max_batch_prefill_tokens=budget,
+                               max_idle_prefill_tokens=budget).submit(seqs))
     finally:
         forwards.remove()
     assert seqs[0].generated_ids == reference
-    # the prompt went in chunks of the budget, each seeing the cache of the ones before
+    # the prompt went in chunks, each seeing the cache of the ones before: the first of
+    # the whole budget, later ones narrower as the context they attend to grows, each as
+    # wide as the budget affords at its depth
     chunks = forwards.prefill_passes
-    assert len(chunks) == -(-length // budget) >= 4
-    assert [columns for _, columns, _ in chunks[:-1]] == [budget] * (len(chunks) - 1)
-    assert [cached for _, _, cached in chunks] == [i * budget for i in range(len(chunks))]
+    assert len(chunks) >= 4
+    assert chunks[0][1] == budget
+    assert [cached for _, _, cached in chunks] == [
+        sum(columns for _, columns, _ in chunks[:i]) for i in range(len(chunks))]
+    assert sum(columns for _, columns, _ in chunks) == length
+    parity = attention_parity_context(tiny_model)
+    for _, columns, cached in chunks[:-1]:
+        assert columns * (1 + cached / parity) <= budget < (columns + 1) * (1 + cached / parity)
+    assert chunks[-2][1] < budget  # the tiny model reaches parity at 288 columns
+
+
+def test_with_nothing_decoding_a_long_prompt_is_read_in_wider_passes(
+        make_scheduler, tiny_model, smollm2_tokenizer):
+    expected = one_pass_ids(make_scheduler, tiny_model, smollm2_tokenizer, [LONG],
+                            max_new_tokens=8)
+    forwards = Forwards(tiny_model)
+    try:
+        seqs = sequences(tiny_model, smollm2_tokenizer, [LONG], max_new_tokens=8)
+        scheduler = make_scheduler(max_batch_prefill_tokens=BUDGET)
+        collect(scheduler.submit(seqs))
+    finally:
+        forwards.remove()
+    assert [seqs[0].generated_ids] == expected
+    assert scheduler.max_idle_prefill_tokens == IDLE_PREFILL_FACTOR * BUDGET
+    chunks = forwards.prefill_passes
+    assert chunks[0][1] == IDLE_PREFILL_FACTOR * BUDGET  # not BUDGET: nobody is waiting
+    assert 2 <= len(chunks) < -(-len(seqs[0].prompt_ids) // BUDGET)
+
+
+def test_chunks_narrow_as_the_context_grows_so_each_costs_the_budget(tiny_model):
+    # the tiny model's attention width and weights, from its config and parameters
+    parity = attention_parity_context(tiny_model)
+    assert 250 < parity < 330
+    widths = [prefill_columns(64, 1, cached, 288.0) for cached in (0, 288, 864)]
+    assert widths == [64, 32, 16]
+    assert prefill_columns(64, 4, 0, parity) == 16
+    assert prefill_columns(8, 16, 10_000, parity) == 1  # every prefill moves on
 
 
 def test_a_request_with_prompts_of_different_lengths_is_chunked_as_one_batch(
@@ -153,7 +192,8 @@ def test_a_request_with_prompts_of_different_lengths_is_chunked_as_one_batch(
     forwards = Forwards(tiny_model)
     try:
         seqs = sequences(tiny_model, smollm2_tokenizer, prompts, max_new_tokens=16)
-        steps = list(make_scheduler(max_batch_prefill_tokens=BUDGET).submit(seqs))
+        steps = list(make_scheduler(max_batch_prefill_tokens=BUDGET,
+                                    max_idle_prefill_tokens=BUDGET).submit(seqs))
     finally:
         forwards.remove()
     assert [seq.generated_ids for seq in seqs] == expected
@@ -203,7 +243,8 @@ def test_a_request_cancelled_mid_prefill_leaves_with_its_cache(make_scheduler, t
                                                                 smollm2_tokenizer):
     events: list[tuple] = []
     tokens = Tokens(events)
-    scheduler = make_scheduler(max_batch_prefill_tokens=BUDGET, observers=[tokens])
+    scheduler = make_scheduler(max_batch_prefill_tokens=BUDGET, max_idle_prefill_tokens=BUDGET,
+                               observers=[tokens])
     forwards = Forwards(tiny_model, hold_first_chunk=True)
     try:
         stream = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [LONG],
@@ -229,7 +270,7 @@ def test_a_request_cancelled_mid_prefill_leaves_with_its_cache(make_scheduler, t
 
 def test_a_chunk_that_raises_fails_only_its_request(make_scheduler, tiny_model,
                                                      smollm2_tokenizer):
-    scheduler = make_scheduler(max_batch_prefill_tokens=BUDGET)
+    scheduler = make_scheduler(max_batch_prefill_tokens=BUDGET, max_idle_prefill_tokens=BUDGET)
     failing = Forwards(tiny_model, fails=lambda kwargs: kwargs["input_ids"].shape[1] > 1
                        and kwargs["past_key_values"].get_seq_length() > 0)  # a later chunk
     try:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from djl_stream.generation.scheduler import IDLE_PREFILL_FACTOR
 from djl_stream.serving.inputs import Input
 from djl_stream.serving.properties import djl_init_properties
 
@@ -312,24 +313,30 @@ def test_option_max_request_input_length_counts_each_prompt_at_the_longest(tmp_p
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_of_option_max_batch_prefill_tokens(
-        tmp_path, tiny_model_dir, handler):
-    directory = variant_dir(tmp_path, tiny_model_dir, "", "option.max_batch_prefill_tokens=32\n")
+        tmp_path, tiny_model_dir):
+    directory = variant_dir(tmp_path, tiny_model_dir, "",
+                            "option.max_batch_prefill_tokens=32\noption.max_input_length=512\n")
     module = init(load_entry_point(directory), directory)
-    assert scheduler_of(module).max_batch_prefill_tokens == 32
+    scheduler = scheduler_of(module)
+    assert scheduler.max_batch_prefill_tokens == 32
+    # alone (nothing decoding), it is read in passes of the idle budget the property sets
+    assert scheduler.max_idle_prefill_tokens == IDLE_PREFILL_FACTOR * 32 == 256
     widths = []
     hook = module._service.model.model.register_forward_pre_hook(
         lambda decoder, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
         with_kwargs=True)
-    body = {"inputs": "word " * 60, "parameters": {"max_new_tokens": 8}, "stream": False}
+    body = {"inputs": "word " * 300, "parameters": {"max_new_tokens": 8}, "stream": False}
     try:
         chunked = body_json(request(module, body))
     finally:
         hook.remove()
     length = len(module._service.tokenizer(body["inputs"])["input_ids"])
-    assert 32 < length <= 64
-    assert widths[:2] == [32, length - 32] and set(widths[2:]) == {1}  # 2 chunks, then decode
-    # the default budget reads it in one pass, and the text is the same
-    assert chunked == body_json(request(handler, body))
+    assert 256 < length <= 512
+    assert widths[:2] == [256, length - 256] and set(widths[2:]) == {1}  # 2 chunks, then decode
+    # a budget beyond the prompt reads it in one pass, and the text is the same
+    one_pass = variant_dir(tmp_path / "one-pass", tiny_model_dir, "",
+                           "option.max_batch_prefill_tokens=4096\noption.max_input_length=512\n")
+    assert chunked == body_json(request(init(load_entry_point(one_pass), one_pass), body))
 
 
 def test_a_full_queue_answers_503_and_serving_goes_on(tmp_path, tiny_model_dir):

@@ -110,7 +110,7 @@ class ModelProperties:
         max_batch_prefill_tokens: the most prompt tokens (rows × columns, padding
             included) one prefill forward pass feeds; a longer prompt is read in chunks,
             with a decode step of the running batch between them (chunked prefill, as
-            TGI's ``max_batch_prefill_tokens``). ``None`` picks one for the device (64 on
+            TGI's ``max_batch_prefill_tokens``). ``None`` picks one for the device (32 on
             CPU, 2048 on an accelerator); at least ``max_rolling_batch_size``.
         output_formatter: built-in formatter name (``jsonlines``, ``sse``) or the name of a
             function in ``model.py`` (or that function, as djl's worker may pass it).
