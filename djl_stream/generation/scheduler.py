@@ -6,7 +6,9 @@ in arrival order while the running batch has room; those that fit in the prefill
 (``max_batch_prefill_tokens``: rows × prompt columns per forward pass) are prefilled
 together in one pass, and a longer prompt is prefilled in chunks of that budget, one per
 cycle, building its own KV cache, so that the running batch keeps taking decode steps
-while it is read (chunked prefill). Once its last chunk has chosen its first token, the
+while it is read (chunked prefill). A chunk deep into a long prompt attends to all of it,
+so it feeds fewer columns (:func:`prefill_columns`); with nothing decoding, the budget is
+wider (``max_idle_prefill_tokens``). Once its last chunk has chosen its first token, the
 request joins the running batch. A finished, stopped or abandoned request leaves the
 batch, and its KV-cache rows are freed, at the next step. Each request keeps its own
 sampling parameters, seed, stop strings and limits, so batching never changes what a
@@ -25,7 +27,8 @@ metrics and log lines, so this package never needs a metrics library.
 
 Example::
 
-    scheduler = Scheduler(model, tokenizer, max_batch_size=32, max_queue=100)
+    scheduler = Scheduler(model, pad_token_id=tokenizer.pad_token_id, device="cpu",
+                          max_batch_size=32, max_queue=100)
     stream = scheduler.submit(build_sequences(model, tokenizer, prompt_ids, max_new_tokens=64))
     for pieces in stream:
         print(pieces[0], end="", flush=True)
