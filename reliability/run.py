@@ -5,7 +5,8 @@ It runs the hostile-input catalogue (:mod:`.catalogue`, every case judged by
 :mod:`.probe`), then the scenarios (:mod:`.scenarios`) on servers configured for each: the
 model's own limits for streams, a long prompt and a soak; a batch of one and a small queue
 for a flood and a queued client; short HTTP timeouts for slowloris; a fresh server for
-SIGTERM. Targets are judged and written, never asserted: the exit status is 0 whatever the
+the largest request the limits allow (its peak resident size is that request's) and one
+for SIGTERM. Targets are judged and written, never asserted: the exit status is 0 whatever the
 verdicts (``make reliability``); ``tests/test_reliability.py`` runs a short version.
 
 Examples::
@@ -80,6 +81,11 @@ def run(model_dir: Path, quick: bool, workdir: Path) -> dict:
         max_input = int(server_option(model_dir, "max_input_length", "4096"))
         findings.append(scenarios.long_prompt_arrival(server, max_input, step_s))
         findings.append(scenarios.soak(server, sizes["soak"]))
+
+    # A server of its own, with the model's own limits: its peak is this request's alone.
+    with start(model_dir, "largest", workdir) as server:
+        shape = dict(rows=32, prompt_words=60) if quick else dict(rows=2, prompt_words=3500)
+        findings.append(scenarios.largest_request(server, max_new_tokens_limit=limit, **shape))
 
     queue_options = {"max_rolling_batch_size": "1", "job_queue_size": "4"}
     with start(model_dir, "queue", workdir, queue_options) as server:

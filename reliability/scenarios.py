@@ -288,6 +288,49 @@ def long_prompt_arrival(server: ServerProcess, max_input_tokens: int, step_s: fl
                    speed_dependent=True)
 
 
+KV_LIMIT = re.compile(r"(\d+) prompts? of up to (\d+) tokens .* the limit "
+                      r"\(option\.max_request_kv_tokens\) is (\d+)")
+
+
+def largest_request(server: ServerProcess, rows: int, prompt_words: int,
+                    max_new_tokens_limit: int) -> Finding:
+    """The largest single request the server's limits allow, on a server that has served
+    nothing else: its resident size once loaded, and its peak (``VmHWM``, which includes
+    the load) after a request of ``rows`` prompts of ``prompt_words`` words whose new
+    tokens fill ``option.max_request_kv_tokens`` exactly, greedy and ``ignore_eos`` so it
+    runs to the last one. The bound is read from the server's own refusal of
+    ``max_new_tokens_limit`` new tokens for each prompt, which must be a 400 naming it."""
+    loaded = server.memory()
+    prompts = [" ".join([f"word{i}"] + ["word"] * (prompt_words - 1)) for i in range(rows)]
+
+    def body(tokens: int) -> dict:
+        return {"inputs": prompts, "stream": False,
+                "parameters": {"max_new_tokens": tokens, "ignore_eos": True}}
+    with httpx.Client(timeout=DEADLINE_S * 4) as client:
+        refused = client.post(server.url, json=body(max_new_tokens_limit))
+        found = KV_LIMIT.search(refused.text) if refused.status_code == 400 else None
+        if found is None:
+            return Finding("largest request the limits allow", "peak RSS < 2 × RSS once loaded",
+                           False, {"over the bound": f"{refused.status_code} (not a 400 naming "
+                                                     "option.max_request_kv_tokens)"})
+        longest, limit = int(found.group(2)), int(found.group(3))
+        tokens = min(max_new_tokens_limit, limit // rows - longest)
+        answer = client.post(server.url, json=body(tokens))
+    time.sleep(0.5)
+    after = server.memory()
+    positions = rows * (longest + tokens)
+    ratio = after.peak / loaded.rss if loaded and after else float("nan")
+    return Finding("largest request the limits allow", "peak RSS < 2 × RSS once loaded",
+                   answer.status_code == 200 and ratio < 2,
+                   {"request": f"{rows} × ({longest} prompt + {tokens} new tokens) = {positions} "
+                               f"KV-cache positions of {limit} allowed; answered "
+                               f"{answer.status_code}",
+                    "over the bound": "400 naming option.max_request_kv_tokens",
+                    "RSS once loaded": f"{loaded.rss / 2**20:.0f} MB",
+                    "peak": f"{after.peak / 2**20:.0f} MB ({ratio:.2f}×)",
+                    "RSS after": f"{after.rss / 2**20:.0f} MB"})
+
+
 def soak(server: ServerProcess, requests: int, settle_s: float = 1.0) -> Finding:
     """``requests`` short requests, four at a time; resident memory before and after."""
     before = server.memory()

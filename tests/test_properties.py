@@ -75,6 +75,12 @@ def test_a_request_may_bring_twice_max_input_length_unless_set():
     ).max_request_input_length == 150
 
 
+def test_a_request_s_kv_bound_is_derived_from_the_model_unless_set():
+    assert ModelProperties.from_init_properties({}).max_request_kv_tokens is None
+    assert ModelProperties.from_init_properties(
+        {"max_request_kv_tokens": "20000"}).max_request_kv_tokens == 20000
+
+
 def test_the_prefill_budget_is_the_device_s_unless_set():
     assert ModelProperties.from_init_properties({}).max_batch_prefill_tokens is None
     assert ModelProperties.from_init_properties(
@@ -93,6 +99,11 @@ def test_the_prefill_budget_is_the_device_s_unless_set():
         ({"max_batch_prefill_tokens": "16", "max_rolling_batch_size": "64"},
          "max_batch_prefill_tokens", "at least option.max_rolling_batch_size (64)"),
         ({"max_batch_prefill_tokens": "lots"}, "max_batch_prefill_tokens", "integer"),
+        ({"max_request_kv_tokens": "6143"}, "max_request_kv_tokens",
+         "at least option.max_input_length + option.max_new_tokens_limit (6144), got 6143"),
+        ({"max_request_kv_tokens": "300", "max_input_length": "64",
+          "max_new_tokens_limit": "256"}, "max_request_kv_tokens", "(320), got 300"),
+        ({"max_request_kv_tokens": "0"}, "max_request_kv_tokens", "at least 1"),
     ],
 )
 def test_limits_below_what_they_must_hold_are_refused(values, key, words):

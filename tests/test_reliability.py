@@ -102,3 +102,14 @@ def test_slowloris_connections_are_answered_408_and_closed(tiny_model_dir, workd
     with start(tiny_model_dir, "slowloris", workdir, flags=("--timeout-header", "1")) as server:
         finding = scenarios.slowloris(server, connections=20, header_timeout_s=1)
     assert finding.passed, finding
+
+
+def test_the_largest_request_the_limits_allow_is_served_and_one_more_is_refused(
+        tiny_model_dir, workdir):
+    # the tiny model's own bound (from its weights' size) is beyond what 32 prompts of 64
+    # tokens with 256 new tokens can reach, so this server sets a small one
+    with start(tiny_model_dir, "largest", workdir, {"max_request_kv_tokens": "400"}) as server:
+        finding = scenarios.largest_request(server, rows=4, prompt_words=10,
+                                            max_new_tokens_limit=256)
+    assert finding.passed, finding
+    assert "of 400 allowed; answered 200" in finding.figures["request"]

@@ -43,6 +43,14 @@ def request(module, body):
     return module.handle(inp)
 
 
+def request_as(module, body, protocol):
+    """``body`` as the local server hands it to ``handle()`` from ``protocol``'s route."""
+    inp = Input(properties={"content-type": "application/json", "requestId": uuid.uuid4().hex,
+                            "djl_stream_protocol": protocol})
+    inp.add("data", json.dumps(body).encode())
+    return module.handle(inp)
+
+
 def scheduler_of(module):
     """The continuous-batching scheduler of the model that module's service loaded."""
     from djl_stream.generation.scheduler import _SCHEDULERS
@@ -337,6 +345,54 @@ def test_a_long_prompt_is_prefilled_in_chunks_of_option_max_batch_prefill_tokens
     one_pass = variant_dir(tmp_path / "one-pass", tiny_model_dir, "",
                            "option.max_batch_prefill_tokens=4096\noption.max_input_length=512\n")
     assert chunked == body_json(request(init(load_entry_point(one_pass), one_pass), body))
+
+
+def test_option_max_request_kv_tokens_bounds_prompts_times_their_whole_length(
+        tmp_path, tiny_model_dir):
+    # Issue 9: a request's KV cache holds rows x (longest prompt + max_new_tokens) by its
+    # last step; 32 prompts x 2,048 new tokens would be ~9 GB for SmolLM2, so a bound
+    # refuses it, on every protocol, before any model work.
+    directory = variant_dir(tmp_path, tiny_model_dir, "", "option.max_request_kv_tokens=400\n")
+    module = init(load_entry_point(directory), directory)
+    assert module._service.max_request_kv_tokens == 400
+    words = " ".join(["word"] * 9)
+    length = len(module._service.tokenizer(words)["input_ids"])
+    forwards = []
+    hook = module._service.model.register_forward_pre_hook(
+        lambda model, args, kwargs: forwards.append(kwargs["input_ids"].shape), with_kwargs=True)
+    try:
+        out = request(module, {"inputs": [words, "hi"], "parameters": {"max_new_tokens": 200}})
+        assert out.code == 400
+        assert body_json(out) == {
+            "code": 400, "type": "RequestError", "field": "parameters.max_new_tokens",
+            "message": f"parameters.max_new_tokens: 2 prompts of up to {length} tokens with 200 "
+                       f"new tokens each would hold 2 × ({length} + 200) = {2 * (length + 200)} "
+                       "KV-cache positions; the limit (option.max_request_kv_tokens) is 400: ask "
+                       "for fewer new tokens or send fewer prompts"}
+        openai = request_as(module, {"prompt": words, "n": 2, "max_tokens": 200,
+                                     "temperature": 0}, "openai-completions")
+        assert openai.code == 400
+        error = body_json(openai)["error"]
+        assert error["param"] == "max_tokens" and "option.max_request_kv_tokens) is 400" in \
+            error["message"]
+        # (TGI's /generate brings one prompt, which the bound always admits: it is at
+        # least max_input_length + max_new_tokens_limit, see test_properties)
+        assert forwards == []  # every refusal came before any model work
+        # one prompt of the same length fits: 1 x (length + 200) <= 400
+        fits = request(module, {"inputs": words, "parameters": {"max_new_tokens": 200},
+                                "stream": False})
+        assert fits.code == 200
+    finally:
+        hook.remove()
+
+
+def test_max_request_kv_tokens_defaults_to_what_fits_in_the_weights_size(handler):
+    service = handler._service
+    weights = sum(p.numel() * p.element_size() for p in service.model.parameters())
+    config = service.model.config
+    per_position = (config.num_hidden_layers * 2 * config.num_key_value_heads
+                    * (config.hidden_size // config.num_attention_heads) * 4)
+    assert service.max_request_kv_tokens == max(64 + 256, weights // per_position)
 
 
 def test_a_full_queue_answers_503_and_serving_goes_on(tmp_path, tiny_model_dir):

@@ -20,6 +20,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from pydantic import BaseModel, ValidationError
 
+from djl_stream.generation.kv_memory import kv_positions
+
 
 class RequestError(ValueError):
     """The request is malformed; answered with HTTP 400 and :meth:`to_dict` as the body.
@@ -288,3 +290,32 @@ def check_request_input_length(field: str, lengths: Sequence[int], limit: int) -
         raise RequestError(field, f"{field}: {len(lengths)} prompts of up to {longest} tokens "
                                   f"take {total} tokens (each is padded to the longest); the "
                                   f"limit (option.max_request_input_length) is {limit}")
+
+
+def check_request_kv_positions(field: str, lengths: Sequence[int], max_new_tokens: int,
+                               limit: Optional[int]) -> None:
+    """Refuse a request whose KV cache would outgrow ``option.max_request_kv_tokens`` by
+    its last step (``limit``; ``None``: no bound). ``field`` is the request's
+    ``max_new_tokens`` field: the one a client lowers first.
+
+    >>> check_request_kv_positions("parameters.max_new_tokens", [500] * 8, 2048, 11676)
+    Traceback (most recent call last):
+    ...
+    djl_stream.protocols.validation.RequestError: parameters.max_new_tokens: 8 prompts of up to 500 tokens with 2048 new tokens each would hold 8 × (500 + 2048) = 20384 KV-cache positions; the limit (option.max_request_kv_tokens) is 11676: ask for fewer new tokens or send fewer prompts
+    >>> check_request_kv_positions("max_tokens", [500] * 8, 900, 11676)   # 11200 fits
+    """
+    if limit is None or not lengths:
+        return
+    longest = max(lengths)
+    positions = kv_positions(len(lengths), longest, max_new_tokens)
+    if positions > limit:
+        raise RequestError(
+            field,
+            f"{field}: {_prompts(len(lengths))} of up to {longest} tokens with {max_new_tokens} "
+            f"new tokens each would hold {len(lengths)} × ({longest} + {max_new_tokens}) = "
+            f"{positions} KV-cache positions; the limit (option.max_request_kv_tokens) is "
+            f"{limit}: ask for fewer new tokens or send fewer prompts")
+
+
+def _prompts(count: int) -> str:
+    return f"{count} prompt{'' if count == 1 else 's'}"

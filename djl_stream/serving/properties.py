@@ -107,6 +107,12 @@ class ModelProperties:
             request's prompts are padded to it, in the prefill and in the KV cache);
             ``None`` means twice ``max_input_length``: two prompts of the longest length
             (OpenAI's ``n=2``, say), and never the 32 of them a full batch would hold.
+        max_request_kv_tokens: the most KV-cache positions one request may hold by its
+            last step: its prompts × (the longest prompt + ``max_new_tokens``), padding
+            included; more is a 400 before any model work. ``None`` means as many as fit
+            in the size of the model's weights, and at least one prompt of
+            ``max_input_length`` with ``max_new_tokens_limit`` new tokens (see
+            :func:`djl_stream.generation.kv_memory.default_max_request_kv_tokens`).
         max_batch_prefill_tokens: the most prompt tokens (rows × columns, padding
             included) one prefill forward pass feeds; a longer prompt is read in chunks,
             with a decode step of the running batch between them (chunked prefill, as
@@ -151,6 +157,7 @@ class ModelProperties:
     max_new_tokens_limit: int = 2048
     max_input_length: int = 4096
     max_request_input_length: Optional[int] = None
+    max_request_kv_tokens: Optional[int] = None
     max_batch_prefill_tokens: Optional[int] = None
     output_formatter: Any = "jsonlines"
     chat_protocol: str = "openai"
@@ -224,7 +231,8 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
             out[key] = _as_bool(key, value)
         elif key in ("default_max_new_tokens", "max_new_tokens_limit", "max_input_length",
                      "max_rolling_batch_size", "job_queue_size", "n_positions",
-                     "max_request_input_length", "max_batch_prefill_tokens"):
+                     "max_request_input_length", "max_batch_prefill_tokens",
+                     "max_request_kv_tokens"):
             out[key] = _as_int(key, value)
         elif key == "apply_chat_template":
             text = str(value).strip().lower()
@@ -264,6 +272,15 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
         )
     _at_least(out, "max_request_input_length", "max_input_length",
               "a request could not bring even one prompt of the longest length")
+    if "max_request_kv_tokens" in out:
+        floor = (out.get("max_input_length", _DEFAULTS["max_input_length"])
+                 + out.get("max_new_tokens_limit", _DEFAULTS["max_new_tokens_limit"]))
+        if out["max_request_kv_tokens"] < floor:
+            raise PropertyError(
+                "option.max_request_kv_tokens",
+                f"must be at least option.max_input_length + option.max_new_tokens_limit "
+                f"({floor}), got {out['max_request_kv_tokens']}: one prompt of the longest "
+                "length with the most new tokens must fit")
     _at_least(out, "max_batch_prefill_tokens", "max_rolling_batch_size",
               "a decode step feeds that many tokens, and a prefill chunk needs one column "
               "of every prompt of a request")

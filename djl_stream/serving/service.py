@@ -37,6 +37,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from djl_stream.generation.errors import QueueFullError, ShuttingDown
 from djl_stream.generation.step import Step
+from djl_stream.generation.kv_memory import default_max_request_kv_tokens
 from djl_stream.generation.streaming_utils import StreamingUtils
 from djl_stream.protocols.djl.formatters import StreamFormatter, resolve_formatter
 from djl_stream.protocols.djl.protocol import djl_protocol
@@ -45,6 +46,7 @@ from djl_stream.protocols.protocol import (PROTOCOL_PROPERTY, EncodedStream, Fai
 from djl_stream.protocols.request import GenerationRequest
 from djl_stream.protocols.validation import (RequestError, check_input_characters,
                                              check_input_length, check_request_input_length,
+                                             check_request_kv_positions,
                                              parse_json_body)
 from djl_stream.serving.cancellation import Cancellation, CancellableStream, cancellation_of
 from djl_stream.serving.properties import ModelProperties
@@ -148,6 +150,7 @@ class StreamingService:
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.props: Optional[ModelProperties] = None
         self.model = None
+        self.max_request_kv_tokens: Optional[int] = None
         self.tokenizer = None
         self.engine: Optional[str] = None
         self.stream_generator = None
@@ -223,6 +226,12 @@ class StreamingService:
 
                 start_djl_metric_lines(Path(props.model_dir).name)
             self._warm_up(model, tokenizer)
+            self.max_request_kv_tokens = props.max_request_kv_tokens or \
+                default_max_request_kv_tokens(model, props.max_input_length,
+                                              props.max_new_tokens_limit)
+            logger.info("a request may hold up to %s KV-cache positions "
+                        "(option.max_request_kv_tokens%s)", self.max_request_kv_tokens,
+                        "" if props.max_request_kv_tokens else ", derived from the weights' size")
             self.model, self.tokenizer, self.props = model, tokenizer, props
             logger.info("model ready: engine=%s formatter=%s", self.engine, self.formatter)
 
@@ -414,6 +423,10 @@ class StreamingService:
         # the limit (one request's prefill and KV cache stay bounded).
         check_request_input_length(protocol.prompt_field(request, 0).split("[")[0], lengths,
                                    self.props.max_request_input_length)
+        # ... nor may its KV cache outgrow its bound by the last step (one request's memory
+        # stays bounded however many prompts and new tokens it asks for).
+        check_request_kv_positions(protocol.max_new_tokens_field(request), lengths,
+                                   request.parameters.max_new_tokens, self.max_request_kv_tokens)
         for i, n in enumerate(lengths):
             name = protocol.prompt_field(request, i)
             wanted = n + request.parameters.max_new_tokens

@@ -1,0 +1,83 @@
+"""How much memory a request's KV cache takes, and how many cache positions one request
+may hold by default.
+
+A request's prompts are decoded side by side in one batch, each left-padded to the
+longest, and each row's cache grows by one position per new token: a request holds
+``rows × (longest prompt + max_new_tokens)`` KV-cache positions by its last step, whatever
+its prompts' own lengths. Each position costs, per layer, one key and one value vector per
+key/value head.
+
+    >>> from transformers import LlamaConfig
+    >>> config = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+    ...                      num_key_value_heads=3)   # SmolLM2-135M's shape
+    >>> kv_bytes_per_position(config, element_size=4)   # fp32
+    46080
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+
+def kv_positions(rows: int, longest_prompt: int, max_new_tokens: int) -> int:
+    """KV-cache positions a request of ``rows`` prompts holds by its last step.
+
+    >>> kv_positions(2, 4096, 2048)
+    12288
+    """
+    return rows * (longest_prompt + max_new_tokens)
+
+
+def kv_bytes_per_position(config, element_size: int) -> Optional[int]:
+    """Bytes one cache position takes across all layers (keys and values), or ``None``
+    where the config does not say (no layer count, head count or width)."""
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    hidden = getattr(config, "hidden_size", None)
+    if not (layers and heads and hidden):
+        return None
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return layers * 2 * kv_heads * head_dim * element_size
+
+
+def default_max_request_kv_tokens(model, max_input_length: int,
+                                  max_new_tokens_limit: int) -> Optional[int]:
+    """The most KV-cache positions one request may hold when
+    ``option.max_request_kv_tokens`` is not set: as many as fit in the size of the model's
+    weights, so that one request's cache never takes more memory than the model itself,
+    and at least one prompt of ``max_input_length`` with ``max_new_tokens_limit`` new
+    tokens. ``None`` (no bound) for a model that does not say its weights or shape (the
+    transformers-neuronx engine: its compiled shapes bound its cache).
+
+    SmolLM2-135M in fp32 (538 MB of weights, 46,080 bytes a position) gets 11,676
+    positions: one 4,096-token prompt with 2,048 new tokens fits, two of them do not.
+
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> tiny = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=64,
+    ...     intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    ...     num_key_value_heads=2))
+    >>> default_max_request_kv_tokens(tiny, 64, 256)   # 808,192 bytes / 512 a position
+    1578
+    >>> default_max_request_kv_tokens(tiny, 4096, 2048)   # never below one long request
+    6144
+    """
+    try:
+        parameters = list(model.parameters())
+    except (AttributeError, TypeError):
+        return None
+    if not parameters:
+        return None
+    element_size = parameters[0].element_size()
+    per_position = kv_bytes_per_position(getattr(model, "config", None), element_size)
+    if not per_position:
+        return None
+    seen, weight_bytes = set(), 0
+    for parameter in parameters:
+        if id(parameter) not in seen:  # tied embeddings count once
+            seen.add(id(parameter))
+            weight_bytes += parameter.numel() * parameter.element_size()
+    return max(max_input_length + max_new_tokens_limit, weight_bytes // per_position)
