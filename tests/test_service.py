@@ -392,7 +392,7 @@ def test_max_request_kv_tokens_defaults_to_what_fits_in_the_weights_size(handler
     config = service.model.config
     per_position = (config.num_hidden_layers * 2 * config.num_key_value_heads
                     * (config.hidden_size // config.num_attention_heads) * 4)
-    assert service.max_request_kv_tokens == max(64 + 256, weights // per_position)
+    assert service.max_request_kv_tokens == max(64 + 256, int(0.75 * weights) // per_position)
 
 
 def test_a_full_queue_answers_503_and_serving_goes_on(tmp_path, tiny_model_dir):

@@ -44,24 +44,33 @@ def kv_bytes_per_position(config, element_size: int) -> Optional[int]:
     return layers * 2 * kv_heads * head_dim * element_size
 
 
+#: The share of the weights' size one request's KV cache may take by default. The cache
+#: grows a position per step, and each step's larger per-layer tensors cannot reuse the
+#: holes the smaller ones left, so the process grows by about 1.7 times the cache's own
+#: bytes: a request filling the weights' whole size peaked at 1.98 times the loaded
+#: resident size (SmolLM2-135M, `make reliability`); three quarters keeps it near 1.7.
+KV_SHARE_OF_WEIGHTS = 0.75
+
+
 def default_max_request_kv_tokens(model, max_input_length: int,
                                   max_new_tokens_limit: int) -> Optional[int]:
     """The most KV-cache positions one request may hold when
-    ``option.max_request_kv_tokens`` is not set: as many as fit in the size of the model's
-    weights, so that one request's cache never takes more memory than the model itself,
+    ``option.max_request_kv_tokens`` is not set: as many as fit in three quarters of the
+    size of the model's weights (:data:`KV_SHARE_OF_WEIGHTS`), so that one request never
+    grows the process to twice its loaded size,
     and at least one prompt of ``max_input_length`` with ``max_new_tokens_limit`` new
     tokens. ``None`` (no bound) for a model that does not say its weights or shape (the
     transformers-neuronx engine: its compiled shapes bound its cache).
 
-    SmolLM2-135M in fp32 (538 MB of weights, 46,080 bytes a position) gets 11,676
+    SmolLM2-135M in fp32 (538 MB of weights, 46,080 bytes a position) gets 8,757
     positions: one 4,096-token prompt with 2,048 new tokens fits, two of them do not.
 
     >>> from transformers import LlamaConfig, LlamaForCausalLM
     >>> tiny = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=64,
     ...     intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     ...     num_key_value_heads=2))
-    >>> default_max_request_kv_tokens(tiny, 64, 256)   # 808,192 bytes / 512 a position
-    1578
+    >>> default_max_request_kv_tokens(tiny, 64, 256)   # 3/4 of 808,192 bytes / 512 a position
+    1183
     >>> default_max_request_kv_tokens(tiny, 4096, 2048)   # never below one long request
     6144
     """
@@ -80,4 +89,5 @@ def default_max_request_kv_tokens(model, max_input_length: int,
         if id(parameter) not in seen:  # tied embeddings count once
             seen.add(id(parameter))
             weight_bytes += parameter.numel() * parameter.element_size()
-    return max(max_input_length + max_new_tokens_limit, weight_bytes // per_position)
+    return max(max_input_length + max_new_tokens_limit,
+               int(KV_SHARE_OF_WEIGHTS * weight_bytes) // per_position)

@@ -110,7 +110,7 @@ class ModelProperties:
         max_request_kv_tokens: the most KV-cache positions one request may hold by its
             last step: its prompts × (the longest prompt + ``max_new_tokens``), padding
             included; more is a 400 before any model work. ``None`` means as many as fit
-            in the size of the model's weights, and at least one prompt of
+            in three quarters of the size of the model's weights, and at least one prompt of
             ``max_input_length`` with ``max_new_tokens_limit`` new tokens (see
             :func:`djl_stream.generation.kv_memory.default_max_request_kv_tokens`).
         max_batch_prefill_tokens: the most prompt tokens (rows × columns, padding
