@@ -153,10 +153,7 @@ def cancel_a_running_whole_answer(handler, error=None):
                   "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}, cancellation)))
     asker.start()
     wait_until(lambda: scheduler.running_size == 1, "the request never ran")
-    if error is None:
-        cancellation.cancel()
-    else:
-        cancellation.cancel(error)
+    cancellation.cancel(error)
     asker.join(DEADLINE)
     return answers["out"]
 

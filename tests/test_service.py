@@ -37,17 +37,12 @@ def init(module, model_dir: Path):
     return module
 
 
-def request(module, body):
+def request(module, body, protocol=None):
+    """``body`` as handed to ``handle()``; ``protocol`` as the local server names a route's."""
     inp = Input(properties={"content-type": "application/json", "requestId": uuid.uuid4().hex})
+    if protocol:
+        inp.properties["djl_stream_protocol"] = protocol
     inp.add("data", json.dumps(body).encode() if not isinstance(body, bytes) else body)
-    return module.handle(inp)
-
-
-def request_as(module, body, protocol):
-    """``body`` as the local server hands it to ``handle()`` from ``protocol``'s route."""
-    inp = Input(properties={"content-type": "application/json", "requestId": uuid.uuid4().hex,
-                            "djl_stream_protocol": protocol})
-    inp.add("data", json.dumps(body).encode())
     return module.handle(inp)
 
 
@@ -354,7 +349,7 @@ def test_option_max_request_kv_tokens_bounds_prompts_times_their_whole_length(
     # refuses it, on every protocol, before any model work.
     directory = variant_dir(tmp_path, tiny_model_dir, "", "option.max_request_kv_tokens=400\n")
     module = init(load_entry_point(directory), directory)
-    assert module._service.max_request_kv_tokens == 400
+    assert module._service.props.max_request_kv_tokens == 400
     words = " ".join(["word"] * 9)
     length = len(module._service.tokenizer(words)["input_ids"])
     forwards = []
@@ -369,8 +364,8 @@ def test_option_max_request_kv_tokens_bounds_prompts_times_their_whole_length(
                        f"new tokens each would hold 2 × ({length} + 200) = {2 * (length + 200)} "
                        "KV-cache positions; the limit (option.max_request_kv_tokens) is 400: ask "
                        "for fewer new tokens or send fewer prompts"}
-        openai = request_as(module, {"prompt": words, "n": 2, "max_tokens": 200,
-                                     "temperature": 0}, "openai-completions")
+        openai = request(module, {"prompt": words, "n": 2, "max_tokens": 200,
+                                 "temperature": 0}, "openai-completions")
         assert openai.code == 400
         error = body_json(openai)["error"]
         assert error["param"] == "max_tokens" and "option.max_request_kv_tokens) is 400" in \
@@ -392,7 +387,8 @@ def test_max_request_kv_tokens_defaults_to_what_fits_in_the_weights_size(handler
     config = service.model.config
     per_position = (config.num_hidden_layers * 2 * config.num_key_value_heads
                     * (config.hidden_size // config.num_attention_heads) * 4)
-    assert service.max_request_kv_tokens == max(64 + 256, int(0.75 * weights) // per_position)
+    assert service.props.max_request_kv_tokens == max(64 + 256,
+                                                      int(0.75 * weights) // per_position)
 
 
 def test_a_full_queue_answers_503_and_serving_goes_on(tmp_path, tiny_model_dir):

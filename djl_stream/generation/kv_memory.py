@@ -17,7 +17,7 @@ key/value head.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import NamedTuple, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -31,17 +31,41 @@ def kv_positions(rows: int, longest_prompt: int, max_new_tokens: int) -> int:
     return rows * (longest_prompt + max_new_tokens)
 
 
-def kv_bytes_per_position(config, element_size: int) -> Optional[int]:
-    """Bytes one cache position takes across all layers (keys and values), or ``None``
-    where the config does not say (no layer count, head count or width)."""
+class AttentionShape(NamedTuple):
+    """What a transformers config says of a decoder's attention."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def attention_shape(config) -> Optional[AttentionShape]:
+    """The attention shape ``config`` gives (key/value heads default to the query heads,
+    as before grouped-query attention; the head size to the width over the heads), or
+    ``None`` where it does not say the layer count, head count or width.
+
+    >>> from transformers import LlamaConfig
+    >>> attention_shape(LlamaConfig(hidden_size=576, num_hidden_layers=30,
+    ...                             num_attention_heads=9, num_key_value_heads=3))
+    AttentionShape(layers=30, heads=9, kv_heads=3, head_dim=64)
+    """
     layers = getattr(config, "num_hidden_layers", None)
     heads = getattr(config, "num_attention_heads", None)
     hidden = getattr(config, "hidden_size", None)
     if not (layers and heads and hidden):
         return None
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    return layers * 2 * kv_heads * head_dim * element_size
+    return AttentionShape(layers, heads, getattr(config, "num_key_value_heads", None) or heads,
+                          getattr(config, "head_dim", None) or hidden // heads)
+
+
+def kv_bytes_per_position(config, element_size: int) -> Optional[int]:
+    """Bytes one cache position takes across all layers (keys and values), or ``None``
+    where the config does not say its attention shape."""
+    shape = attention_shape(config)
+    if shape is None:
+        return None
+    return shape.layers * 2 * shape.kv_heads * shape.head_dim * element_size
 
 
 #: The share of the weights' size one request's KV cache may take by default. The cache
@@ -84,10 +108,7 @@ def default_max_request_kv_tokens(model, max_input_length: int,
     per_position = kv_bytes_per_position(getattr(model, "config", None), element_size)
     if not per_position:
         return None
-    seen, weight_bytes = set(), 0
-    for parameter in parameters:
-        if id(parameter) not in seen:  # tied embeddings count once
-            seen.add(id(parameter))
-            weight_bytes += parameter.numel() * parameter.element_size()
+    # parameters() yields tied embeddings once
+    weight_bytes = sum(parameter.numel() * parameter.element_size() for parameter in parameters)
     return max(max_input_length + max_new_tokens_limit,
                int(KV_SHARE_OF_WEIGHTS * weight_bytes) // per_position)

@@ -52,6 +52,7 @@ from typing import Deque, Dict, Iterator, List, Optional, Sequence
 from djl_stream.generation import kv_cache
 from djl_stream.generation.batch import CausalLMBatch, generate_token, prefill_chunk
 from djl_stream.generation.errors import GenerationFailed, QueueFullError
+from djl_stream.generation.kv_memory import attention_shape
 from djl_stream.generation.sequence import GenerationSequence
 from djl_stream.generation.step import Generation, Step
 
@@ -720,18 +721,14 @@ def attention_parity_context(model) -> float:
     >>> round(attention_parity_context(LlamaForCausalLM(config)))
     288
     """
-    config = getattr(model, "config", None)
-    layers = getattr(config, "num_hidden_layers", None)
-    heads = getattr(config, "num_attention_heads", None)
-    hidden = getattr(config, "hidden_size", None)
-    if not (layers and heads and hidden):
+    shape = attention_shape(getattr(model, "config", None))
+    if shape is None:
         return math.inf
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
     embeddings = {id(p) for module in (model.get_input_embeddings(), model.get_output_embeddings())
                   if module is not None for p in module.parameters()}
     weights = sum(p.numel() for p in model.parameters()
                   if id(p) not in embeddings and p.dim() > 1)
-    attention_flops_per_context_column = 4 * heads * head_dim * layers
+    attention_flops_per_context_column = 4 * shape.heads * shape.head_dim * shape.layers
     return 2 * weights / attention_flops_per_context_column if weights else math.inf
 
 

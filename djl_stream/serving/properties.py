@@ -272,26 +272,23 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
         )
     _at_least(out, "max_request_input_length", "max_input_length",
               "a request could not bring even one prompt of the longest length")
-    if "max_request_kv_tokens" in out:
-        floor = (out.get("max_input_length", _DEFAULTS["max_input_length"])
-                 + out.get("max_new_tokens_limit", _DEFAULTS["max_new_tokens_limit"]))
-        if out["max_request_kv_tokens"] < floor:
-            raise PropertyError(
-                "option.max_request_kv_tokens",
-                f"must be at least option.max_input_length + option.max_new_tokens_limit "
-                f"({floor}), got {out['max_request_kv_tokens']}: one prompt of the longest "
-                "length with the most new tokens must fit")
+    _at_least(out, "max_request_kv_tokens", ("max_input_length", "max_new_tokens_limit"),
+              "one prompt of the longest length with the most new tokens must fit")
     _at_least(out, "max_batch_prefill_tokens", "max_rolling_batch_size",
               "a decode step feeds that many tokens, and a prefill chunk needs one column "
               "of every prompt of a request")
     return out
 
 
-def _at_least(values: dict[str, Any], key: str, floor_key: str, why: str) -> None:
-    """Refuse ``key`` set below ``floor_key`` (its default when unset)."""
-    floor = values.get(floor_key, _DEFAULTS[floor_key])
+def _at_least(values: dict[str, Any], key: str, floor_keys: str | tuple[str, ...],
+              why: str) -> None:
+    """Refuse ``key`` set below ``floor_keys`` (one key, or the sum of several; each its
+    default when unset)."""
+    floor_keys = (floor_keys,) if isinstance(floor_keys, str) else floor_keys
+    floor = sum(values.get(name, _DEFAULTS[name]) for name in floor_keys)
     if key in values and values[key] < floor:
-        raise PropertyError(f"option.{key}", f"must be at least option.{floor_key} ({floor}), "
+        named = " + ".join(f"option.{name}" for name in floor_keys)
+        raise PropertyError(f"option.{key}", f"must be at least {named} ({floor}), "
                                              f"got {values[key]}: {why}")
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import importlib
 import logging
@@ -150,7 +151,6 @@ class StreamingService:
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.props: Optional[ModelProperties] = None
         self.model = None
-        self.max_request_kv_tokens: Optional[int] = None
         self.tokenizer = None
         self.engine: Optional[str] = None
         self.stream_generator = None
@@ -226,12 +226,13 @@ class StreamingService:
 
                 start_djl_metric_lines(Path(props.model_dir).name)
             self._warm_up(model, tokenizer)
-            self.max_request_kv_tokens = props.max_request_kv_tokens or \
-                default_max_request_kv_tokens(model, props.max_input_length,
-                                              props.max_new_tokens_limit)
-            logger.info("a request may hold up to %s KV-cache positions "
-                        "(option.max_request_kv_tokens%s)", self.max_request_kv_tokens,
-                        "" if props.max_request_kv_tokens else ", derived from the weights' size")
+            if props.max_request_kv_tokens is None:
+                props = dataclasses.replace(props, max_request_kv_tokens=(
+                    default_max_request_kv_tokens(model, props.max_input_length,
+                                                  props.max_new_tokens_limit)))
+                logger.info("a request may hold up to %s KV-cache positions "
+                            "(option.max_request_kv_tokens, derived from the weights' size)",
+                            props.max_request_kv_tokens)
             self.model, self.tokenizer, self.props = model, tokenizer, props
             logger.info("model ready: engine=%s formatter=%s", self.engine, self.formatter)
 
@@ -426,7 +427,8 @@ class StreamingService:
         # ... nor may its KV cache outgrow its bound by the last step (one request's memory
         # stays bounded however many prompts and new tokens it asks for).
         check_request_kv_positions(protocol.max_new_tokens_field(request), lengths,
-                                   request.parameters.max_new_tokens, self.max_request_kv_tokens)
+                                   request.parameters.max_new_tokens,
+                                   self.props.max_request_kv_tokens)
         for i, n in enumerate(lengths):
             name = protocol.prompt_field(request, i)
             wanted = n + request.parameters.max_new_tokens
