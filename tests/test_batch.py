@@ -62,3 +62,61 @@ def test_filter_keeps_the_named_rows_only(tiny_model, smollm2_tokenizer):
     assert kept.request_ids == ["a", "c"]
     assert kv_cache.num_rows(kept.past_key_values) == 2
     assert batch.filter([]) is None
+
+
+def keys_of(batch):
+    return kv_cache.layers(batch.past_key_values)[0].keys
+
+
+def test_decode_steps_write_the_cache_in_place(tiny_model, smollm2_tokenizer):
+    # DynamicCache copied every layer's whole cache into a new tensor at every step.
+    _, batch = new_batch(tiny_model, smollm2_tokenizer, PROMPTS, ["a", "b", "c"], 8)
+    _, batch = generate_token(tiny_model, batch)
+    storage = keys_of(batch).untyped_storage().data_ptr()
+    for _ in range(5):
+        _, batch = generate_token(tiny_model, batch)
+        assert keys_of(batch).untyped_storage().data_ptr() == storage
+
+
+def test_a_longer_newcomer_hosts_the_running_rows_in_the_rows_it_reserved(tiny_model,
+                                                                         smollm2_tokenizer):
+    # The join of a long prompt to a short running batch copies the running rows only:
+    # the newcomer's cache, already as long as the joined batch, is written in place.
+    running_seqs, running = new_batch(tiny_model, smollm2_tokenizer, [PROMPTS[0]], ["a"], 12)
+    _, running = generate_token(tiny_model, running)
+    late_seqs = build_sequences(tiny_model, smollm2_tokenizer,
+                                encode_prompts(smollm2_tokenizer, PROMPTS[1:]),
+                                request_ids=["b", "c"], max_new_tokens=12)
+    newcomer = CausalLMBatch.from_sequences(late_seqs, pad_token_id=2, device="cpu",
+                                            room_for_rows=len(running))
+    _, newcomer = generate_token(tiny_model, newcomer)
+    storage = keys_of(newcomer).untyped_storage().data_ptr()
+    batch = CausalLMBatch.concatenate([running, newcomer])
+    assert batch.past_key_values is newcomer.past_key_values
+    assert keys_of(batch).untyped_storage().data_ptr() == storage  # nothing reallocated
+    assert batch.request_ids == ["b", "c", "a"]  # the host's rows first
+    padding = batch.attention_mask[2] == 0
+    assert padding.sum() > 0 and not keys_of(batch)[2][:, padding[:-1]].any()
+    while batch is not None:
+        _, batch = generate_token(tiny_model, batch)
+    for seq, prompt in zip(running_seqs + late_seqs, PROMPTS):
+        assert seq.generated_ids == alone(tiny_model, smollm2_tokenizer, prompt, 12)
+
+
+def test_rows_that_leave_are_zeroed_for_the_next_to_join(tiny_model, smollm2_tokenizer):
+    # A joining row is copied into rows whose columns before its own must hold zeros
+    # (masked, but a NaN left there would still reach the attention output).
+    _, batch = new_batch(tiny_model, smollm2_tokenizer, PROMPTS, ["a", "b", "c"], 8)
+    _, batch = generate_token(tiny_model, batch)
+    kept = batch.filter(["a", "c"])
+    slab = kept.past_key_values._slabs[0]
+    assert slab.rows == 2 and slab.row_capacity == 3
+    assert not slab.keys_buffer[2, :, slab.start:slab.end].any()
+    (late,), newcomer = new_batch(tiny_model, smollm2_tokenizer, ["Blue"], ["d"], 8)
+    _, newcomer = generate_token(tiny_model, newcomer)
+    storage = keys_of(kept).untyped_storage().data_ptr()
+    batch = CausalLMBatch.concatenate([kept, newcomer])
+    assert keys_of(batch).untyped_storage().data_ptr() == storage  # into the freed row
+    while batch is not None:
+        _, batch = generate_token(tiny_model, batch)
+    assert late.generated_ids == alone(tiny_model, smollm2_tokenizer, "Blue", 8)

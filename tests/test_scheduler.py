@@ -236,3 +236,30 @@ def test_a_request_cancelled_behind_a_waiting_one_leaves_the_queue_at_once(make_
     assert list(behind) == []
     running.close()
     assert collect(head)[1] == 2
+
+
+def test_a_finished_prefill_joins_after_the_running_batch_has_stepped_once(
+        make_scheduler, tiny_model, smollm2_tokenizer):
+    # A cycle is a prefill pass then a decode step. Joined at once, the decode step that
+    # follows the prefill's last pass would run the joined (heavier) batch, and a running
+    # stream would wait for both; the join waits for the next cycle, which reads no chunk.
+    scheduler = make_scheduler()
+    forwards = BatchSizes(tiny_model)
+    try:
+        running_seqs = sequences(tiny_model, smollm2_tokenizer, [PROMPTS[0]],
+                                 max_new_tokens=100_000, ignore_eos=True)
+        running = scheduler.submit(running_seqs)
+        next(running)
+        late_seqs = sequences(tiny_model, smollm2_tokenizer, [PROMPTS[1]], max_new_tokens=6)
+        collect(scheduler.submit(late_seqs))
+        running.close()
+    finally:
+        forwards.remove()
+    passes = list(zip(forwards.sizes, forwards.widths))
+    prefill = max(i for i, (_, width) in enumerate(passes) if width > 1)
+    assert passes[prefill] == (1, len(late_seqs[0].prompt_ids))
+    assert passes[prefill + 1] == (1, 1)  # the running stream's own step
+    assert passes[prefill + 2] == (2, 1)  # then together
+    solo = sequences(tiny_model, smollm2_tokenizer, [PROMPTS[1]], max_new_tokens=6)
+    collect(make_scheduler().submit(solo))
+    assert late_seqs[0].generated_ids == solo[0].generated_ids

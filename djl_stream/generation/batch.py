@@ -10,7 +10,9 @@ so every row computes what it would compute alone.
 
 :meth:`CausalLMBatch.filter` drops rows (finished or abandoned requests) and the padding
 columns no remaining row needs; :meth:`CausalLMBatch.concatenate` merges batches, which is
-how a newly prefilled request joins a running batch (continuous batching).
+how a newly prefilled request joins a running batch (continuous batching). The KV cache is
+a :class:`~djl_stream.generation.kv_cache.PreallocatedCache`, written in place: a decode
+step writes one column, a merge copies the shorter batch's rows into the longer one's.
 
 A long prompt need not be prefilled in one forward pass: :func:`prefill_chunk` feeds the
 leading columns of a batch's prompts through the model and keeps the rest for later, so
@@ -34,9 +36,8 @@ import weakref
 from typing import Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
-from transformers import DynamicCache
-
 from djl_stream.generation import kv_cache
+from djl_stream.generation.kv_cache import PreallocatedCache
 from djl_stream.generation.sampling import choose_next_tokens, token_logprobs
 from djl_stream.generation.sequence import GenerationSequence
 from djl_stream.generation.step import Generation
@@ -57,7 +58,7 @@ class CausalLMBatch:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     position_ids: torch.Tensor
-    past_key_values: DynamicCache
+    past_key_values: PreallocatedCache
 
     @property
     def request_ids(self) -> List[Hashable]:
@@ -84,8 +85,14 @@ class CausalLMBatch:
         *,
         pad_token_id: int,
         device: torch.device | str,
+        room_for_rows: int = 0,
     ) -> "CausalLMBatch":
-        """A batch ready for prefill: prompts left-padded to the longest one."""
+        """A batch ready for prefill: prompts left-padded to the longest one.
+
+        Its KV cache reserves columns for the longest prompt plus the most new tokens any
+        row may generate, and ``room_for_rows`` more rows: a running batch this one will
+        host when it joins (see :meth:`concatenate`).
+        """
         if not sequences:
             raise ValueError("a batch needs at least one sequence")
         width = max(len(seq.prompt_ids) for seq in sequences)
@@ -100,12 +107,15 @@ class CausalLMBatch:
         # Positions count real tokens only, so a padded row sees the positions it would
         # see alone; padding positions are clamped to 0 and masked out anyway.
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        cache = PreallocatedCache(
+            row_capacity=len(sequences) + room_for_rows,
+            column_capacity=width + max(seq.max_new_tokens for seq in sequences))
         return cls(
             sequences=list(sequences),
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
             position_ids=position_ids.to(device),
-            past_key_values=DynamicCache(),
+            past_key_values=cache,
         )
 
     def filter(self, request_ids: Iterable[Hashable]) -> Optional["CausalLMBatch"]:
@@ -120,8 +130,7 @@ class CausalLMBatch:
         if len(rows) == len(self.sequences):
             return self
         index = torch.tensor(rows, dtype=torch.long, device=self.attention_mask.device)
-        kv_cache.select_rows(self.past_key_values, index)
-        return self._with_rows(rows, index, self.past_key_values)
+        return self._with_rows(rows, index, self.past_key_values, rows_to_keep=rows)
 
     def split(self, groups: Sequence[Iterable[Hashable]]) -> List["CausalLMBatch"]:
         """One batch per group of request ids, each with a copy of its rows of the cache,
@@ -130,8 +139,7 @@ class CausalLMBatch:
         for group in groups:
             rows = self._rows_of(group)
             index = torch.tensor(rows, dtype=torch.long, device=self.attention_mask.device)
-            parts.append(self._with_rows(rows, index,
-                                         kv_cache.copy_rows(self.past_key_values, index)))
+            parts.append(self._with_rows(rows, index, self.past_key_values.copy_rows(rows)))
         return parts
 
     @property
@@ -142,15 +150,17 @@ class CausalLMBatch:
     def truncate_cache(self, length: int) -> None:
         """Cut the KV cache back to ``length`` positions: undoes what a forward pass that
         raised half-way wrote into the layers it reached."""
-        kv_cache.truncate(self.past_key_values, length)
+        self.past_key_values.truncate(length)
 
     def _rows_of(self, request_ids: Iterable[Hashable]) -> List[int]:
         keep = set(request_ids)
         return [i for i, seq in enumerate(self.sequences) if seq.request_id in keep]
 
-    def _with_rows(self, rows: List[int], index: torch.Tensor, past_key_values) -> "CausalLMBatch":
-        """The batch of ``rows`` around ``past_key_values``, which already holds just those
-        rows; leading columns that are padding for every row leave the mask and cache."""
+    def _with_rows(self, rows: List[int], index: torch.Tensor, past_key_values,
+                   rows_to_keep: Optional[List[int]] = None) -> "CausalLMBatch":
+        """The batch of ``rows`` around ``past_key_values``, which holds just those rows,
+        or keeps ``rows_to_keep`` of its own; leading columns that are padding for every
+        row leave the mask and cache."""
         attention_mask = self.attention_mask.index_select(0, index)
         input_ids = self.input_ids.index_select(0, index)
         position_ids = self.position_ids.index_select(0, index)
@@ -160,9 +170,12 @@ class CausalLMBatch:
             # The unused columns come out of the cache first, then (before the prefill, or
             # part-way through a chunked one) out of the prompt columns still to feed.
             from_cache = min(unused, kv_cache.seq_length(past_key_values))
-            kv_cache.trim_left(past_key_values, from_cache)
+            past_key_values.trim_left(from_cache)
             input_ids = input_ids[:, unused - from_cache:]
             position_ids = position_ids[:, unused - from_cache:]
+        if rows_to_keep is not None:
+            # After the trim: only the columns the remaining rows need are moved.
+            past_key_values.keep_rows(rows_to_keep)
         return CausalLMBatch(
             sequences=[self.sequences[i] for i in rows],
             input_ids=input_ids,
@@ -173,28 +186,31 @@ class CausalLMBatch:
 
     @classmethod
     def concatenate(cls, batches: Sequence["CausalLMBatch"]) -> "CausalLMBatch":
-        """One batch holding every row of ``batches`` (all prefilled), in order.
+        """One batch holding every row of ``batches`` (all prefilled).
 
-        Shorter caches are padded on the left to the longest one; their mask hides the
-        new columns.
+        The batch whose cache is the longest hosts the others: its rows come first and
+        keep their place, the others' rows follow in order, copied into the host's cache
+        (into rows it reserved, when it did) and left-padded to its length, which their
+        masks hide. Nothing of the host is copied or padded, so a long prompt that joins a
+        running batch costs a copy of the running rows only.
         """
         batches = [b for b in batches if b is not None]
         if len(batches) == 1:
             return batches[0]
         if not all(b.prefilled and b.columns_to_feed == 1 for b in batches):
             raise ValueError("only prefilled batches can be concatenated")
-        past = max(kv_cache.seq_length(b.past_key_values) for b in batches)
-        masks = []
-        for b in batches:
-            missing = past - kv_cache.seq_length(b.past_key_values)
-            kv_cache.pad_left(b.past_key_values, missing)
-            masks.append(torch.nn.functional.pad(b.attention_mask, (missing, 0), value=0))
+        host = max(batches, key=lambda b: b.cache_length)  # the first of the longest
+        batches = [host] + [b for b in batches if b is not host]
+        past = host.cache_length
+        host.past_key_values.absorb([b.past_key_values for b in batches[1:]])
+        masks = [torch.nn.functional.pad(b.attention_mask, (past - b.cache_length, 0), value=0)
+                 for b in batches]
         return cls(
             sequences=[seq for b in batches for seq in b.sequences],
             input_ids=torch.cat([b.input_ids for b in batches], dim=0),
             attention_mask=torch.cat(masks, dim=0),
             position_ids=torch.cat([b.position_ids for b in batches], dim=0),
-            past_key_values=kv_cache.concatenate_rows([b.past_key_values for b in batches]),
+            past_key_values=host.past_key_values,
         )
 
 

@@ -9,7 +9,9 @@ cycle, building its own KV cache, so that the running batch keeps taking decode 
 while it is read (chunked prefill). A chunk deep into a long prompt attends to all of it,
 so it feeds fewer columns (:func:`prefill_columns`); with nothing decoding, the budget is
 wider (``max_idle_prefill_tokens``). Once its last chunk has chosen its first token, the
-request joins the running batch. A finished, stopped or abandoned request leaves the
+request joins the running batch at the start of the next cycle, which reads no chunk: the
+joined batch is heavier (its rows attend to the new prompt's columns), and a running stream
+should not wait for a prefill pass and that step at once. A finished, stopped or abandoned request leaves the
 batch, and its KV-cache rows are freed, at the next step. Each request keeps its own
 sampling parameters, seed, stop strings and limits, so batching never changes what a
 request generates.
@@ -328,6 +330,9 @@ class Scheduler:
         self._jobs: Dict[int, _Job] = {}
         self._wakeup = threading.Condition()
         self._running: Optional[CausalLMBatch] = None
+        # A prefill that finished while a batch was running: it joins at the start of
+        # the next cycle, which then reads no prefill chunk (see _prefill_step).
+        self._joining: Optional[CausalLMBatch] = None
         self._stopping = False
         # A queued request was cancelled: the next cycle takes it out of the queue,
         # wherever it waits, so that it never reaches a prefill.
@@ -385,8 +390,8 @@ class Scheduler:
 
     @property
     def running_size(self) -> int:
-        running = self._running
-        return len(running) if running is not None else 0
+        """Rows decoding, counting a finished prefill about to join them."""
+        return sum(len(batch) for batch in (self._running, self._joining) if batch is not None)
 
     @property
     def waiting_size(self) -> int:
@@ -406,25 +411,28 @@ class Scheduler:
                 if self._stopping:
                     break
                 self._drop_cancelled_prefills()
-                if self._prefilling:
+                if self._joining is not None:
+                    self._join()
+                elif self._prefilling:
                     self._prefill_step()
                 self._drop_cancelled()
                 if self._running is not None:
                     self._decode()
                 self._publish_running()
-                if self._running is None and not self._waiting and not self._prefilling:
+                if self._running is None and not self._busy():
                     # The batch just emptied (the loop only gets here with work done).
                     release_cached_memory()
             except Exception as error:  # noqa: BLE001 - the loop must outlive any bug
                 # Whatever went wrong, no request may wait forever: fail everything
                 # in flight and start again with an empty batch.
-                running, self._running = self._running, None
-                in_flight = self._jobs_of(running.sequences) if running is not None else []
+                batches = [b for b in (self._running, self._joining) if b is not None]
+                self._running = self._joining = None
+                in_flight = [job for b in batches for job in self._jobs_of(b.sequences)]
                 prefilling = [job for prefill in self._prefilling for job in prefill.jobs]
                 self._prefilling.clear()
                 self._fail(list({id(j): j for j in prefilling + in_flight}.values()), error)
                 self._publish_running()
-        self._running = None
+        self._running = self._joining = None
         self._prefilling.clear()
         with self._wakeup:
             failure = GenerationFailed("the server is shutting down")
@@ -440,8 +448,7 @@ class Scheduler:
         with self._wakeup:
             while True:
                 self._drop_cancelled_waiting()
-                if (self._waiting or self._prefilling or self._running is not None
-                        or self._stopping):
+                if self._running is not None or self._busy() or self._stopping:
                     break
                 # Idle: the last word observers hear must be this state, not a busy one.
                 self._publish(0, 0)
@@ -495,9 +502,10 @@ class Scheduler:
         prefill = self._prefilling[0]
         try:
             if prefill.batch is None:
+                sequences = [seq for job in prefill.jobs for seq in job.sequences]
                 prefill.batch = CausalLMBatch.from_sequences(
-                    [seq for job in prefill.jobs for seq in job.sequences],
-                    pad_token_id=self.pad_token_id, device=self.device)
+                    sequences, pad_token_id=self.pad_token_id, device=self.device,
+                    room_for_rows=self._rows_to_host(sequences))
             batch = prefill.batch
             # With nothing decoding, nobody waits between tokens: a long prompt alone is
             # read in fewer, wider passes (its time to first token is shorter).
@@ -522,11 +530,34 @@ class Scheduler:
             return
         self._prefilling.popleft()
         self._dispatch(generations)
-        if batch is not None:
-            self._running = (
-                batch if self._running is None
-                else CausalLMBatch.concatenate([self._running, batch])
-            )
+        if batch is None:
+            return
+        if self._running is None:
+            self._running = batch
+        else:
+            # Not now: this cycle's decode step would then follow this prefill pass with
+            # the joined batch, heavier than the running one (its rows attend to the new
+            # prompt's columns), and a running stream would wait for both at once.
+            self._joining = batch
+
+    def _join(self) -> None:
+        batch, self._joining = self._joining, None
+        self._running = (batch if self._running is None
+                         else CausalLMBatch.concatenate([self._running, batch]))
+
+    def _busy(self) -> bool:
+        """Whether anything besides the running batch is under way or waiting."""
+        return bool(self._waiting or self._prefilling or self._joining is not None)
+
+    def _rows_to_host(self, sequences: List[GenerationSequence]) -> int:
+        """The running rows a new prefill's cache should reserve room for: all of them
+        when its prompts are longer than the running cache (its cache will host the
+        running rows when it joins, see ``CausalLMBatch.concatenate``), else none."""
+        running = self._running
+        if running is None:
+            return 0
+        longest = max(len(seq.prompt_ids) for seq in sequences)
+        return len(running) if longest > running.cache_length else 0
 
     def _decode(self) -> None:
         batch = self._running
@@ -669,9 +700,11 @@ class Scheduler:
 
     def _publish_running(self) -> None:
         """Tell observers the load after a step (in the loop thread, which owns the batch)."""
-        running = self._running
-        rows = len(running) if running is not None else 0
-        kv_tokens = rows * kv_cache.seq_length(running.past_key_values) if rows else 0
+        rows = kv_tokens = 0
+        for batch in (self._running, self._joining):
+            if batch is not None:
+                rows += len(batch)
+                kv_tokens += len(batch) * kv_cache.seq_length(batch.past_key_values)
         kv_tokens += sum(len(prefill.batch) * prefill.batch.cache_length
                          for prefill in self._prefilling if prefill.batch is not None)
         with self._wakeup:
