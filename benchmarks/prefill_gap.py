@@ -3,7 +3,8 @@
 :func:`long_prompt_gap` starts ``djl-stream serve MODEL_DIR`` (with ``options`` as
 ``OPTION_*`` variables), streams one request that decodes on and on, and once it is
 decoding sends a prompt of ``prompt_tokens`` tokens (``prompts`` copies of it in one
-request) for one token. It returns, per round, the running stream's worst inter-token gap
+request) for ``new_tokens`` tokens (4 by default: with one, the request ends at its
+prefill and never joins the running batch, whose join is part of what a stream waits for). It returns, per round, the running stream's worst inter-token gap
 from that moment until the long request has been answered, in seconds and in decode steps
 (the stream's median gap alone, over HTTP), how many tokens the stream got meanwhile, how
 long the long request took, and the server's resident size: after loading and its peak.
@@ -56,7 +57,8 @@ def _stream(url: str, arrivals: List[float], stop: threading.Event,
 
 
 def long_prompt_gap(model_dir: str | Path, *, prompt_tokens: int = 4000, prompts: int = 1,
-                    options: Optional[Mapping[str, str]] = None, rounds: int = 2) -> Dict:
+                    new_tokens: int = 4, options: Optional[Mapping[str, str]] = None,
+                    rounds: int = 2) -> Dict:
     """See the module docstring; ``options`` are model properties without ``option.``."""
     from transformers import AutoTokenizer
 
@@ -90,7 +92,7 @@ def long_prompt_gap(model_dir: str | Path, *, prompt_tokens: int = 4000, prompts
             sent = time.perf_counter()
             answer = httpx.post(server.url, timeout=900, json={
                 "inputs": [text] * prompts if prompts > 1 else text, "stream": False,
-                "parameters": {"max_new_tokens": 1}})
+                "parameters": {"max_new_tokens": new_tokens, "ignore_eos": True}})
             answered = time.perf_counter()
             done.set()
             stop.set()
@@ -106,7 +108,8 @@ def long_prompt_gap(model_dir: str | Path, *, prompt_tokens: int = 4000, prompts
                             "tokens_meanwhile": len([t for t in window if t <= answered]),
                             "long_request_s": round(answered - sent, 2),
                             "rss_peak_mib": round(peak[0] / 2**20)})
-    return {"prompt_tokens": prompt_tokens, "prompts": prompts, "options": dict(options or {}),
+    return {"prompt_tokens": prompt_tokens, "prompts": prompts, "new_tokens": new_tokens,
+            "options": dict(options or {}),
             "decode_step_s": round(step, 4),
             "rss_loaded_mib": round(loaded.rss / 2**20) if loaded else None,
             "rounds": results}
@@ -117,13 +120,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--model-dir", default="model")
     parser.add_argument("--prompt-tokens", type=int, default=4000)
     parser.add_argument("--prompts", type=int, default=1)
+    parser.add_argument("--new-tokens", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="a model property, e.g. max_batch_prefill_tokens=128")
     args = parser.parse_args(argv)
     options = dict(option.split("=", 1) for option in args.option)
     print(json.dumps(long_prompt_gap(args.model_dir, prompt_tokens=args.prompt_tokens,
-                                     prompts=args.prompts, options=options,
+                                     prompts=args.prompts, new_tokens=args.new_tokens,
+                                     options=options,
                                      rounds=args.rounds), indent=2))
 
 
