@@ -197,18 +197,16 @@ class _Slab:
         """Keep ``rows`` (indices of rows in use), in that order, as rows ``0..len-1``;
         the rows freed are zeroed (they are reserved again)."""
         columns = slice(self.start, self.end)
-        if list(rows) == sorted(rows):
-            # Each row moves up or stays, and is read before any row above it is written.
-            for target, source in enumerate(rows):
-                if source != target:
-                    self.keys_buffer[target, :, columns] = self.keys_buffer[source, :, columns]
-                    self.values_buffer[target, :, columns] = self.values_buffer[source, :, columns]
-        else:
-            index = torch.tensor(list(rows), dtype=torch.long, device=self.keys_buffer.device)
-            kept_keys = self.keys_buffer[:, :, columns].index_select(0, index)
-            kept_values = self.values_buffer[:, :, columns].index_select(0, index)
-            self.keys_buffer[:len(rows), :, columns] = kept_keys
-            self.values_buffer[:len(rows), :, columns] = kept_values
+        moved = [(target, source) for target, source in enumerate(rows) if source != target]
+        if moved:
+            # Two operations a buffer (not one per row: a batch of 32 rows would run
+            # thousands of small copies); the rows that move are read before any is written.
+            device = self.keys_buffer.device
+            targets = torch.tensor([t for t, _ in moved], dtype=torch.long, device=device)
+            sources = torch.tensor([s for _, s in moved], dtype=torch.long, device=device)
+            for buffer in (self.keys_buffer, self.values_buffer):
+                window = buffer[:, :, columns]
+                window.index_copy_(0, targets, window.index_select(0, sources))
         freed = slice(len(rows), self.rows)
         self.keys_buffer[freed, :, columns].zero_()
         self.values_buffer[freed, :, columns].zero_()
