@@ -120,3 +120,18 @@ def test_rows_that_leave_are_zeroed_for_the_next_to_join(tiny_model, smollm2_tok
     while batch is not None:
         _, batch = generate_token(tiny_model, batch)
     assert late.generated_ids == alone(tiny_model, smollm2_tokenizer, "Blue", 8)
+
+
+def test_the_cache_grows_past_what_it_reserved_keeping_every_column():
+    import torch
+    from djl_stream.generation.kv_cache import COLUMN_GRANULE, PreallocatedCache
+
+    cache = PreallocatedCache(reserve_rows=3)  # one row reserved beyond the two written
+    written = [torch.randn(2, 1, COLUMN_GRANULE - 1, 4), torch.randn(2, 1, 5, 4)]
+    with torch.inference_mode():
+        for part in written:
+            keys, values = cache.update(part, -part, 0)
+    assert torch.equal(keys, torch.cat(written, dim=2)) and torch.equal(values, -keys)
+    slab = cache._slabs[0]
+    assert slab.column_capacity > COLUMN_GRANULE and slab.row_capacity == 3
+    assert not slab.keys_buffer[2, :, :slab.end].any()  # the reserved row, zero

@@ -108,8 +108,8 @@ class CausalLMBatch:
         # see alone; padding positions are clamped to 0 and masked out anyway.
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         cache = PreallocatedCache(
-            row_capacity=len(sequences) + room_for_rows,
-            column_capacity=width + max(seq.max_new_tokens for seq in sequences))
+            reserve_rows=len(sequences) + room_for_rows,
+            reserve_columns=width + max(seq.max_new_tokens for seq in sequences))
         return cls(
             sequences=list(sequences),
             input_ids=input_ids.to(device),
@@ -129,8 +129,7 @@ class CausalLMBatch:
             return None
         if len(rows) == len(self.sequences):
             return self
-        index = torch.tensor(rows, dtype=torch.long, device=self.attention_mask.device)
-        return self._with_rows(rows, index, self.past_key_values, rows_to_keep=rows)
+        return self._with_rows(rows, self.past_key_values, select_in_cache=True)
 
     def split(self, groups: Sequence[Iterable[Hashable]]) -> List["CausalLMBatch"]:
         """One batch per group of request ids, each with a copy of its rows of the cache,
@@ -138,8 +137,7 @@ class CausalLMBatch:
         parts = []
         for group in groups:
             rows = self._rows_of(group)
-            index = torch.tensor(rows, dtype=torch.long, device=self.attention_mask.device)
-            parts.append(self._with_rows(rows, index, self.past_key_values.copy_rows(rows)))
+            parts.append(self._with_rows(rows, self.past_key_values.copy_rows(rows)))
         return parts
 
     @property
@@ -156,11 +154,12 @@ class CausalLMBatch:
         keep = set(request_ids)
         return [i for i, seq in enumerate(self.sequences) if seq.request_id in keep]
 
-    def _with_rows(self, rows: List[int], index: torch.Tensor, past_key_values,
-                   rows_to_keep: Optional[List[int]] = None) -> "CausalLMBatch":
-        """The batch of ``rows`` around ``past_key_values``, which holds just those rows,
-        or keeps ``rows_to_keep`` of its own; leading columns that are padding for every
-        row leave the mask and cache."""
+    def _with_rows(self, rows: List[int], past_key_values,
+                   select_in_cache: bool = False) -> "CausalLMBatch":
+        """The batch of ``rows`` around ``past_key_values``, which holds just those rows
+        (or all of this batch's, with ``select_in_cache``: it keeps ``rows`` only);
+        leading columns that are padding for every row leave the mask and cache."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.attention_mask.device)
         attention_mask = self.attention_mask.index_select(0, index)
         input_ids = self.input_ids.index_select(0, index)
         position_ids = self.position_ids.index_select(0, index)
@@ -173,9 +172,9 @@ class CausalLMBatch:
             past_key_values.trim_left(from_cache)
             input_ids = input_ids[:, unused - from_cache:]
             position_ids = position_ids[:, unused - from_cache:]
-        if rows_to_keep is not None:
+        if select_in_cache:
             # After the trim: only the columns the remaining rows need are moved.
-            past_key_values.keep_rows(rows_to_keep)
+            past_key_values.keep_rows(rows)
         return CausalLMBatch(
             sequences=[self.sequences[i] for i in rows],
             input_ids=input_ids,

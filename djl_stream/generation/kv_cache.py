@@ -31,7 +31,7 @@ with the same arguments) and publishes its views in whichever layout the release
 Example::
 
     >>> import torch
-    >>> cache = PreallocatedCache(row_capacity=3, column_capacity=16)
+    >>> cache = PreallocatedCache(reserve_rows=3, reserve_columns=16)
     >>> keys, values = cache.update(torch.ones(2, 1, 4, 8), torch.ones(2, 1, 4, 8), 0)
     >>> tuple(keys.shape), seq_length(cache), num_rows(cache)
     ((2, 1, 4, 8), 4, 2)
@@ -180,17 +180,12 @@ class _Slab:
         when they must grow), at column 0."""
         columns = self.column_capacity
         if columns_needed > columns:
-            columns = max(columns_needed, int(columns * GROWTH))
+            columns = _round_up(max(columns_needed, int(columns * GROWTH)))
         rows = max(row_capacity, self.rows)
-        old = (self.keys_buffer, self.values_buffer, self.rows, self.start, self.end)
-        self.keys_buffer = old[0].new_empty((rows, *old[0].shape[1:2], _round_up(columns),
-                                             old[0].shape[3]))
-        self.values_buffer = old[1].new_empty((rows, *old[1].shape[1:2], _round_up(columns),
-                                               old[1].shape[3]))
-        used, start, end = old[2], old[3], old[4]
-        self.start, self.end = 0, end - start
-        self.keys_buffer[:used, :, :self.end] = old[0][:used, :, start:end]
-        self.values_buffer[:used, :, :self.end] = old[1][:used, :, start:end]
+        in_use = (slice(0, self.rows), slice(None), slice(self.start, self.end))
+        self.keys_buffer = _moved(self.keys_buffer, rows, columns, in_use)
+        self.values_buffer = _moved(self.values_buffer, rows, columns, in_use)
+        self.start, self.end = 0, self.length
         self._zero_reserved(slice(0, self.end))
 
     def keep_rows(self, rows: Sequence[int]) -> None:
@@ -227,19 +222,28 @@ class _Slab:
         self.rows = needed
 
 
+def _moved(buffer: torch.Tensor, rows: int, columns: int, in_use: tuple) -> torch.Tensor:
+    """A new ``(rows, heads, columns, dim)`` buffer holding ``buffer[in_use]`` at row 0,
+    column 0 (the rest unwritten)."""
+    moved = buffer.new_empty((rows, buffer.shape[1], columns, buffer.shape[3]))
+    kept = buffer[in_use]
+    moved[:kept.shape[0], :, :kept.shape[2]] = kept
+    return moved
+
+
 class PreallocatedCache(DynamicCache):
     """A ``DynamicCache`` whose layers are written in place; see the module docstring.
 
-    ``row_capacity`` and ``column_capacity`` are what the first write reserves at least:
+    ``reserve_rows`` and ``reserve_columns`` are what the first write reserves at least:
     rows for batches expected to join this one, columns for the tokens its requests may
     still generate. Either grows when exceeded.
     """
 
-    def __init__(self, row_capacity: int = 0, column_capacity: int = 0) -> None:
+    def __init__(self, reserve_rows: int = 0, reserve_columns: int = 0) -> None:
         super().__init__()
-        self.row_capacity = row_capacity
-        self.column_capacity = column_capacity
-        self._slabs: List[_Slab] = []
+        self.reserve_rows = reserve_rows
+        self.reserve_columns = reserve_columns
+        self._slabs: List[Optional[_Slab]] = []
 
     # -- what the model calls ---------------------------------------------------------
 
@@ -250,32 +254,30 @@ class PreallocatedCache(DynamicCache):
         slab = self._slabs[layer_idx]
         if slab is None:
             slab = self._slabs[layer_idx] = _Slab.allocate(
-                key_states, max(self.row_capacity, key_states.shape[0]),
-                _round_up(max(self.column_capacity, key_states.shape[2])),
+                key_states, max(self.reserve_rows, key_states.shape[0]),
+                _round_up(max(self.reserve_columns, key_states.shape[2])),
                 value_dim=value_states.shape[3])
         slab.append(key_states, value_states)
-        self._publish(layer_idx, key_states, value_states)
-        return slab.keys, slab.values
+        return self._publish(layer_idx)
 
-    def _publish(self, index: int, key_states=None, value_states=None) -> None:
-        """Make layer ``index`` of the release's own layout show the slab's views."""
+    def _publish(self, index: int):
+        """Make layer ``index`` of the release's own layout show the slab's views, and
+        return them."""
         slab = self._slabs[index]
+        keys, values = slab.keys, slab.values
         if hasattr(self, "layers"):
             while len(self.layers) <= index:
                 self.layers.append(self.layer_class_to_replicate())
             layer = self.layers[index]
             if not layer.is_initialized:
-                layer.lazy_initialization(key_states if key_states is not None else slab.keys,
-                                          value_states if value_states is not None
-                                          else slab.values)
+                layer.lazy_initialization(keys, values)
         else:
             while len(self.key_cache) <= index:
                 self.key_cache.append(torch.tensor([]))
                 self.value_cache.append(torch.tensor([]))
-            if index == 0 and key_states is not None:
-                self._seen_tokens = getattr(self, "_seen_tokens", 0) + key_states.shape[-2]
             layer = _ListLayer(self, index)
-        layer.keys, layer.values = slab.keys, slab.values
+        layer.keys, layer.values = keys, values
+        return keys, values
 
     def _publish_all(self) -> None:
         for index, slab in enumerate(self._slabs):
@@ -313,14 +315,12 @@ class PreallocatedCache(DynamicCache):
     def copy_rows(self, rows: Sequence[int]) -> "PreallocatedCache":
         """A new cache holding a copy of the batch rows ``rows``; this one is left as it
         was."""
-        copy = PreallocatedCache(column_capacity=self.column_capacity)
-        index = torch.tensor(list(rows), dtype=torch.long)
+        copy = PreallocatedCache(reserve_columns=self.reserve_columns)
         for layer_index, slab in enumerate(self._slabs):
-            if slab is None:
-                continue
-            idx = index.to(slab.keys_buffer.device)
-            copy.update(slab.keys.index_select(0, idx), slab.values.index_select(0, idx),
-                        layer_index)
+            if slab is not None:
+                index = torch.tensor(list(rows), dtype=torch.long, device=slab.keys.device)
+                copy.update(slab.keys.index_select(0, index), slab.values.index_select(0, index),
+                            layer_index)
         return copy
 
     @torch.inference_mode()
@@ -335,8 +335,3 @@ class PreallocatedCache(DynamicCache):
                 if slab is not None and theirs is not None:
                     slab.take(theirs)
         self._publish_all()
-
-    @property
-    def reserved_bytes(self) -> int:
-        """Bytes of the buffers (address space; resident only where written)."""
-        return sum(s.keys_buffer.nbytes + s.values_buffer.nbytes for s in self._written())

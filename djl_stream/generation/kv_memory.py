@@ -68,11 +68,12 @@ def kv_bytes_per_position(config, element_size: int) -> Optional[int]:
     return shape.layers * 2 * shape.kv_heads * shape.head_dim * element_size
 
 
-#: The share of the weights' size one request's KV cache may take by default. The cache
-#: grows a position per step, and each step's larger per-layer tensors cannot reuse the
-#: holes the smaller ones left, so the process grows by about 1.7 times the cache's own
-#: bytes: a request filling the weights' whole size peaked at 1.98 times the loaded
-#: resident size (SmolLM2-135M, `make reliability`); three quarters keeps it near 1.7.
+#: The share of the weights' size one request's KV cache may take by default. Chosen when
+#: transformers' DynamicCache copied the whole cache into a new tensor at every step: a
+#: request filling the weights' whole size then peaked at 1.98 times the loaded resident
+#: size (SmolLM2-135M, `make reliability`), three quarters at 1.72. The cache is now
+#: written in place (`kv_cache.PreallocatedCache`) and the same request peaks at 1.46;
+#: the share is kept until a full run measures the whole size with it.
 KV_SHARE_OF_WEIGHTS = 0.75
 
 

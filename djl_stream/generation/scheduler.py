@@ -51,7 +51,6 @@ import threading
 import time
 from typing import Deque, Dict, Iterator, List, Optional, Sequence
 
-from djl_stream.generation import kv_cache
 from djl_stream.generation.batch import CausalLMBatch, generate_token, prefill_chunk
 from djl_stream.generation.errors import GenerationFailed, QueueFullError
 from djl_stream.generation.kv_memory import attention_shape
@@ -541,9 +540,9 @@ class Scheduler:
             self._joining = batch
 
     def _join(self) -> None:
-        batch, self._joining = self._joining, None
-        self._running = (batch if self._running is None
-                         else CausalLMBatch.concatenate([self._running, batch]))
+        # (the running batch may have finished meanwhile: concatenate skips a None)
+        self._running = CausalLMBatch.concatenate([self._running, self._joining])
+        self._joining = None
 
     def _busy(self) -> bool:
         """Whether anything besides the running batch is under way or waiting."""
@@ -700,13 +699,10 @@ class Scheduler:
 
     def _publish_running(self) -> None:
         """Tell observers the load after a step (in the loop thread, which owns the batch)."""
-        rows = kv_tokens = 0
-        for batch in (self._running, self._joining):
-            if batch is not None:
-                rows += len(batch)
-                kv_tokens += len(batch) * kv_cache.seq_length(batch.past_key_values)
-        kv_tokens += sum(len(prefill.batch) * prefill.batch.cache_length
-                         for prefill in self._prefilling if prefill.batch is not None)
+        decoding = [b for b in (self._running, self._joining) if b is not None]
+        prefilling = [prefill.batch for prefill in self._prefilling if prefill.batch is not None]
+        rows = sum(len(batch) for batch in decoding)
+        kv_tokens = sum(len(batch) * batch.cache_length for batch in decoding + prefilling)
         with self._wakeup:
             self._publish(rows, kv_tokens)
 
