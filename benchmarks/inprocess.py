@@ -36,7 +36,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, TextIteratorStreamer
 
 from djl_stream import StreamingUtils
-from djl_stream.generation.batch import last_logits_only
+from djl_stream.generation.forward_kwargs import cache_kwarg, last_logits_only
 from djl_stream.generation.loading import torch_dtype
 from djl_stream.serving.properties import ModelProperties, djl_init_properties
 
@@ -133,19 +133,19 @@ def run_generate(lm: LoadedModel, prompt: Prompt, n: int) -> StreamTiming:
 def run_bare_loop(lm: LoadedModel, prompt: Prompt, n: int) -> StreamTiming:
     model, keep = lm.model, last_logits_only(lm.model)
     ids = lm.input_ids(prompt)
-    cache = DynamicCache()
+    keep.update(cache_kwarg(model, DynamicCache()))
     tokens: List[int] = []
     arrivals: List[float] = []
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, **keep)
+        out = model(input_ids=ids, use_cache=True, **keep)
         while True:
             token = out.logits[:, -1, :].argmax(dim=-1)
             tokens.append(int(token.item()))
             arrivals.append(time.perf_counter())
             if len(tokens) == n:
                 break
-            out = model(input_ids=token[:, None], past_key_values=cache, use_cache=True, **keep)
+            out = model(input_ids=token[:, None], use_cache=True, **keep)
     end = time.perf_counter()
     return StreamTiming(start, tuple(arrivals), end, n, lm.decode(tokens), tuple(tokens))
 

@@ -16,6 +16,7 @@ import pytest
 
 from djl_stream.generation.batch import CausalLMBatch, generate_token, prefill_chunk
 from djl_stream.generation.errors import GenerationFailed
+from djl_stream.generation.forward_kwargs import cache_in
 from djl_stream.generation.scheduler import (CANCELLED, BatchState, Scheduler,
                                              IDLE_PREFILL_FACTOR, attention_parity_context,
                                              prefill_columns,
@@ -44,7 +45,7 @@ class Forwards:
 
     def _record(self, module, args, kwargs):
         ids = kwargs["input_ids"]
-        cached = kwargs["past_key_values"].get_seq_length()
+        cached = cache_in(kwargs).get_seq_length()
         self.passes.append((ids.shape[0], ids.shape[1], cached))
         if self.events is not None and ids.shape[1] > 1:
             self.events.append(("prefill", ids.shape[0] * ids.shape[1]))
@@ -272,7 +273,7 @@ def test_a_chunk_that_raises_fails_only_its_request(make_scheduler, tiny_model,
                                                      smollm2_tokenizer):
     scheduler = make_scheduler(max_batch_prefill_tokens=BUDGET, max_idle_prefill_tokens=BUDGET)
     failing = Forwards(tiny_model, fails=lambda kwargs: kwargs["input_ids"].shape[1] > 1
-                       and kwargs["past_key_values"].get_seq_length() > 0)  # a later chunk
+                       and cache_in(kwargs).get_seq_length() > 0)  # a later chunk
     try:
         running_seqs = sequences(tiny_model, smollm2_tokenizer, [SHORT],
                                  max_new_tokens=100_000, ignore_eos=True)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from djl_stream.generation.errors import GenerationFailed
+from djl_stream.generation.forward_kwargs import cache_in
 from djl_stream.generation.sampling import TokenChooser, UnusableScores, choose_next_tokens
 from test_scheduler import PROMPTS, collect, sequences, solo_texts
 
@@ -123,7 +124,7 @@ def test_a_decode_step_that_raises_for_one_request_is_retried_without_it(
     # failed step wrote must be gone before the retry.
     shapes = []
     check = tiny_model.register_forward_pre_hook(lambda module, args, kwargs: shapes.append(
-        (kwargs["past_key_values"].get_seq_length() + kwargs["input_ids"].shape[1],
+        (cache_in(kwargs).get_seq_length() + kwargs["input_ids"].shape[1],
          kwargs["attention_mask"].shape[1])), with_kwargs=True)
     try:
         scheduler = make_scheduler()

@@ -31,12 +31,11 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import weakref
 from typing import Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from djl_stream.generation import kv_cache
+from djl_stream.generation.forward_kwargs import cache_kwarg, last_logits_only
 from djl_stream.generation.kv_cache import PreallocatedCache
 from djl_stream.generation.sampling import choose_next_tokens, token_logprobs
 from djl_stream.generation.sequence import GenerationSequence
@@ -239,8 +238,8 @@ def generate_token(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
             position_ids=batch.position_ids,
-            past_key_values=batch.past_key_values,
             use_cache=True,
+            **cache_kwarg(model, batch.past_key_values),
             **last_logits_only(model),
         )
         logits = outputs.logits[:, -1, :]
@@ -266,7 +265,7 @@ def generate_token(
             [batch.attention_mask, batch.attention_mask.new_ones((len(batch), 1))], dim=1
         ),
         position_ids=batch.position_ids[:, -1:] + 1,
-        past_key_values=outputs.past_key_values,
+        past_key_values=batch.past_key_values,  # written in place by the forward pass
     )
     if not any(g.finished for g in generations):
         return generations, next_batch
@@ -291,19 +290,18 @@ def prefill_chunk(model, batch: CausalLMBatch, columns: int) -> CausalLMBatch:
     cached = batch.cache_length
     with torch.inference_mode():
         forward, extra = _without_lm_head(model)
-        outputs = forward(
+        forward(
             input_ids=batch.input_ids[:, :columns],
             attention_mask=batch.attention_mask[:, :cached + columns],
             position_ids=batch.position_ids[:, :columns],
-            past_key_values=batch.past_key_values,
             use_cache=True,
+            **cache_kwarg(forward, batch.past_key_values),
             **extra,
         )
     return dataclasses.replace(
         batch,
         input_ids=batch.input_ids[:, columns:],
         position_ids=batch.position_ids[:, columns:],
-        past_key_values=outputs.past_key_values,
     )
 
 
@@ -314,26 +312,3 @@ def _without_lm_head(model):
     if decoder is not None and decoder is not model:
         return decoder, {}
     return model, last_logits_only(model)
-
-
-_LOGITS_KWARG: "weakref.WeakKeyDictionary[object, Dict[str, int]]" = weakref.WeakKeyDictionary()
-
-
-def last_logits_only(model) -> Dict[str, int]:
-    """``{"logits_to_keep": 1}`` where the model's forward accepts it (older
-    transformers named it ``num_logits_to_keep``), else nothing."""
-    try:
-        return _LOGITS_KWARG[model]
-    except (KeyError, TypeError):
-        pass
-    params = inspect.signature(model.forward).parameters
-    kwargs: Dict[str, int] = {}
-    for name in ("logits_to_keep", "num_logits_to_keep"):
-        if name in params:
-            kwargs = {name: 1}
-            break
-    try:
-        _LOGITS_KWARG[model] = kwargs
-    except TypeError:
-        pass
-    return kwargs

@@ -37,6 +37,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from djl_stream.generation.forward_kwargs import cache_in as cache_of, cache_kwarg
+
 __version__ = "0.0+standin"
 GRAPH_FILE = "standin-graph.neff"
 COMPILER_WORK_FILE = "standin-neuronx-cc.log"
@@ -150,7 +152,7 @@ class StandInForSampling:
             mask = torch.cat([mask, torch.ones((batch_size, 1), dtype=mask.dtype)], dim=1)
             positions = positions[:, -1:] + 1
             out = self.hf_model(input_ids=chosen, attention_mask=mask, position_ids=positions,
-                                past_key_values=out.past_key_values, use_cache=True)
+                                use_cache=True, **cache_kwarg(self.hf_model, cache_of(out)))
         if streamer is not None:
             streamer.end()
         self.last_result = torch.cat(tokens, dim=-1)
