@@ -17,6 +17,7 @@ import pytest
 from djl_stream.generation.batch import CausalLMBatch, generate_token, prefill_chunk
 from djl_stream.generation.errors import GenerationFailed
 from djl_stream.generation.forward_kwargs import cache_in
+from djl_stream.generation.prefill_pacing import PrefillPacer
 from djl_stream.generation.scheduler import (CANCELLED, BatchState, Scheduler,
                                              IDLE_PREFILL_FACTOR, attention_parity_context,
                                              prefill_columns,
@@ -99,6 +100,10 @@ def make_scheduler(tiny_model):
 
     def make(**settings):
         settings.setdefault("max_batch_size", 4)
+        # Pass widths sized by the token budget alone: the stall bound times passes on
+        # the real clock, so widths would depend on this machine's speed (the bound's
+        # own tests drive it with a simulated clock).
+        settings.setdefault("prefill_stall_steps", 0)
         schedulers.append(Scheduler(tiny_model, pad_token_id=2, device="cpu", **settings))
         return schedulers[-1]
     yield make
@@ -238,6 +243,56 @@ def test_a_running_stream_takes_decode_steps_between_the_chunks_of_a_long_prompt
     generated = running_seqs[0].generated_ids
     assert one_pass_ids(make_scheduler, tiny_model, smollm2_tokenizer, [SHORT],
                         max_new_tokens=len(generated), ignore_eos=True)[0] == generated
+
+
+@pytest.mark.parametrize("stall_steps", [1.5, 0])
+def test_while_a_stream_decodes_a_pass_takes_at_most_the_stall_bound_of_its_steps(
+        make_scheduler, tiny_model, smollm2_tokenizer, stall_steps):
+    # Simulated time (nothing depends on this machine's speed): a forward hook advances
+    # the pacer's clock by what a pass costs on a CPU, the weights streamed once plus
+    # each token fed. A decode step (1 x 1) costs 54 ms; 1.5 of them afford 7 columns.
+    clock = [0.0]
+
+    def cost(rows, columns):
+        return 0.050 + 0.004 * rows * columns
+
+    def advance(module, args, kwargs):
+        clock[0] += cost(*kwargs["input_ids"].shape)
+
+    parity = attention_parity_context(tiny_model)
+    pacer = PrefillPacer(stall_steps, parity, clock=lambda: clock[0])
+    scheduler = make_scheduler(max_batch_prefill_tokens=BUDGET, pacer=pacer)
+    forwards = Forwards(tiny_model)
+    timing = tiny_model.model.register_forward_pre_hook(advance, with_kwargs=True)
+    try:
+        running_seqs = sequences(tiny_model, smollm2_tokenizer, [SHORT],
+                                 max_new_tokens=100_000, ignore_eos=True)
+        running = scheduler.submit(running_seqs)
+        next(running)  # it is decoding
+        forwards.passes.clear()
+        long_seqs = sequences(tiny_model, smollm2_tokenizer, [LONG], max_new_tokens=8)
+        collect(scheduler.submit(long_seqs))
+        running.close()
+        settled(scheduler)
+    finally:
+        timing.remove()
+        forwards.remove()
+    assert long_seqs[0].generated_ids == one_pass_ids(
+        make_scheduler, tiny_model, smollm2_tokenizer, [LONG], max_new_tokens=8)[0]
+    passes = forwards.prefill_passes
+    # (a last column alone looks like a decode step: 1 x 1)
+    assert len(long_seqs[0].prompt_ids) - sum(columns for _, columns, _ in passes) in (0, 1)
+    by_budget = [prefill_columns(BUDGET, rows, cached, parity) for rows, _, cached in passes]
+    if not stall_steps:  # the token budget alone sizes them
+        assert [columns for _, columns, _ in passes[:-1]] == by_budget[:-1]
+        return
+    # each within the bound, give or take a column (sized from the passes timed before
+    # it, the running stream's own prefill first), and never wider than the budget's
+    bound = stall_steps * cost(1, 1)
+    assert all(cost(rows, columns) <= bound + cost(rows, 1) - cost(0, 0)
+               for rows, columns, _ in passes), (passes, bound)
+    assert all(columns <= budget for (_, columns, _), budget in zip(passes, by_budget))
+    assert any(columns < budget for (_, columns, _), budget in zip(passes, by_budget))
 
 
 def test_a_request_cancelled_mid_prefill_leaves_with_its_cache(make_scheduler, tiny_model,

@@ -32,6 +32,10 @@ def make_scheduler(tiny_model):
     schedulers = []
 
     def make(**settings):
+        # Pass widths sized by the token budget alone: the stall bound times passes on
+        # the real clock, so widths would depend on this machine's speed (the bound's
+        # own tests drive it with a simulated clock).
+        settings.setdefault("prefill_stall_steps", 0)
         schedulers.append(Scheduler(tiny_model, pad_token_id=2, device="cpu", **settings))
         return schedulers[-1]
     yield make

@@ -87,9 +87,21 @@ def test_the_prefill_budget_is_the_device_s_unless_set():
         {"max_batch_prefill_tokens": "512"}).max_batch_prefill_tokens == 512
 
 
+def test_the_prefill_stall_bound_is_a_number_of_decode_steps_zero_for_none():
+    assert ModelProperties.from_init_properties({}).prefill_stall_steps == 1.5
+    assert ModelProperties.from_init_properties(
+        {"prefill_stall_steps": "2.5"}).prefill_stall_steps == 2.5
+    assert ModelProperties.from_init_properties(
+        {"prefill_stall_steps": "0"}).prefill_stall_steps == 0.0
+
+
 @pytest.mark.parametrize(
     "values, key, words",
     [
+        ({"prefill_stall_steps": "-1"}, "prefill_stall_steps", "at least 0, got '-1'"),
+        ({"prefill_stall_steps": "nan"}, "prefill_stall_steps", "finite number"),
+        ({"prefill_stall_steps": "inf"}, "prefill_stall_steps", "finite number"),
+        ({"prefill_stall_steps": "short"}, "prefill_stall_steps", "expected a number"),
         ({"max_request_input_length": "100"}, "max_request_input_length",
          "at least option.max_input_length (4096), got 100"),
         ({"max_input_length": "64", "max_request_input_length": "63"},

@@ -318,10 +318,12 @@ def test_option_max_request_input_length_counts_each_prompt_at_the_longest(tmp_p
 def test_a_long_prompt_is_prefilled_in_chunks_of_option_max_batch_prefill_tokens(
         tmp_path, tiny_model_dir):
     directory = variant_dir(tmp_path, tiny_model_dir, "",
-                            "option.max_batch_prefill_tokens=32\noption.max_input_length=512\n")
+                            "option.max_batch_prefill_tokens=32\noption.max_input_length=512\n"
+                            "option.prefill_stall_steps=2.5\n")
     module = init(load_entry_point(directory), directory)
     scheduler = scheduler_of(module)
     assert scheduler.max_batch_prefill_tokens == 32
+    assert scheduler._pacer.stall_steps == 2.5
     # alone (nothing decoding), it is read in passes of the idle budget the property sets
     assert scheduler.max_idle_prefill_tokens == IDLE_PREFILL_FACTOR * 32 == 256
     widths = []

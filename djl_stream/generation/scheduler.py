@@ -7,8 +7,10 @@ in arrival order while the running batch has room; those that fit in the prefill
 together in one pass, and a longer prompt is prefilled in chunks of that budget, one per
 cycle, building its own KV cache, so that the running batch keeps taking decode steps
 while it is read (chunked prefill). A chunk deep into a long prompt attends to all of it,
-so it feeds fewer columns (:func:`prefill_columns`); with nothing decoding, the budget is
-wider (``max_idle_prefill_tokens``). Once its last chunk has chosen its first token, the
+so it feeds fewer columns (:func:`prefill_columns`), and while requests decode a pass is
+also kept within ``prefill_stall_steps`` of their decode steps, as timed
+(:mod:`~djl_stream.generation.prefill_pacing`); with nothing decoding, the budget is wider
+(``max_idle_prefill_tokens``). Once its last chunk has chosen its first token, the
 request joins the running batch at the start of the next cycle, which reads no chunk: the
 joined batch is heavier (its rows attend to the new prompt's columns), and a running stream
 should not wait for a prefill pass and that step at once. A finished, stopped or abandoned request leaves the
@@ -44,7 +46,6 @@ import ctypes
 import dataclasses
 import itertools
 import logging
-import math
 import queue
 import sys
 import threading
@@ -53,7 +54,8 @@ from typing import Deque, Dict, Iterator, List, Optional, Sequence
 
 from djl_stream.generation.batch import CausalLMBatch, generate_token, prefill_chunk
 from djl_stream.generation.errors import GenerationFailed, QueueFullError
-from djl_stream.generation.kv_memory import attention_shape
+from djl_stream.generation.prefill_pacing import (DEFAULT_PREFILL_STALL_STEPS, PrefillPacer,
+                                                  attention_parity_context, prefill_columns)
 from djl_stream.generation.sequence import GenerationSequence
 from djl_stream.generation.step import Generation, Step
 
@@ -283,6 +285,11 @@ class Scheduler:
     deep into a long prompt feeds fewer columns, so that it costs what the budget costs at
     the prompt's start (:func:`prefill_columns`). ``max_idle_prefill_tokens`` is the budget
     while no request is decoding (by default :data:`IDLE_PREFILL_FACTOR` times the other).
+    ``prefill_stall_steps`` bounds a pass while requests decode by time as well: at most
+    that many of their decode steps, as measured (``option.prefill_stall_steps``; 0 turns
+    the bound off; see :mod:`djl_stream.generation.prefill_pacing`). ``pacer`` replaces the
+    :class:`~djl_stream.generation.prefill_pacing.PrefillPacer` built from it (another
+    clock, another policy).
     ``observers`` are told what happens (see :class:`SchedulerObserver`); by default, the
     process-wide ones of :func:`add_observer`.
     """
@@ -297,6 +304,8 @@ class Scheduler:
         max_queue: int = DEFAULT_MAX_QUEUE,
         max_batch_prefill_tokens: Optional[int] = None,
         max_idle_prefill_tokens: Optional[int] = None,
+        prefill_stall_steps: Optional[float] = DEFAULT_PREFILL_STALL_STEPS,
+        pacer: Optional[PrefillPacer] = None,
         observers: Optional[Sequence[SchedulerObserver]] = None,
     ):
         if max_batch_size < 1:
@@ -319,7 +328,8 @@ class Scheduler:
             max_batch_prefill_tokens,
             IDLE_PREFILL_FACTOR * max_batch_prefill_tokens if max_idle_prefill_tokens is None
             else max_idle_prefill_tokens)
-        self._attention_parity = attention_parity_context(model)
+        self._pacer = pacer or PrefillPacer(prefill_stall_steps, attention_parity_context(model),
+                                            synchronize=_synchronizer(device))
         self._ids = itertools.count()
         self._waiting: Deque[_Job] = collections.deque()
         # Admitted requests whose prefill has not finished, in order; one at a time is
@@ -508,14 +518,18 @@ class Scheduler:
             batch = prefill.batch
             # With nothing decoding, nobody waits between tokens: a long prompt alone is
             # read in fewer, wider passes (its time to first token is shorter).
-            budget = (self.max_batch_prefill_tokens if self._running is not None
-                      else self.max_idle_prefill_tokens)
-            width = prefill_columns(budget, len(batch), batch.cache_length,
-                                    self._attention_parity)
+            rows, cached = len(batch), batch.cache_length
+            if self._running is not None:
+                width = self._pacer.columns(self.max_batch_prefill_tokens, rows, cached)
+            else:
+                width = prefill_columns(self.max_idle_prefill_tokens, rows, cached,
+                                        self._pacer.parity_context)
             if batch.columns_to_feed > width:
-                prefill.batch = prefill_chunk(self.model, batch, width)
+                with self._pacer.prefill_pass(rows, width, cached):
+                    prefill.batch = prefill_chunk(self.model, batch, width)
                 return
-            generations, batch = generate_token(self.model, batch)
+            with self._pacer.prefill_pass(rows, batch.columns_to_feed, cached):
+                generations, batch = generate_token(self.model, batch)
         except Exception as error:  # noqa: BLE001 - find who caused it, keep serving
             self._prefilling.popleft()
             if len(prefill.jobs) == 1:
@@ -562,7 +576,8 @@ class Scheduler:
         batch = self._running
         cached = batch.cache_length
         try:
-            generations, self._running = generate_token(self.model, batch)
+            with self._pacer.decode_step():
+                generations, self._running = generate_token(self.model, batch)
         except Exception as error:  # noqa: BLE001 - find who caused it, keep serving
             self._running = None
             self._decode_apart(batch, cached, error)
@@ -732,52 +747,15 @@ def default_max_batch_prefill_tokens(device) -> int:
     return DEFAULT_MAX_BATCH_PREFILL_TOKENS.get(kind, DEFAULT_ACCELERATOR_PREFILL_TOKENS)
 
 
-def attention_parity_context(model) -> float:
-    """The context length at which a prompt column's attention costs as many
-    floating-point operations as the rest of its forward pass (``inf`` where the model's
-    config does not say enough to tell).
+def _synchronizer(device):
+    """What a prefill pass's timing waits for on ``device``: CUDA kernels run after the
+    call that launched them returns; on a CPU the call returns when the work is done."""
+    import torch
 
-    A column's matrix products take about 2 FLOPs per weight outside the embeddings; its
-    attention over ``context`` cached columns takes about 4 × ``context`` × the attention
-    width (query heads × head size) per layer (scores, then the weighted sum of values).
-    SmolLM2-135M (106 M weights outside its embeddings, 30 layers of 576) reaches parity at
-    about 3,070 columns: a prefill chunk read at the end of a 4,000-token prompt costs
-    2.3 times one read at its start, which is what was measured on a CPU (2.5 times).
-
-    >>> from transformers import LlamaConfig, LlamaForCausalLM
-    >>> config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128,
-    ...                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    >>> round(attention_parity_context(LlamaForCausalLM(config)))
-    288
-    """
-    shape = attention_shape(getattr(model, "config", None))
-    if shape is None:
-        return math.inf
-    embeddings = {id(p) for module in (model.get_input_embeddings(), model.get_output_embeddings())
-                  if module is not None for p in module.parameters()}
-    weights = sum(p.numel() for p in model.parameters()
-                  if id(p) not in embeddings and p.dim() > 1)
-    attention_flops_per_context_column = 4 * shape.heads * shape.head_dim * shape.layers
-    return 2 * weights / attention_flops_per_context_column if weights else math.inf
-
-
-def prefill_columns(budget: int, rows: int, cached: int, parity_context: float) -> int:
-    """How many prompt columns the next prefill pass of ``rows`` rows feeds, ``cached``
-    columns already in their KV cache, so that it costs about what ``budget`` tokens cost
-    with nothing cached (see :func:`attention_parity_context`).
-
-    ``max_batch_prefill_tokens`` is what a running stream can afford to wait between two
-    tokens; a chunk deep into a long prompt attends to everything before it, so it gets
-    fewer columns, and the wait stays the same from the first chunk to the last. At least
-    one column, so that every prefill ends.
-
-    >>> prefill_columns(64, 1, 0, 3000.0), prefill_columns(64, 1, 3000, 3000.0)
-    (64, 32)
-    >>> prefill_columns(64, 4, 1000, float("inf")), prefill_columns(64, 64, 4000, 100.0)
-    (16, 1)
-    """
-    per_column = rows * (1 + cached / parity_context)
-    return max(1, int(budget / per_column))
+    device = torch.device(device)
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return None
 
 
 def release_cached_memory() -> None:

@@ -29,6 +29,8 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from djl_stream.generation.prefill_pacing import DEFAULT_PREFILL_STALL_STEPS
+
 logger = logging.getLogger(__name__)
 
 DTYPES = ("fp32", "fp16", "bf16", "auto")
@@ -86,6 +88,17 @@ def _as_int(key: str, value: Any, minimum: int = 1) -> int:
     return number
 
 
+def _as_float(key: str, value: Any, minimum: float = 0.0) -> float:
+    try:
+        number = float(str(value).strip())
+    except ValueError:
+        raise PropertyError(f"option.{key}", f"expected a number, got {value!r}") from None
+    if not number >= minimum or number == float("inf"):  # NaN fails the first test
+        raise PropertyError(f"option.{key}", f"must be a finite number of at least {minimum:g}, "
+                                             f"got {value!r}")
+    return number
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelProperties:
     """Typed configuration of one served model.
@@ -118,6 +131,12 @@ class ModelProperties:
             with a decode step of the running batch between them (chunked prefill, as
             TGI's ``max_batch_prefill_tokens``). ``None`` picks one for the device (32 on
             CPU, 2048 on an accelerator); at least ``max_rolling_batch_size``.
+        prefill_stall_steps: while requests decode, a prefill pass is also kept to at
+            most this many of their decode steps, as timed by the scheduler, so that a
+            running stream waits about this many steps plus its own between two tokens
+            while a long prompt is read (see :mod:`djl_stream.generation.prefill_pacing`).
+            ``0`` turns the bound off: passes are sized by ``max_batch_prefill_tokens``
+            alone (fewer, wider passes: a long prompt is read sooner).
         output_formatter: built-in formatter name (``jsonlines``, ``sse``) or the name of a
             function in ``model.py`` (or that function, as djl's worker may pass it).
         chat_protocol: how a body with ``messages`` is answered when the request names no
@@ -159,6 +178,7 @@ class ModelProperties:
     max_request_input_length: Optional[int] = None
     max_request_kv_tokens: Optional[int] = None
     max_batch_prefill_tokens: Optional[int] = None
+    prefill_stall_steps: float = DEFAULT_PREFILL_STALL_STEPS
     output_formatter: Any = "jsonlines"
     chat_protocol: str = "openai"
     apply_chat_template: Optional[bool] = None
@@ -234,6 +254,8 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
                      "max_request_input_length", "max_batch_prefill_tokens",
                      "max_request_kv_tokens"):
             out[key] = _as_int(key, value)
+        elif key == "prefill_stall_steps":
+            out[key] = _as_float(key, value)
         elif key == "apply_chat_template":
             text = str(value).strip().lower()
             out[key] = None if text == "auto" else _as_bool(key, value)

@@ -18,6 +18,7 @@ from typing import Any, FrozenSet, List, Optional, Sequence
 
 import torch
 
+from djl_stream.generation.prefill_pacing import DEFAULT_PREFILL_STALL_STEPS
 from djl_stream.generation.sampling import TokenChooser
 from djl_stream.generation.scheduler import (
     DEFAULT_MAX_BATCH_SIZE,
@@ -125,10 +126,12 @@ def start_scheduler(
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
     max_queue: int = DEFAULT_MAX_QUEUE,
     max_batch_prefill_tokens: Optional[int] = None,
+    prefill_stall_steps: Optional[float] = DEFAULT_PREFILL_STALL_STEPS,
 ) -> Scheduler:
     """The model's continuous-batching scheduler, created with these limits on first use
-    (``option.max_rolling_batch_size``, ``job_queue_size`` and
-    ``option.max_batch_prefill_tokens``, ``None`` for the device's default)."""
+    (``option.max_rolling_batch_size``, ``job_queue_size``,
+    ``option.max_batch_prefill_tokens``, ``None`` for the device's default, and
+    ``option.prefill_stall_steps``)."""
     return scheduler_for(
         model,
         pad_token_id=pad_token_id(tokenizer, eos_token_ids(model, tokenizer)),
@@ -136,6 +139,7 @@ def start_scheduler(
         max_batch_size=max_batch_size,
         max_queue=max_queue,
         max_batch_prefill_tokens=max_batch_prefill_tokens,
+        prefill_stall_steps=prefill_stall_steps,
     )
 
 

@@ -1,0 +1,181 @@
+"""How many prompt columns the next prefill pass feeds, while other requests decode.
+
+A prefill pass and a decode step take turns (see :mod:`djl_stream.generation.scheduler`), so
+a running stream waits one pass plus its own step between two tokens. Two bounds size the
+pass, and the narrower wins:
+
+* the **token budget** (``option.max_batch_prefill_tokens``), scaled down as the prompt gets
+  deeper, because a column attends to every column before it
+  (:func:`prefill_columns`, :func:`attention_parity_context`): a cost model from the
+  model's shape, the same on every machine;
+* the **stall bound** (``option.prefill_stall_steps``): a pass may take at most that many
+  of the running batch's decode steps, *as measured* (:class:`PrefillPacer`). The cost model
+  cannot know what a pass costs on this machine: a pass streams all the weights once, like
+  a decode step, whatever its width, and attention over thousands of cached columns has
+  costs of its own: deep into a 4,000-token prompt, the 13 columns the budget of 32 affords
+  there took two to three decode steps of SmolLM2 on a 2-core CPU, and a single column
+  one.
+
+The pacer keeps moving averages of the seconds a decode step takes and of the seconds a
+pass spends per budget token (rows × columns × the depth factor), and affords the next
+pass as many budget tokens as fit in ``stall_steps`` decode steps. A pass also has a fixed
+cost (the weights), so the seconds per token measured at one width overstate those of a
+wider pass: sizing each pass from the ones before converges where a pass takes the bound
+(each new width is about the last one times bound / time taken, which contracts towards it
+while the fixed part is below the bound). Widths are rounded, not floored: floored, a
+single column that costs more than half the bound would never become two. The averages
+smooth a busy machine's hiccups: a rule sizing each pass from the last one alone narrowed
+passes more than the noise called for.
+
+Example, with a clock that the "model" below advances:
+
+>>> now = [0.0]
+>>> pacer = PrefillPacer(stall_steps=2.0, parity_context=float("inf"), clock=lambda: now[0])
+>>> with pacer.decode_step():
+...     now[0] += 0.05                       # a 50 ms decode step
+>>> pacer.columns(budget=32, rows=1, cached=0)    # nothing measured yet: the budget
+32
+>>> with pacer.prefill_pass(rows=1, columns=32, cached=0):
+...     now[0] += 0.05 + 32 * 0.003          # 146 ms: the weights, then 3 ms a column
+>>> pacer.columns(budget=32, rows=1, cached=0)    # 32 x 100 / 146 ms
+22
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Callable, Iterator, Optional
+
+from djl_stream.generation.kv_memory import attention_shape
+
+#: ``option.prefill_stall_steps`` when unset: a running stream waits at most this many of
+#: its decode steps for one prefill pass, so about 2.5 between two tokens, which leaves
+#: room for a busy machine's noise under the reliability target of 4 (RELIABILITY.md).
+DEFAULT_PREFILL_STALL_STEPS = 1.5
+#: Weight of the newest time in the moving averages: a pass's cost changes with the
+#: prompt's depth, so the last ones count most, and two of them smooth a hiccup.
+SMOOTHING = 0.5
+
+
+def attention_parity_context(model) -> float:
+    """The context length at which a prompt column's attention costs as many
+    floating-point operations as the rest of its forward pass (``inf`` where the model's
+    config does not say enough to tell).
+
+    A column's matrix products take about 2 FLOPs per weight outside the embeddings; its
+    attention over ``context`` cached columns takes about 4 × ``context`` × the attention
+    width (query heads × head size) per layer (scores, then the weighted sum of values).
+    SmolLM2-135M (106 M weights outside its embeddings, 30 layers of 576) reaches parity at
+    about 3,070 columns: a prefill chunk read at the end of a 4,000-token prompt costs
+    2.3 times one read at its start, which is what was measured on a CPU (2.5 times).
+
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128,
+    ...                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    >>> round(attention_parity_context(LlamaForCausalLM(config)))
+    288
+    """
+    shape = attention_shape(getattr(model, "config", None))
+    if shape is None:
+        return math.inf
+    embeddings = {id(p) for module in (model.get_input_embeddings(), model.get_output_embeddings())
+                  if module is not None for p in module.parameters()}
+    weights = sum(p.numel() for p in model.parameters()
+                  if id(p) not in embeddings and p.dim() > 1)
+    attention_flops_per_context_column = 4 * shape.heads * shape.head_dim * shape.layers
+    return 2 * weights / attention_flops_per_context_column if weights else math.inf
+
+
+def prefill_columns(budget: float, rows: int, cached: int, parity_context: float) -> int:
+    """How many prompt columns the next prefill pass of ``rows`` rows feeds, ``cached``
+    columns already in their KV cache, so that it costs about what ``budget`` tokens cost
+    with nothing cached (see :func:`attention_parity_context`).
+
+    ``max_batch_prefill_tokens`` is what a running stream can afford to wait between two
+    tokens; a chunk deep into a long prompt attends to everything before it, so it gets
+    fewer columns, and the wait stays the same from the first chunk to the last. At least
+    one column, so that every prefill ends.
+
+    >>> prefill_columns(64, 1, 0, 3000.0), prefill_columns(64, 1, 3000, 3000.0)
+    (64, 32)
+    >>> prefill_columns(64, 4, 1000, float("inf")), prefill_columns(64, 64, 4000, 100.0)
+    (16, 1)
+    """
+    return max(1, int(budget / budget_tokens(rows, 1, cached, parity_context)))
+
+
+def budget_tokens(rows: int, columns: int, cached: int, parity_context: float) -> float:
+    """What a pass of ``rows`` × ``columns`` after ``cached`` columns costs, in tokens of
+    the budget (prompt tokens fed with nothing cached): the inverse of
+    :func:`prefill_columns`.
+
+    >>> budget_tokens(2, 16, 3000, 3000.0)
+    64.0
+    """
+    return rows * columns * (1 + cached / parity_context)
+
+
+class PrefillPacer:
+    """Sizes prefill passes so that one takes at most ``stall_steps`` decode steps of the
+    running batch, from the times it measures (see the module docstring).
+
+    ``stall_steps`` of 0 (or ``None``) turns the bound off: passes are sized by the token
+    budget alone. ``clock`` is a monotonic clock in seconds; ``synchronize``, where given,
+    is called before a pass's end is read (on CUDA, kernels run after the call returns:
+    ``torch.cuda.synchronize``; a decode step synchronizes anyway, reading its tokens).
+    """
+
+    def __init__(self, stall_steps: Optional[float], parity_context: float, *,
+                 clock: Callable[[], float] = time.perf_counter,
+                 synchronize: Optional[Callable[[], None]] = None):
+        self.stall_steps = stall_steps or 0.0
+        self.parity_context = parity_context
+        self.clock = clock
+        self.synchronize = synchronize
+        #: The running batch's decode step, seconds (a moving average).
+        self.step_seconds: Optional[float] = None
+        #: Seconds a prefill pass spends per budget token (a moving average).
+        self.seconds_per_token: Optional[float] = None
+
+    @property
+    def bound_seconds(self) -> Optional[float]:
+        """How long a pass may take now, or ``None`` (no bound, or no step timed yet)."""
+        if not self.stall_steps or self.step_seconds is None:
+            return None
+        return self.stall_steps * self.step_seconds
+
+    def columns(self, budget: int, rows: int, cached: int) -> int:
+        """Columns for the next pass of ``rows`` rows after ``cached`` columns, a decode
+        step of the running batch waiting on it: the token budget's, or fewer where the
+        timed passes say that many would stall the running batch too long."""
+        by_budget = prefill_columns(budget, rows, cached, self.parity_context)
+        bound = self.bound_seconds
+        if bound is None or not self.seconds_per_token:
+            return by_budget
+        per_column = budget_tokens(rows, 1, cached, self.parity_context)
+        within = round(bound / self.seconds_per_token / per_column)
+        return max(1, min(by_budget, within))
+
+    @contextlib.contextmanager
+    def decode_step(self) -> Iterator[None]:
+        """Time the decode step run inside (the running batch's)."""
+        start = self.clock()
+        yield
+        self.step_seconds = _moving_average(self.step_seconds, self.clock() - start)
+
+    @contextlib.contextmanager
+    def prefill_pass(self, rows: int, columns: int, cached: int) -> Iterator[None]:
+        """Time the prefill pass run inside: ``rows`` × ``columns`` fed after ``cached``."""
+        start = self.clock()
+        yield
+        if self.synchronize is not None:
+            self.synchronize()
+        tokens = budget_tokens(rows, columns, cached, self.parity_context)
+        self.seconds_per_token = _moving_average(
+            self.seconds_per_token, (self.clock() - start) / tokens)
+
+
+def _moving_average(average: Optional[float], sample: float) -> float:
+    return sample if average is None else (1 - SMOOTHING) * average + SMOOTHING * sample

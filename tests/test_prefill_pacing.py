@@ -1,0 +1,139 @@
+"""The stall bound on prefill passes (``option.prefill_stall_steps``): a pass while requests
+decode takes at most that many of their decode steps, as timed.
+
+Timing is simulated: a clock that only the test (or, through the scheduler, a forward
+hook) advances, by a cost model of the shape a CPU shows (a fixed cost per pass, the
+weights, plus a cost per token), so nothing here depends on the machine's speed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from djl_stream.generation.prefill_pacing import PrefillPacer, budget_tokens, prefill_columns
+
+STEP = 0.060          # a decode step of the running batch, seconds
+FIXED = 0.055         # what any pass costs: the weights, streamed once
+PER_TOKEN = 0.004     # each prompt token of a pass, with nothing cached
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_pass(pacer, clock, rows, columns, cached, parity=math.inf):
+    with pacer.prefill_pass(rows, columns, cached):
+        clock.now += FIXED + PER_TOKEN * budget_tokens(rows, columns, cached, parity)
+
+
+def run_step(pacer, clock, seconds=STEP):
+    with pacer.decode_step():
+        clock.now += seconds
+
+
+def test_nothing_measured_yet_the_token_budget_sizes_the_pass():
+    pacer = PrefillPacer(1.5, math.inf, clock=Clock())
+    assert pacer.columns(budget=32, rows=1, cached=0) == 32
+    assert pacer.columns(budget=32, rows=4, cached=0) == 8
+
+
+def test_passes_narrow_until_each_takes_the_bound_give_or_take_a_column():
+    clock = Clock()
+    pacer = PrefillPacer(1.5, math.inf, clock=clock)
+    bound = 1.5 * STEP                       # 90 ms: FIXED + 8.75 tokens
+    widths, costs = [], []
+    for _ in range(30):
+        run_step(pacer, clock)
+        width = pacer.columns(budget=32, rows=1, cached=0)
+        start = clock.now
+        run_pass(pacer, clock, 1, width, 0)
+        widths.append(width)
+        costs.append(clock.now - start)
+    assert widths[0] == 32 and costs[0] > 2 * bound   # the budget alone: 183 ms
+    assert widths == sorted(widths, reverse=True), widths   # never wider again
+    assert all(cost <= bound + PER_TOKEN for cost in costs[12:]), costs
+    assert widths[-1] == 9, widths            # within the bound give or take a column
+
+
+def test_a_single_column_costing_over_half_the_bound_still_widens():
+    # deep in a prompt one column costs much of the bound (the weights, attention over
+    # the cache); floored, 1.6 columns' worth would keep every pass at one
+    clock = Clock()
+    pacer = PrefillPacer(1.5, math.inf, clock=clock)
+    run_step(pacer, clock)
+    with pacer.prefill_pass(1, 1, 0):
+        clock.now += 0.055                   # 1 column: 55 of the 90 ms
+    assert pacer.columns(budget=32, rows=1, cached=0) == 2
+
+
+def test_the_bound_scales_with_the_running_batchs_step():
+    clock = Clock()
+    pacer = PrefillPacer(1.5, math.inf, clock=clock)
+    run_step(pacer, clock, STEP)
+    run_pass(pacer, clock, 1, 32, 0)
+    alone = pacer.columns(budget=256, rows=1, cached=0)
+    for _ in range(6):                       # a full batch steps four times as long
+        run_step(pacer, clock, 4 * STEP)
+    run_pass(pacer, clock, 1, alone, 0)
+    assert pacer.columns(budget=256, rows=1, cached=0) > 3 * alone
+
+
+def test_deep_into_a_prompt_the_same_bound_affords_fewer_columns():
+    clock = Clock()
+    pacer = PrefillPacer(2.0, 3000.0, clock=clock)
+    run_step(pacer, clock)
+    run_pass(pacer, clock, 1, 32, 0, parity=3000.0)
+    shallow = pacer.columns(budget=32, rows=1, cached=0)
+    deep = pacer.columns(budget=32, rows=1, cached=4000)
+    assert deep == prefill_columns(shallow, 1, 4000, 3000.0) < shallow
+
+
+def test_the_bound_never_widens_a_pass_beyond_the_budget():
+    clock = Clock()
+    pacer = PrefillPacer(1.5, math.inf, clock=clock)
+    run_step(pacer, clock, 10.0)              # a slow step would afford hundreds of tokens
+    run_pass(pacer, clock, 1, 16, 0)
+    assert pacer.columns(budget=16, rows=1, cached=0) == 16
+
+
+@pytest.mark.parametrize("stall_steps", [0, 0.0, None])
+def test_a_stall_bound_of_zero_leaves_the_budget_alone(stall_steps):
+    clock = Clock()
+    pacer = PrefillPacer(stall_steps, math.inf, clock=clock)
+    run_step(pacer, clock)
+    run_pass(pacer, clock, 1, 32, 0)
+    assert pacer.columns(budget=32, rows=1, cached=0) == 32
+
+
+def test_a_pass_is_timed_after_the_device_has_done_its_work():
+    clock = Clock()
+    synchronized = []
+
+    def synchronize():                       # the kernels finish here, not at the call
+        synchronized.append(clock.now)
+        clock.now += 0.5
+
+    pacer = PrefillPacer(1.5, math.inf, clock=clock, synchronize=synchronize)
+    run_step(pacer, clock, 1.0)              # a bound of 1.5 s
+    start = clock.now
+    with pacer.prefill_pass(1, 10, 0):
+        clock.now += 0.01                     # the launch returns at once
+    assert synchronized == [start + 0.01]
+    assert pacer.seconds_per_token == pytest.approx(0.051)
+
+
+def test_a_pass_that_raises_teaches_nothing():
+    clock = Clock()
+    pacer = PrefillPacer(1.5, math.inf, clock=clock)
+    run_step(pacer, clock)
+    with pytest.raises(RuntimeError):
+        with pacer.prefill_pass(1, 10, 0):
+            clock.now += 5.0
+            raise RuntimeError("the model failed")
+    assert pacer.seconds_per_token is None
