@@ -37,7 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Text
 
 from djl_stream import StreamingUtils
 from djl_stream.generation.forward_kwargs import cache_kwarg, last_logits_only
-from djl_stream.generation.loading import torch_dtype
+from djl_stream.generation.loading import prepack_for_cpu, torch_dtype
 from djl_stream.serving.properties import ModelProperties, djl_init_properties
 
 from .measure import StreamTiming
@@ -88,7 +88,10 @@ class LoadedModel:
             dtype=torch_dtype(props, on_gpu=target.type == "cuda"),
             trust_remote_code=props.trust_remote_code,
         )
-        return cls(model.to(target).eval(), tokenizer, target, props)
+        model = model.to(target).eval()
+        if target.type == "cpu":
+            prepack_for_cpu(model, props)
+        return cls(model, tokenizer, target, props)
 
     @property
     def dtype(self) -> torch.dtype:

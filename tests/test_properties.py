@@ -95,9 +95,34 @@ def test_the_prefill_stall_bound_is_a_number_of_decode_steps_zero_for_none():
         {"prefill_stall_steps": "0"}).prefill_stall_steps == 0.0
 
 
+@pytest.mark.parametrize("values, method", [
+    ({}, None),
+    ({"quantize": "int8"}, "int8"),
+    ({"quantize": " BitsAndBytes4 "}, "bitsandbytes4"),
+    ({"quantize": "none"}, None),
+    # djl-serving's deprecated flags mean bitsandbytes, and an explicit method wins
+    ({"load_in_8bit": "true"}, "bitsandbytes8"),
+    ({"load_in_4bit": "true"}, "bitsandbytes4"),
+    ({"load_in_8bit": "true", "quantize": "int8"}, "int8"),
+    ({"load_in_8bit": "false"}, None),
+])
+def test_option_quantize_and_djl_s_load_in_flags(values, method):
+    assert ModelProperties.from_init_properties(values).quantize == method
+
+
+@pytest.mark.parametrize("value, packs", [(None, None), ("auto", None), ("true", True),
+                                          ("false", False)])
+def test_option_prepack_weights_is_auto_unless_set(value, packs):
+    values = {} if value is None else {"prepack_weights": value}
+    assert ModelProperties.from_init_properties(values).prepack_weights is packs
+
+
 @pytest.mark.parametrize(
     "values, key, words",
     [
+        ({"quantize": "int4"}, "quantize",
+         "expected one of int8, bitsandbytes8, bitsandbytes4, got 'int4'"),
+        ({"prepack_weights": "maybe"}, "prepack_weights", "expected true or false"),
         ({"prefill_stall_steps": "-1"}, "prefill_stall_steps", "at least 0, got '-1'"),
         ({"prefill_stall_steps": "nan"}, "prefill_stall_steps", "finite number"),
         ({"prefill_stall_steps": "inf"}, "prefill_stall_steps", "finite number"),

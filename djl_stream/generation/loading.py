@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, MutableMapping, Optional, Tuple
 
+from djl_stream.generation.quantization import QuantizationUnavailable, quantization_kwargs
 from djl_stream.serving.properties import ModelProperties
 
 logger = logging.getLogger(__name__)
@@ -137,10 +138,16 @@ def load_model_and_tokenizer(props: ModelProperties) -> Tuple[Any, Any]:
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         read_grouped_heads_in_place()
+    dtype = torch_dtype(props, on_gpu)
+    try:
+        quantization = quantization_kwargs(props.quantize, on_gpu=on_gpu, compute_dtype=dtype)
+    except QuantizationUnavailable as error:
+        raise ModelLoadError(str(error)) from error
     kwargs = dict(
-        **{dtype_keyword(): torch_dtype(props, on_gpu)},
+        **{dtype_keyword(): dtype},
         trust_remote_code=props.trust_remote_code,
         **placement(props),
+        **quantization,
     )
     logger.info("loading %s (%s) with %s", location, "local" if local else "hub", kwargs)
     try:
@@ -160,4 +167,23 @@ def load_model_and_tokenizer(props: ModelProperties) -> Tuple[Any, Any]:
             "directory and leave option.model_id unset."
         ) from error
     model.eval()
+    if not on_gpu:
+        prepack_for_cpu(model, props)
     return model, tokenizer
+
+
+def prepack_for_cpu(model, props: ModelProperties) -> int:
+    """Prepack ``model``'s float32 linear layers for this CPU unless
+    ``option.prepack_weights`` is false (:mod:`djl_stream.generation.packed_linear`); how
+    many were packed. Quantized layers keep their own kernels."""
+    from djl_stream.generation.packed_linear import pack_linear_layers, packing_unavailable
+
+    if props.prepack_weights is False:
+        return 0
+    packed = pack_linear_layers(model)
+    if packed:
+        logger.info("prepacked %d linear layers for this CPU (oneDNN)", packed)
+    elif props.prepack_weights:
+        logger.warning("option.prepack_weights=true, but nothing was packed: %s",
+                       packing_unavailable() or "no float32 linear layer to pack")
+    return packed

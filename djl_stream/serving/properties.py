@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from djl_stream.generation.prefill_pacing import DEFAULT_PREFILL_STALL_STEPS
+from djl_stream.generation.quantization import QUANTIZE_METHODS
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,14 @@ class ModelProperties:
         model_id: local path (absolute, or relative to ``model_dir``) or hub id of the
             weights; ``None`` means the weights are in ``model_dir`` itself.
         dtype: ``fp32``, ``fp16``, ``bf16`` or ``auto`` (half precision on GPU, fp32 on CPU).
+        quantize: load the weights quantized: ``int8`` (weight-only, torchao; CPU and
+            GPU), ``bitsandbytes8`` or ``bitsandbytes4`` (CUDA only); ``None`` for none
+            (see :mod:`djl_stream.generation.quantization`). djl-serving's deprecated
+            ``load_in_8bit=true`` / ``load_in_4bit=true`` mean ``bitsandbytes8`` / ``4``.
+        prepack_weights: on a CPU, have oneDNN reorder each float32 linear layer's weight
+            once at load into the layout its kernels read fastest (1.5-2x faster decode
+            steps on SmolLM2; see :mod:`djl_stream.generation.packed_linear`); ``None``
+            (``auto``) does so wherever this PyTorch can, ``False`` never.
         tensor_parallel_degree: number of GPUs to spread the model over; ``None`` means
             ``max`` (all visible GPUs). Ignored on CPU.
         enable_streaming: stream by default when a request does not say ``"stream"``.
@@ -169,6 +178,10 @@ class ModelProperties:
     model_dir: str = "."
     model_id: Optional[str] = None
     dtype: str = "auto"
+    quantize: Optional[str] = None
+    load_in_8bit: bool = False
+    load_in_4bit: bool = False
+    prepack_weights: Optional[bool] = None
     tensor_parallel_degree: Optional[int] = 1
     enable_streaming: bool = True
     trust_remote_code: bool = False
@@ -194,6 +207,12 @@ class ModelProperties:
     def __post_init__(self) -> None:
         if self.max_request_input_length is None:
             object.__setattr__(self, "max_request_input_length", 2 * self.max_input_length)
+        # djl-serving's deprecated spellings, read as it reads them (quantize wins)
+        for flag, method in (("load_in_4bit", "bitsandbytes4"), ("load_in_8bit", "bitsandbytes8")):
+            if getattr(self, flag) and self.quantize is None:
+                logger.warning("option.%s is deprecated (as in djl-serving): use "
+                               "option.quantize=%s", flag, method)
+                object.__setattr__(self, "quantize", method)
 
     @classmethod
     def known_keys(cls) -> list[str]:
@@ -247,8 +266,17 @@ class ModelProperties:
 def _typed(values: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in values.items():
-        if key in ("enable_streaming", "trust_remote_code"):
+        if key in ("enable_streaming", "trust_remote_code", "load_in_8bit", "load_in_4bit"):
             out[key] = _as_bool(key, value)
+        elif key == "quantize":
+            text = str(value).strip().lower()
+            if text in ("", "none", "false"):
+                out[key] = None
+            elif text in QUANTIZE_METHODS:
+                out[key] = text
+            else:
+                raise PropertyError("option.quantize", f"expected one of "
+                                    f"{', '.join(QUANTIZE_METHODS)}, got {value!r}")
         elif key in ("default_max_new_tokens", "max_new_tokens_limit", "max_input_length",
                      "max_rolling_batch_size", "job_queue_size", "n_positions",
                      "max_request_input_length", "max_batch_prefill_tokens",
@@ -256,7 +284,7 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
             out[key] = _as_int(key, value)
         elif key == "prefill_stall_steps":
             out[key] = _as_float(key, value)
-        elif key == "apply_chat_template":
+        elif key in ("apply_chat_template", "prepack_weights"):
             text = str(value).strip().lower()
             out[key] = None if text == "auto" else _as_bool(key, value)
         elif key == "device_id":

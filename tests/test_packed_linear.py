@@ -1,0 +1,87 @@
+"""Linear layers prepacked by oneDNN (``option.prepack_weights``): what they compute, which
+layers are packed, and that a model generates the same greedy text packed or not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import build_tiny_llama
+from djl_stream.generation.batch import CausalLMBatch, generate_token
+from djl_stream.generation.loading import load_model_and_tokenizer
+from djl_stream.generation.packed_linear import PackedLinear, pack_linear_layers, packing_unavailable
+from djl_stream.generation.sequence import GenerationSequence
+from djl_stream.serving.properties import ModelProperties
+
+pytestmark = pytest.mark.skipif(packing_unavailable() is not None,
+                                reason=f"this PyTorch cannot prepack: {packing_unavailable()}")
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, there lived",
+           "1, 2, 3,"]
+
+
+def greedy(model, tokenizer, new_tokens=12):
+    """Each prompt's greedy tokens, the three prompts decoding in one left-padded batch."""
+    sequences = [GenerationSequence(i, tokenizer(p)["input_ids"], tokenizer,
+                                    max_new_tokens=new_tokens, eos_token_ids=set(),
+                                    ignore_eos=True) for i, p in enumerate(PROMPTS)]
+    batch = CausalLMBatch.from_sequences(sequences, pad_token_id=2, device="cpu")
+    while batch is not None:
+        _, batch = generate_token(model, batch)
+    return [seq.generated_ids for seq in sequences]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("leading", [(1,), (5,), (2, 7)])
+def test_a_packed_layer_computes_what_nn_linear_computes(bias, leading):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(96, 40, bias=bias)
+    packed = PackedLinear.from_linear(layer)
+    x = torch.randn(*leading, 96)
+    with torch.inference_mode():
+        assert packed(x).shape == (*leading, 40)
+        torch.testing.assert_close(packed(x), layer(x), rtol=1e-5, atol=1e-5)
+    # it counts as much as the weight it replaces
+    assert sum(p.numel() for p in packed.parameters()) == sum(p.numel() for p in layer.parameters())
+
+
+def test_every_linear_of_the_tiny_llama_is_packed_and_its_greedy_text_is_unchanged(
+        smollm2_tokenizer):
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=3)
+    expected = greedy(model, smollm2_tokenizer)
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert linears == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the LM head
+    assert pack_linear_layers(model) == linears
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert isinstance(model.lm_head, PackedLinear)
+    # the tied input embedding still reads the original rows
+    assert type(model.get_input_embeddings().weight) is torch.nn.Parameter
+    assert greedy(model, smollm2_tokenizer) == expected
+
+
+def test_a_layer_whose_packed_output_differs_leaves_the_whole_model_unpacked(
+        monkeypatch, smollm2_tokenizer):
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=4)
+    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: torch.zeros(
+        *x.shape[:-1], self.out_features))
+    assert pack_linear_layers(model) == 0
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def test_weights_that_are_not_float32_are_left_alone():
+    layer = torch.nn.Linear(16, 16).to(torch.bfloat16)
+    assert PackedLinear.from_linear(layer) is None
+    model = torch.nn.Sequential(layer)
+    assert pack_linear_layers(model) == 0 and model[0] is layer
+
+
+def test_loading_on_a_cpu_packs_unless_option_prepack_weights_is_false(tiny_model_dir):
+    packed, _ = load_model_and_tokenizer(ModelProperties(model_dir=str(tiny_model_dir)))
+    assert isinstance(packed.lm_head, PackedLinear)
+    assert isinstance(packed.model.layers[0].mlp.down_proj, PackedLinear)
+    plain, _ = load_model_and_tokenizer(ModelProperties.from_init_properties(
+        {"model_dir": str(tiny_model_dir), "prepack_weights": "false"}))
+    assert not any(isinstance(m, PackedLinear) for m in plain.modules())
+    ids = torch.tensor([[1, 400, 401, 402]])
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)

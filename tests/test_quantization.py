@@ -1,0 +1,71 @@
+"""Quantized weights (``option.quantize``), loaded with the real libraries: torchao's int8
+weight-only on this CPU, and bitsandbytes' CPU kernels (its CUDA path cannot run here: the
+arguments it gets there are checked against transformers' own ``BitsAndBytesConfig``)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from djl_stream.generation.loading import ModelLoadError, load_model_and_tokenizer
+from djl_stream.generation.packed_linear import PackedLinear
+from djl_stream.generation.quantization import quantization_kwargs
+from djl_stream.serving.properties import ModelProperties
+
+IDS = torch.tensor([[1, 400, 401, 402, 403]])
+
+
+def load(directory, **options):
+    return load_model_and_tokenizer(ModelProperties.from_init_properties(
+        {"model_dir": str(directory), **options}))[0]
+
+
+def last_logits(model):
+    with torch.inference_mode():
+        return model(IDS).logits[0, -1].float()
+
+
+@pytest.fixture(scope="module")
+def float32_logits(tiny_model_dir):
+    return last_logits(load(tiny_model_dir, prepack_weights="false"))
+
+
+def test_int8_stores_every_decoder_weight_as_int8_and_computes_nearly_the_same(
+        tiny_model_dir, float32_logits):
+    model = load(tiny_model_dir, quantize="int8")
+    projections = [m for name, m in model.named_modules() if name.endswith(("_proj"))]
+    assert len(projections) == 2 * 7
+    assert all(m.weight.qdata.dtype == torch.int8 for m in projections)
+    # transformers keeps the tied LM head in float32; on a CPU it is then prepacked
+    assert isinstance(model.lm_head, PackedLinear)
+    logits = last_logits(model)
+    assert torch.nn.functional.cosine_similarity(logits, float32_logits, dim=0) > 0.999
+    assert not torch.equal(logits, float32_logits)  # it did quantize
+
+
+def test_bitsandbytes8_on_a_cpu_runs_bitsandbytes_own_layers(tiny_model_dir, float32_logits):
+    bitsandbytes = pytest.importorskip("bitsandbytes")
+    model = load(tiny_model_dir, load_in_8bit="true")  # djl-serving's deprecated spelling
+    assert isinstance(model.model.layers[0].self_attn.q_proj, bitsandbytes.nn.Linear8bitLt)
+    logits = last_logits(model)
+    assert torch.nn.functional.cosine_similarity(logits, float32_logits, dim=0) > 0.99
+
+
+def test_on_cuda_bitsandbytes_gets_the_configuration_transformers_documents():
+    # Contract only: no GPU here. What from_pretrained receives for each method.
+    pytest.importorskip("bitsandbytes")
+    eight = quantization_kwargs("bitsandbytes8", on_gpu=True)["quantization_config"]
+    assert eight.load_in_8bit and not eight.load_in_4bit
+    four = quantization_kwargs("bitsandbytes4", on_gpu=True,
+                               compute_dtype=torch.float16)["quantization_config"]
+    assert four.load_in_4bit and four.bnb_4bit_quant_type == "nf4"
+    assert four.bnb_4bit_compute_dtype == torch.float16
+
+
+def test_a_missing_library_is_a_load_error_that_says_what_to_install(monkeypatch, tiny_model_dir):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao now raises ImportError
+    monkeypatch.setitem(sys.modules, "torchao.quantization", None)
+    with pytest.raises(ModelLoadError, match="option.quantize=int8 needs torchao: pip install torchao"):
+        load(tiny_model_dir, quantize="int8")
