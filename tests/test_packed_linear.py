@@ -8,6 +8,7 @@ import torch
 
 from conftest import build_tiny_llama
 from djl_stream.generation.batch import CausalLMBatch, generate_token
+from djl_stream.generation.kv_memory import default_max_request_kv_tokens
 from djl_stream.generation.loading import load_model_and_tokenizer
 from djl_stream.generation.packed_linear import PackedLinear, pack_linear_layers, packing_unavailable
 from djl_stream.generation.sequence import GenerationSequence
@@ -49,13 +50,22 @@ def test_every_linear_of_the_tiny_llama_is_packed_and_its_greedy_text_is_unchang
         smollm2_tokenizer):
     model = build_tiny_llama(len(smollm2_tokenizer), seed=3)
     expected = greedy(model, smollm2_tokenizer)
+    kv_bound_before = default_max_request_kv_tokens(model, 64, 256)
+    embedding_storage = model.get_input_embeddings().weight.data_ptr()
     linears = sum(type(m) is torch.nn.Linear for m in model.modules())
     assert linears == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the LM head
     assert pack_linear_layers(model) == linears
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     assert isinstance(model.lm_head, PackedLinear)
-    # the tied input embedding still reads the original rows
+    # the tied input embedding still reads the original rows; the LM head's packed weight
+    # is a copy, and says so (the model's weights are counted once)
     assert type(model.get_input_embeddings().weight) is torch.nn.Parameter
+    assert model.lm_head.weight.duplicates_a_weight
+    assert not model.model.layers[0].mlp.up_proj.weight.duplicates_a_weight
+    assert default_max_request_kv_tokens(model, 64, 256) == kv_bound_before
+    # the weights left unpacked were copied out of what they shared (a file's mapping,
+    # when loaded from safetensors), so that the mapping can go
+    assert model.get_input_embeddings().weight.data_ptr() != embedding_storage
     assert greedy(model, smollm2_tokenizer) == expected
 
 

@@ -109,7 +109,9 @@ def default_max_request_kv_tokens(model, max_input_length: int,
     per_position = kv_bytes_per_position(getattr(model, "config", None), element_size)
     if not per_position:
         return None
-    # parameters() yields tied embeddings once
-    weight_bytes = sum(parameter.numel() * parameter.element_size() for parameter in parameters)
+    # parameters() yields tied embeddings once; a prepacked copy of a tied weight
+    # (packed_linear) is not a weight of the model's
+    weight_bytes = sum(parameter.numel() * parameter.element_size() for parameter in parameters
+                       if not getattr(parameter, "duplicates_a_weight", False))
     return max(max_input_length + max_new_tokens_limit,
                int(KV_SHARE_OF_WEIGHTS * weight_bytes) // per_position)

@@ -80,7 +80,9 @@ class PackedLinear(torch.nn.Module):
 
     The packed weight is a parameter (``weight``, an opaque oneDNN tensor: its shape,
     dtype and size are the original's, its storage cannot be read), so that a count of the
-    model's parameters or of their bytes stays true.
+    model's parameters or of their bytes stays true. Where the original weight lives on
+    (tied to an input embedding), the packed one is a copy and says so:
+    ``weight.duplicates_a_weight`` is ``True`` (a count of the model's own weights skips it).
     """
 
     def __init__(self, packed_weight: torch.Tensor, bias: Optional[torch.Tensor]):
@@ -147,6 +149,28 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
                                    "linear layers left unpacked", name)
                     return 0
                 replacements.append((parent, name, packed))
+    kept = {id(p) for module in model.modules() if type(module) is not torch.nn.Linear
+            for p in module.parameters(recurse=False)}
     for parent, name, packed in replacements:
+        packed.weight.duplicates_a_weight = id(getattr(parent, name).weight) in kept
         setattr(parent, name, packed)
+    if replacements:
+        _own_the_other_weights(model)
     return len(replacements)
+
+
+def _own_the_other_weights(model: torch.nn.Module) -> None:
+    """Copy the parameters that were not packed (embeddings, norms) into memory of their
+    own.
+
+    transformers maps a safetensors file into memory and its parameters are views of that
+    one mapping, which stays as long as any of them lives. Packing read every weight
+    through it, so the pages of the whole file stayed resident beside the packed copies
+    (SmolLM2: 1.40 GB resident after packing instead of 1.00 GB) until the embedding, the
+    last view, let go of the mapping."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, PackedLinear):
+                continue
+            for parameter in module.parameters(recurse=False):
+                parameter.data = parameter.data.clone()
