@@ -10,13 +10,14 @@ STAMP  := $(VENV)/.installed
 # `make conformance` runs and reads; see ../shared/djl-serving/README.md.
 DJL_SERVING_SRC ?= ../shared/djl-serving
 
-.PHONY: install model serve test conformance bench reliability clean help
+.PHONY: install model serve test conformance bench bench-peers reliability clean help
 
 help:
 	@echo "make serve   - set up .venv, prepare the embedded model, serve $(MODEL_DIR)/ on $(HOST):$(PORT)"
 	@echo "make test    - run the whole test suite"
 	@echo "make conformance - run model/ in djl-serving's real Python worker (DJL_SERVING_SRC=$(DJL_SERVING_SRC))"
 	@echo "make bench   - run the benchmarks and write BENCHMARKS.md"
+	@echo "make bench-peers - djl-stream beside llama.cpp, transformers serve and Ray Serve (sets them up in .peers/); writes BENCHMARKS.md's peers section"
 	@echo "make reliability - hostile clients against a real server; writes RELIABILITY.md"
 
 install: $(STAMP)
@@ -52,6 +53,10 @@ conformance: $(STAMP) model
 
 bench: $(STAMP) model
 	$(BIN)/python -m benchmarks.run --model-dir $(MODEL_DIR)
+
+# Each peer in its own venv under .peers/ (git-ignored), set up on first use.
+bench-peers: $(STAMP) model
+	$(BIN)/python -m benchmarks.peers --model-dir $(MODEL_DIR)
 
 reliability: $(STAMP) model
 	$(BIN)/python -m reliability.run --model-dir $(MODEL_DIR)

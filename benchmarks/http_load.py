@@ -16,16 +16,18 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import httpx
 
@@ -117,19 +119,29 @@ class ServerProcess:
         self.wait_ready()
         return self
 
+    #: The route that answers 200 once the model is loaded.
+    ready_path = "/ping"
+    #: Start the server as a process group of its own, stopped as a whole (a server that
+    #: starts helper processes, as Ray does).
+    own_session = False
+
+    def command(self) -> List[str]:
+        """What :meth:`launch` runs."""
+        return [sys.executable, "-m", "djl_stream", "serve", str(self.model_dir),
+                "--port", str(self.port), *self.flags]
+
     def launch(self) -> None:
         """Start the process; the model loads in the background."""
-        command = [sys.executable, "-m", "djl_stream", "serve", str(self.model_dir),
-                   "--port", str(self.port), *self.flags]
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(command, env=self.env, stdout=log,
-                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.process = subprocess.Popen(self.command(), env=self.env, stdout=log,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            start_new_session=self.own_session)
 
     def wait_ready(self) -> None:
-        """Poll ``GET /ping`` until it answers 200; raise with the log's tail if the
+        """Poll :attr:`ready_path` until it answers 200; raise with the log's tail if the
         process exits or the model does not load in time."""
         deadline = time.monotonic() + READY_TIMEOUT_S
-        ping = f"http://127.0.0.1:{self.port}/ping"
+        ping = f"http://127.0.0.1:{self.port}{self.ready_path}"
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the {self.name} server exited with {self.process.returncode}:\n"
@@ -162,6 +174,9 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        if self.own_session:  # whatever the server started goes with it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
 
     def __enter__(self) -> "ServerProcess":
         return self.start()
@@ -170,18 +185,41 @@ class ServerProcess:
         self.stop()
 
 
+class StreamError(Exception):
+    """The server reported an error inside the stream (after its 200)."""
+
+
+#: Reads a streamed response: yields each piece of text as it arrives; raises
+#: :class:`StreamError` for an error the server put in the stream.
+PieceReader = Callable[[httpx.Response], Iterator[str]]
+
+
+def djl_lines(response: httpx.Response) -> Iterator[str]:
+    """djl-serving's JSON lines: one ``{"output_tokens": [...]}`` line per decode step
+    (the first prompt's piece), or an ``{"error": ...}`` line."""
+    for line in response.iter_lines():
+        if not line:
+            continue
+        record = json.loads(line)
+        if "error" in record:
+            raise StreamError(str(record["error"]))
+        yield record["output_tokens"][0]
+
+
 def stream_once(
     url: str,
     body: dict,
     *,
     client: Optional[httpx.Client] = None,
     on_line: Optional[Callable[[], None]] = None,
+    read: PieceReader = djl_lines,
 ) -> StreamTiming:
-    """Send one streaming request and time every line (one line = one decode step).
+    """Send one streaming request and time every piece ``read`` yields (for djl's lines,
+    one line = one decode step).
 
     The clock starts before the request is sent, so time to first token includes the
     HTTP round trip, request parsing, the chat template and the prefill. An HTTP error or
-    an ``{"error": ...}`` line ends the timing with ``error`` set.
+    an error in the stream ends the timing with ``error`` set.
     """
     own = client is None
     client = client or httpx.Client(timeout=_timeout())
@@ -194,19 +232,12 @@ def stream_once(
             if response.status_code != 200:
                 error = f"HTTP {response.status_code}: {response.read()[:300]!r}"
             else:
-                for line in response.iter_lines():
-                    if not line:
-                        continue
-                    now = time.perf_counter()
-                    record = json.loads(line)
-                    if "error" in record:
-                        error = str(record["error"])
-                        break
-                    arrivals.append(now)
-                    pieces.append(record["output_tokens"][0])
+                for piece in read(response):
+                    arrivals.append(time.perf_counter())
+                    pieces.append(piece)
                     if on_line is not None:
                         on_line()
-    except httpx.HTTPError as failure:
+    except (httpx.HTTPError, StreamError) as failure:
         error = f"{type(failure).__name__}: {failure}"
     finally:
         if own:
@@ -255,7 +286,7 @@ def _run_threads(targets: Sequence[Callable[[], None]]) -> List[threading.Thread
     return threads
 
 
-def run_concurrent(url: str, bodies: Sequence[dict]) -> LoadResult:
+def run_concurrent(url: str, bodies: Sequence[dict], read: PieceReader = djl_lines) -> LoadResult:
     """One client per body, each with its own connection, released at the same instant."""
     clients = [httpx.Client(timeout=_timeout()) for _ in bodies]
     barrier = threading.Barrier(len(bodies))
@@ -264,7 +295,7 @@ def run_concurrent(url: str, bodies: Sequence[dict]) -> LoadResult:
     def client_task(i: int) -> Callable[[], None]:
         def task() -> None:
             barrier.wait()
-            timings[i] = stream_once(url, bodies[i], client=clients[i])
+            timings[i] = stream_once(url, bodies[i], client=clients[i], read=read)
         return task
 
     try:

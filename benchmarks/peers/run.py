@@ -1,0 +1,306 @@
+"""``python -m benchmarks.peers`` (``make bench-peers``): djl-stream beside llama.cpp,
+``transformers serve`` and Ray Serve, in one run, written into ``BENCHMARKS.md``.
+
+The run sets up each peer's environment and GGUF files (once; the time each took is
+reported), then serves each in turn, the machine otherwise idle, the others stopped:
+
+1. a warm-up request;
+2. the greedy-text check: each prompt once, its text compared with djl-stream's;
+3. the load rows: 1, 4 and 16 clients released together, ``--repetitions`` times;
+4. the server's resident memory (its whole process tree) after the load, and its peak.
+
+The section it writes (between ``<!-- peers -->`` and ``<!-- /peers -->``) holds the
+figures, the targets of issue 10 computed from them (never asserted), the CPU taken by
+other processes during each peer's turn, and the setup times. ``make bench`` keeps the
+section when it rewrites the rest of the file.
+
+Examples::
+
+    python -m benchmarks.peers --model-dir model                  # make bench-peers
+    python -m benchmarks.peers --model-dir model --peers djl-stream,"llama.cpp F32" --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from ..http_load import LoadResult, run_concurrent, stream_once
+from ..inprocess import LoadedModel
+from ..machine import describe
+from ..measure import ProcessMemory, cpu_load, process_cpu_seconds, system_busy_cpu_seconds
+from ..measure import process_tree
+from ..settings import PROMPTS
+from .environments import ENVIRONMENTS
+from .gguf_files import float32_gguf, float32_gguf_path, original_q4_1
+from .servers import PEERS, Peer
+
+BEGIN, END = "<!-- peers -->", "<!-- /peers -->"
+ROOT = Path(".peers")
+#: The djl-stream rows the targets are computed from, and its int8 row.
+OURS, OURS_INT8 = "djl-stream", "djl-stream int8"
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+@dataclasses.dataclass
+class PeerResult:
+    """What one peer's turn measured."""
+
+    peer: Peer
+    loads: Dict[int, List[LoadResult]] = dataclasses.field(default_factory=dict)
+    texts: List[str] = dataclasses.field(default_factory=list)
+    memory: Optional[ProcessMemory] = None
+    other_cpu: str = ""
+    error: str = ""
+
+    def median(self, clients: int, figure: str) -> float:
+        values = []
+        for load in self.loads.get(clients, []):
+            if load.errors:
+                continue
+            values.append({"aggregate": load.aggregate_tokens_per_s,
+                           "ttft_p50": load.ttft(50), "itl_p50": load.inter_token(50),
+                           "itl_p90": load.inter_token(90)}[figure])
+        values = [v for v in values if not math.isnan(v)]
+        return statistics.median(values) if values else math.nan
+
+
+def _tree_cpu_seconds(pid: int) -> float:
+    return sum(process_cpu_seconds(p) or 0.0 for p in process_tree(pid))
+
+
+def measure_peer(peer: Peer, prompts: Sequence[str], files: Dict[str, Path], args,
+                 workdir: Path) -> PeerResult:
+    result = PeerResult(peer)
+    server = peer.server(Path(args.model_dir), ROOT, files, workdir)
+    busy_before, own_before, started = system_busy_cpu_seconds(), process_cpu_seconds(), time.perf_counter()
+    server_cpu = 0.0
+    try:
+        server.start()
+        log(f"{peer.name}: ready on {server.url}")
+        warm = stream_once(server.url, peer.body(prompts[0], 4), read=peer.read)
+        if warm.error:
+            raise RuntimeError(f"warm-up failed: {warm.error}")
+        for prompt in prompts:
+            timing = stream_once(server.url, peer.body(prompt, args.new_tokens), read=peer.read)
+            result.texts.append(timing.text if not timing.error else f"(error: {timing.error})")
+        for rep in range(1, args.repetitions + 1):
+            for clients in args.clients:
+                gc.collect()
+                bodies = [peer.body(prompts[i % len(prompts)], args.new_tokens)
+                          for i in range(clients)]
+                load = run_concurrent(server.url, bodies, read=peer.read)
+                if not peer.pieces_are_tokens:  # a word stream: count the tokens asked for
+                    load = _counted_as_asked(load, args.new_tokens)
+                result.loads.setdefault(clients, []).append(load)
+                log(f"  [{rep}/{args.repetitions}] {clients:>2} clients: "
+                    f"{load.aggregate_tokens_per_s:6.1f} tok/s, TTFT p50 {load.ttft(50) * 1e3:6.0f} ms, "
+                    f"ITL p50 {load.inter_token(50) * 1e3:5.0f} ms"
+                    + (f", errors: {load.errors[:1]}" if load.errors else ""))
+        time.sleep(1.0)
+        result.memory = server.memory()
+        server_cpu = _tree_cpu_seconds(server.pid)
+    except Exception as error:  # noqa: BLE001 - a peer that fails is reported, the run goes on
+        result.error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        log(f"{peer.name}: FAILED {result.error}\n{server.log_tail()}")
+    finally:
+        server.stop()
+    busy, own = system_busy_cpu_seconds(), process_cpu_seconds()
+    if None not in (busy, own, busy_before, own_before):
+        others = max((busy - busy_before) - (own - own_before) - server_cpu, 0.0)
+        available = (time.perf_counter() - started) * len(os.sched_getaffinity(0))
+        result.other_cpu = f"{others:.0f} of {available:.0f} CPU-s ({others / available * 100:.0f} %)"
+    return result
+
+
+def _counted_as_asked(load: LoadResult, tokens: int) -> LoadResult:
+    timings = tuple(dataclasses.replace(t, tokens=tokens if not t.error else t.tokens)
+                    for t in load.timings)
+    return LoadResult(load.clients, timings)
+
+
+def _agreement(text: str, reference: str) -> str:
+    if text == reference:
+        return "same text"
+    same = next((i for i, (a, b) in enumerate(zip(text, reference)) if a != b),
+                min(len(text), len(reference)))
+    return f"differs after {same} of {len(reference)} characters"
+
+
+def _fmt(value: float, scale: float = 1.0, digits: int = 0, unit: str = "") -> str:
+    return "—" if math.isnan(value) else f"{value * scale:.{digits}f}{unit}"
+
+
+def report(results: List[PeerResult], setup: Dict[str, float], args, machine: Dict[str, str],
+           elapsed: float, command: str) -> str:
+    by_name = {r.peer.name: r for r in results}
+    lines = [BEGIN, "", "## Peers: djl-stream beside llama.cpp, transformers serve and Ray Serve", "",
+             f"Measured on {machine.get('date')} with `{command}` (what `make bench-peers` runs) "
+             f"in {elapsed / 60:.0f} min, on {machine.get('cpu')} (GPU: {machine.get('gpu')}). "
+             f"Every server: the same prompts (SmolLM2's chat template applied by the client), "
+             f"greedy, exactly {args.new_tokens} new tokens (end-of-sequence ids barred: "
+             "`ignore_eos`, `min_tokens` or `min_new_tokens`), served alone on the machine in "
+             "turn; clients released together, each on its own connection. Figures are medians "
+             f"over {args.repetitions} repetitions.", ""]
+    lines += ["### Targets (issue 10)", ""]
+    lines += [f"- {line}" for line in targets(by_name, args)] + [""]
+    lines += ["| server | weights | clients | aggregate tokens/s | TTFT p50 | ITL p50 | ITL p90 | "
+              "RSS after | peak RSS |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r.error:
+            lines.append(f"| {r.peer.name} | {r.peer.weights} | — | failed: {r.error} | | | | | |")
+            continue
+        for clients in args.clients:
+            word = "" if r.peer.pieces_are_tokens else " ¹"
+            lines.append(
+                f"| {r.peer.name} | {r.peer.weights} | {clients} | "
+                f"{_fmt(r.median(clients, 'aggregate'), digits=1)} | "
+                f"{_fmt(r.median(clients, 'ttft_p50'), 1e3, unit=' ms')} | "
+                f"{_fmt(r.median(clients, 'itl_p50'), 1e3, unit=' ms')}{word} | "
+                f"{_fmt(r.median(clients, 'itl_p90'), 1e3, unit=' ms')}{word} | "
+                f"{_fmt(r.memory.rss / 1e6 if r.memory else math.nan, unit=' MB')} | "
+                f"{_fmt(r.memory.peak / 1e6 if r.memory else math.nan, unit=' MB')} |")
+    lines += ["", "¹ the tutorial's streamer hands out whole words: its gaps are between words. "
+              "llama.cpp's server runs one request at a time: its clients queue. RSS is the "
+              "server's whole process tree (Ray's workers included), after the load.", ""]
+    reference = by_name.get(OURS)
+    lines += ["### Greedy text agreement with djl-stream (float32)", "",
+              "| server | " + " | ".join(f"prompt {i + 1}" for i in range(len(PROMPTS))) + " |",
+              "|---|" + "---|" * len(PROMPTS)]
+    for r in results:
+        if r.error or reference is None or reference.error:
+            continue
+        cells = [_agreement(text, ref) for text, ref in zip(r.texts, reference.texts)]
+        lines.append(f"| {r.peer.name} | " + " | ".join(cells) + " |")
+    lines += ["", "### CPU taken by other processes during each turn", ""]
+    lines += [f"- {r.peer.name}: {r.other_cpu or 'not measured'}" for r in results]
+    lines += ["", "### Setting the peers up", ""]
+    lines += [f"- {name}: " + (f"{seconds / 60:.1f} min this run" if seconds else
+                               "already set up (`.peers/`)") for name, seconds in setup.items()]
+    lines += ["", END]
+    return "\n".join(lines)
+
+
+def targets(by_name: Dict[str, PeerResult], args) -> List[str]:
+    def figure(name: str, clients: int, what: str) -> float:
+        result = by_name.get(name)
+        return math.nan if result is None or result.error else result.median(clients, what)
+
+    out = []
+
+    def check(text: str, value: float, limit: float, at_most: bool, detail: str) -> None:
+        if math.isnan(value):
+            out.append(f"**NOT MEASURED** {text}")
+            return
+        passed = value <= limit if at_most else value >= limit
+        miss = "" if passed else (f" (missed by {value / limit - 1:.0%})" if at_most
+                                  else f" (missed by {1 - value / limit:.0%})")
+        out.append(f"**{'PASS' if passed else 'FAIL'}** {text}: {value:.2f}x{miss}; {detail}")
+
+    ours_itl, llama_itl = figure(OURS, 1, "itl_p50"), figure("llama.cpp F32", 1, "itl_p50")
+    check("single-stream ITL p50 <= 1.15x llama.cpp F32's", ours_itl / llama_itl, 1.15, True,
+          f"{_fmt(ours_itl, 1e3, 1, ' ms')} vs {_fmt(llama_itl, 1e3, 1, ' ms')}")
+    most = max(args.clients)
+    ours_many = figure(OURS, most, "aggregate")
+    for peer, limit in (("transformers serve", 1.5), ("llama.cpp F32", 4.0)):
+        theirs = figure(peer, most, "aggregate")
+        check(f"aggregate tokens/s at {most} clients >= {limit}x {peer}'s", ours_many / theirs,
+              limit, False, f"{_fmt(ours_many, digits=1)} vs {_fmt(theirs, digits=1)} tokens/s")
+    int8_itl = figure(OURS_INT8, 1, "itl_p50")
+    check("int8 single-stream >= 1.6x our float32 (ITL p50)", ours_itl / int8_itl, 1.6, False,
+          f"{_fmt(int8_itl, 1e3, 1, ' ms')} vs {_fmt(ours_itl, 1e3, 1, ' ms')}")
+    return out
+
+
+def write_section(path: Path, section: str) -> None:
+    """Put ``section`` into ``path`` in place of the one there, or at the end."""
+    text = path.read_text(encoding="utf-8") if path.is_file() else ""
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + section + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    path.write_text(text, encoding="utf-8")
+
+
+def peers_section(path: Path) -> Optional[str]:
+    """The peers section of ``path``, to be kept by a run that rewrites the rest."""
+    if not path.is_file():
+        return None
+    text = path.read_text(encoding="utf-8")
+    if BEGIN not in text or END not in text:
+        return None
+    return BEGIN + text.split(BEGIN, 1)[1].split(END, 1)[0] + END
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.peers",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", default="model")
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help="comma-separated peers to run (default: all)")
+    parser.add_argument("--clients", default="1,4,16")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repetitions", type=int, default=2)
+    parser.add_argument("--output", default="BENCHMARKS.md")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 16 tokens, 1 and 4 clients, one repetition")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.new_tokens, args.clients, args.repetitions = 16, "1,4", 1
+    args.clients = [int(c) for c in str(args.clients).split(",")]
+    names = [n.strip() for n in args.peers.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PEERS]
+    if unknown:
+        build_parser().error(f"unknown peers {unknown}; known: {list(PEERS)}")
+    peers = [PEERS[n] for n in names]
+    started = time.perf_counter()
+    ROOT.mkdir(exist_ok=True)
+    setup: Dict[str, float] = {}
+    needs_gguf = any(peer.model_file for peer in peers)
+    environments = {peer.environment for peer in peers} | ({"gguf-convert"} if needs_gguf else set())
+    for name in sorted(environments - {None}):
+        setup[f"{name} environment"] = ENVIRONMENTS[name].ensure(ROOT, log)
+    files: Dict[str, Path] = {}
+    if needs_gguf:
+        converted_before = float32_gguf_path(Path(args.model_dir), ROOT).is_file()
+        t0 = time.perf_counter()
+        files["f32"] = float32_gguf(Path(args.model_dir), ROOT,
+                                    ENVIRONMENTS["gguf-convert"].python(ROOT), log)
+        setup["F32 GGUF conversion"] = 0.0 if converted_before else time.perf_counter() - t0
+        files["q4_1"] = original_q4_1()
+    loaded = LoadedModel.load(args.model_dir, device="cpu")
+    prompts = [loaded.prompt(p).text for p in PROMPTS]
+    machine = describe()
+    machine["date"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    del loaded
+    results = []
+    with tempfile.TemporaryDirectory(prefix="djl-stream-peers-") as workdir:
+        for peer in peers:
+            log(f"{peer.name}: starting" + (f" (load {cpu_load()[0]:.2f})" if cpu_load() else ""))
+            results.append(measure_peer(peer, prompts, files, args, Path(workdir)))
+    command = " ".join(["python -m benchmarks.peers", *argv])
+    section = report(results, setup, args, machine, time.perf_counter() - started, command)
+    write_section(Path(args.output), section)
+    for line in targets({r.peer.name: r for r in results}, args):
+        log(line)
+    log(f"wrote the peers section of {args.output}")
+    return 0

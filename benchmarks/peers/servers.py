@@ -1,0 +1,180 @@
+"""The servers compared, each as its users start it, and how one request is put to each.
+
+Every server gets the same prompt text (SmolLM2's chat template already applied, so no
+server renders a template of its own), greedy decoding, and a fixed number of new tokens:
+
+* **djl-stream**: ``djl-stream serve model``, OpenAI ``/v1/completions`` with
+  ``ignore_eos`` (vLLM's name for it), in float32 and with ``option.quantize=int8``;
+* **llama.cpp**: ``python -m llama_cpp.server`` (llama-cpp-python) on a GGUF file,
+  ``/v1/completions`` with ``min_tokens`` equal to ``max_tokens``; it serves one request
+  at a time (its server has no parallel slots);
+* **transformers serve**: ``transformers serve MODEL --continuous-batching`` with its KV
+  cache capped by ``--cb-num-blocks`` (unset, it sizes the cache from the machine's memory),
+  ``/v1/completions`` with a ``generation_config`` of ``min_new_tokens``;
+* **Ray Serve**: the tutorial's ``TextIteratorStreamer`` deployment (:mod:`.ray_app`),
+  which streams words rather than tokens.
+
+Example::
+
+    peer = PEERS["llama.cpp F32"]
+    with peer.server(Path("model"), Path(".peers"), files, workdir) as server:
+        timing = stream_once(server.url, peer.body(prompt_text, 64), read=peer.read)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import httpx
+
+from ..http_load import PieceReader, ServerProcess, StreamError
+from ..measure import ProcessMemory
+from .environments import ENVIRONMENTS
+
+#: KV-cache blocks for transformers serve (32 tokens each by default): 16 clients of a
+#: 64-token prompt and 128 new tokens need ~100; 512 leave room without sizing the cache
+#: from the machine's memory.
+CB_NUM_BLOCKS = 512
+#: llama.cpp's context: the longest prompt plus new tokens the benchmark asks for.
+LLAMA_CPP_CONTEXT = 2048
+
+
+def openai_completion_pieces(response: httpx.Response) -> Iterator[str]:
+    """An OpenAI completions SSE stream: one ``choices[0].text`` per ``data:`` event."""
+    for line in response.iter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            return
+        event = json.loads(data)
+        if "error" in event:
+            raise StreamError(str(event["error"]))
+        choices = event.get("choices") or []
+        if choices and choices[0].get("text"):
+            yield choices[0]["text"]
+
+
+def text_chunks(response: httpx.Response) -> Iterator[str]:
+    """A plain-text stream: each chunk as it arrives."""
+    for chunk in response.iter_text():
+        if chunk:
+            yield chunk
+
+
+class PeerProcess(ServerProcess):
+    """A peer's server process: :class:`~benchmarks.http_load.ServerProcess` with the peer's
+    own command, readiness route and request path, stopped with everything it started."""
+
+    own_session = True
+
+    def __init__(self, command: Callable[[int], List[str]], *, name: str, workdir: Path,
+                 ready_path: str, request_path: str, env: Optional[Dict[str, str]] = None):
+        super().__init__(Path("."), name=name, workdir=workdir, env=env)
+        self._command = command
+        self.ready_path = ready_path
+        self.request_path = request_path
+
+    def command(self) -> List[str]:
+        return self._command(self.port)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}{self.request_path}"
+
+    def memory(self) -> Optional[ProcessMemory]:
+        return ProcessMemory.of_tree(self.pid) if self.pid else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """One server to compare: how to start it and how to ask it for ``n`` greedy tokens.
+
+    ``pieces_are_tokens`` is false for a server that streams words (its inter-token
+    figures are per word); ``one_at_a_time`` for a server that runs one request at a time.
+    """
+
+    name: str
+    environment: Optional[str]            # a key of ENVIRONMENTS; None: djl-stream's own
+    command: Callable[[Path, Dict[str, Path], int], List[str]]
+    ready_path: str
+    request_path: str
+    body: Callable[[str, int], dict]
+    read: PieceReader = openai_completion_pieces
+    pieces_are_tokens: bool = True
+    one_at_a_time: bool = False
+    weights: str = "float32, from model/"
+    model_file: Optional[str] = None      # a key of the files dict the command reads
+    options: Tuple[Tuple[str, str], ...] = ()  # djl-stream's model properties (OPTION_*)
+
+    def python(self, root: Path) -> str:
+        if self.environment is None:
+            import sys
+            return sys.executable
+        return str(ENVIRONMENTS[self.environment].python(root))
+
+    def server(self, model_dir: Path, root: Path, files: Dict[str, Path],
+               workdir: Path) -> PeerProcess:
+        python = self.python(root)
+        env = {"OMP_NUM_THREADS": str(os.cpu_count() or 1), "TRANSFORMERS_VERBOSITY": "error",
+               **{f"OPTION_{key.upper()}": value for key, value in self.options}}
+        return PeerProcess(
+            lambda port: [python, *self.command(model_dir, files, port)],
+            name=self.name.replace(" ", "-"), workdir=workdir, ready_path=self.ready_path,
+            request_path=self.request_path, env=env)
+
+
+def _greedy_openai(prompt: str, n: int, **extra) -> dict:
+    return {"model": "model", "prompt": prompt, "max_tokens": n, "temperature": 0.0,
+            "stream": True, **extra}
+
+
+def _djl_stream(model_dir: Path, files: Dict[str, Path], port: int) -> List[str]:
+    return ["-m", "djl_stream", "serve", str(model_dir), "--port", str(port)]
+
+
+def _llama_cpp(key: str) -> Callable[[Path, Dict[str, Path], int], List[str]]:
+    def command(model_dir: Path, files: Dict[str, Path], port: int) -> List[str]:
+        return ["-m", "llama_cpp.server", "--model", str(files[key]), "--host", "127.0.0.1",
+                "--port", str(port), "--n_ctx", str(LLAMA_CPP_CONTEXT),
+                "--n_threads", str(os.cpu_count() or 1), "--model_alias", "model"]
+    return command
+
+
+def _transformers_serve(model_dir: Path, files: Dict[str, Path], port: int) -> List[str]:
+    # The console script of transformers' own environment, run by its interpreter.
+    return ["-m", "transformers.cli.transformers", "serve", str(model_dir.resolve()),
+            "--continuous-batching", "--cb-num-blocks", str(CB_NUM_BLOCKS), "--device", "cpu",
+            "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)]
+
+
+def _ray_serve(model_dir: Path, files: Dict[str, Path], port: int) -> List[str]:
+    return [str(Path(__file__).with_name("ray_app.py")), "--model-dir", str(model_dir),
+            "--port", str(port)]
+
+
+PEERS: Dict[str, Peer] = {peer.name: peer for peer in (
+    Peer("djl-stream", None, _djl_stream, "/ping", "/v1/completions",
+         lambda prompt, n: _greedy_openai(prompt, n, ignore_eos=True)),
+    Peer("djl-stream int8", None, _djl_stream, "/ping", "/v1/completions",
+         lambda prompt, n: _greedy_openai(prompt, n, ignore_eos=True),
+         weights="int8 weight-only (torchao), from model/", options=(("quantize", "int8"),)),
+    Peer("llama.cpp F32", "llama-cpp", _llama_cpp("f32"), "/v1/models", "/v1/completions",
+         lambda prompt, n: _greedy_openai(prompt, n, min_tokens=n),
+         one_at_a_time=True, weights="float32, converted from model/ to GGUF", model_file="f32"),
+    Peer("llama.cpp Q4_1", "llama-cpp", _llama_cpp("q4_1"), "/v1/models", "/v1/completions",
+         lambda prompt, n: _greedy_openai(prompt, n, min_tokens=n),
+         one_at_a_time=True, weights="Q4_1, the original GGUF file", model_file="q4_1"),
+    Peer("transformers serve", "transformers-serve", _transformers_serve, "/health",
+         "/v1/completions",
+         lambda prompt, n: {**_greedy_openai(prompt, n), "model": "model", "generation_config":
+                            json.dumps({"min_new_tokens": n, "max_new_tokens": n,
+                                        "do_sample": False})}),
+    Peer("Ray Serve (tutorial)", "ray-serve", _ray_serve, "/-/healthz", "/generate",
+         lambda prompt, n: {"prompt": prompt, "max_new_tokens": n}, read=text_chunks,
+         pieces_are_tokens=False),
+)}
