@@ -86,21 +86,26 @@ def measure_peer(peer: Peer, prompts: Sequence[str], files: Dict[str, Path], arg
                  workdir: Path) -> PeerResult:
     result = PeerResult(peer)
     server = peer.server(Path(args.model_dir), ROOT, files, workdir)
+    model = str(Path(args.model_dir).resolve())  # transformers serve answers only to its path
+
+    def body(prompt: str, tokens: int) -> dict:
+        return peer.body(prompt, tokens, model)
+
     busy_before, own_before, started = system_busy_cpu_seconds(), process_cpu_seconds(), time.perf_counter()
     server_cpu = 0.0
     try:
         server.start()
         log(f"{peer.name}: ready on {server.url}")
-        warm = stream_once(server.url, peer.body(prompts[0], 4), read=peer.read)
+        warm = stream_once(server.url, body(prompts[0], 4), read=peer.read)
         if warm.error:
             raise RuntimeError(f"warm-up failed: {warm.error}")
         for prompt in prompts:
-            timing = stream_once(server.url, peer.body(prompt, args.new_tokens), read=peer.read)
+            timing = stream_once(server.url, body(prompt, args.new_tokens), read=peer.read)
             result.texts.append(timing.text if not timing.error else f"(error: {timing.error})")
         for rep in range(1, args.repetitions + 1):
             for clients in args.clients:
                 gc.collect()
-                bodies = [peer.body(prompts[i % len(prompts)], args.new_tokens)
+                bodies = [body(prompts[i % len(prompts)], args.new_tokens)
                           for i in range(clients)]
                 load = run_concurrent(server.url, bodies, read=peer.read)
                 if not peer.pieces_are_tokens:  # a word stream: count the tokens asked for

@@ -18,7 +18,7 @@ Example::
 
     peer = PEERS["llama.cpp F32"]
     with peer.server(Path("model"), Path(".peers"), files, workdir) as server:
-        timing = stream_once(server.url, peer.body(prompt_text, 64), read=peer.read)
+        timing = stream_once(server.url, peer.body(prompt_text, 64, "model"), read=peer.read)
 """
 
 from __future__ import annotations
@@ -35,10 +35,14 @@ from ..http_load import PieceReader, ServerProcess, StreamError
 from ..measure import ProcessMemory
 from .environments import ENVIRONMENTS
 
-#: KV-cache blocks for transformers serve (32 tokens each by default): 16 clients of a
-#: 64-token prompt and 128 new tokens need ~100; 512 leave room without sizing the cache
-#: from the machine's memory.
-CB_NUM_BLOCKS = 512
+#: KV-cache blocks for transformers serve (32 tokens of every layer each): 16 clients of a
+#: ~60-token prompt and 128 new tokens need ~95. Unset, it sizes the cache (and attention
+#: masks that grow with it) from the machine's memory, and refused to start here: 11.6 GB
+#: wanted, 5.6 GB seen free.
+CB_NUM_BLOCKS = 128
+#: Tokens one transformers serve step may take in (its default is 8,192; its attention
+#: masks grow with it: 7.2 GB at 512 with 512 blocks).
+CB_MAX_BATCH_TOKENS = 256
 #: llama.cpp's context: the longest prompt plus new tokens the benchmark asks for.
 LLAMA_CPP_CONTEXT = 2048
 
@@ -103,7 +107,7 @@ class Peer:
     command: Callable[[Path, Dict[str, Path], int], List[str]]
     ready_path: str
     request_path: str
-    body: Callable[[str, int], dict]
+    body: Callable[[str, int, str], dict]  # (prompt, new tokens, model path) -> JSON
     read: PieceReader = openai_completion_pieces
     pieces_are_tokens: bool = True
     one_at_a_time: bool = False
@@ -128,8 +132,8 @@ class Peer:
             request_path=self.request_path, env=env)
 
 
-def _greedy_openai(prompt: str, n: int, **extra) -> dict:
-    return {"model": "model", "prompt": prompt, "max_tokens": n, "temperature": 0.0,
+def _greedy_openai(prompt: str, n: int, model: str, **extra) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0.0,
             "stream": True, **extra}
 
 
@@ -148,7 +152,8 @@ def _llama_cpp(key: str) -> Callable[[Path, Dict[str, Path], int], List[str]]:
 def _transformers_serve(model_dir: Path, files: Dict[str, Path], port: int) -> List[str]:
     # The console script of transformers' own environment, run by its interpreter.
     return ["-m", "transformers.cli.transformers", "serve", str(model_dir.resolve()),
-            "--continuous-batching", "--cb-num-blocks", str(CB_NUM_BLOCKS), "--device", "cpu",
+            "--continuous-batching", "--cb-num-blocks", str(CB_NUM_BLOCKS),
+            "--cb-max-batch-tokens", str(CB_MAX_BATCH_TOKENS), "--device", "cpu",
             "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)]
 
 
@@ -159,22 +164,22 @@ def _ray_serve(model_dir: Path, files: Dict[str, Path], port: int) -> List[str]:
 
 PEERS: Dict[str, Peer] = {peer.name: peer for peer in (
     Peer("djl-stream", None, _djl_stream, "/ping", "/v1/completions",
-         lambda prompt, n: _greedy_openai(prompt, n, ignore_eos=True)),
+         lambda prompt, n, model: _greedy_openai(prompt, n, model, ignore_eos=True)),
     Peer("djl-stream int8", None, _djl_stream, "/ping", "/v1/completions",
-         lambda prompt, n: _greedy_openai(prompt, n, ignore_eos=True),
+         lambda prompt, n, model: _greedy_openai(prompt, n, model, ignore_eos=True),
          weights="int8 weight-only (torchao), from model/", options=(("quantize", "int8"),)),
     Peer("llama.cpp F32", "llama-cpp", _llama_cpp("f32"), "/v1/models", "/v1/completions",
-         lambda prompt, n: _greedy_openai(prompt, n, min_tokens=n),
+         lambda prompt, n, model: _greedy_openai(prompt, n, "model", min_tokens=n),
          one_at_a_time=True, weights="float32, converted from model/ to GGUF", model_file="f32"),
     Peer("llama.cpp Q4_1", "llama-cpp", _llama_cpp("q4_1"), "/v1/models", "/v1/completions",
-         lambda prompt, n: _greedy_openai(prompt, n, min_tokens=n),
+         lambda prompt, n, model: _greedy_openai(prompt, n, "model", min_tokens=n),
          one_at_a_time=True, weights="Q4_1, the original GGUF file", model_file="q4_1"),
     Peer("transformers serve", "transformers-serve", _transformers_serve, "/health",
          "/v1/completions",
-         lambda prompt, n: {**_greedy_openai(prompt, n), "model": "model", "generation_config":
-                            json.dumps({"min_new_tokens": n, "max_new_tokens": n,
-                                        "do_sample": False})}),
+         lambda prompt, n, model: _greedy_openai(
+             prompt, n, model, generation_config=json.dumps(
+                 {"min_new_tokens": n, "max_new_tokens": n, "do_sample": False}))),
     Peer("Ray Serve (tutorial)", "ray-serve", _ray_serve, "/-/healthz", "/generate",
-         lambda prompt, n: {"prompt": prompt, "max_new_tokens": n}, read=text_chunks,
+         lambda prompt, n, model: {"prompt": prompt, "max_new_tokens": n}, read=text_chunks,
          pieces_are_tokens=False),
 )}
