@@ -120,6 +120,22 @@ def settled(scheduler):
     assert not scheduler.running_size and not scheduler.prefilling_size
 
 
+def long_prompt_beside_a_stream(scheduler, model, tokenizer, once_decoding):
+    """A short prompt decodes (``ignore_eos``: it runs until closed, however the random
+    model's tokens fall); once it is, ``once_decoding()`` is called and :data:`LONG` is
+    read to its end (8 new tokens) beside it. Returns both requests' sequences, the
+    stream closed and the scheduler idle."""
+    running_seqs = sequences(model, tokenizer, [SHORT], max_new_tokens=100_000, ignore_eos=True)
+    running = scheduler.submit(running_seqs)
+    next(running)  # it is decoding
+    once_decoding()
+    long_seqs = sequences(model, tokenizer, [LONG], max_new_tokens=8)
+    collect(scheduler.submit(long_seqs))
+    running.close()
+    settled(scheduler)
+    return running_seqs, long_seqs
+
+
 def one_pass_ids(make_scheduler, model, tokenizer, prompts, **parameters):
     """Each prompt's generated ids alone, its prefill in one forward pass."""
     scheduler = make_scheduler(max_batch_prefill_tokens=100_000)
@@ -220,16 +236,8 @@ def test_a_running_stream_takes_decode_steps_between_the_chunks_of_a_long_prompt
     scheduler = make_scheduler(max_batch_prefill_tokens=BUDGET, observers=[tokens])
     forwards = Forwards(tiny_model, events=events)
     try:
-        # ignore_eos: it runs until closed, however the random model's tokens fall
-        running_seqs = sequences(tiny_model, smollm2_tokenizer, [SHORT],
-                                 max_new_tokens=100_000, ignore_eos=True)
-        running = scheduler.submit(running_seqs)
-        next(running)  # it is decoding
-        events.clear()
-        long_seqs = sequences(tiny_model, smollm2_tokenizer, [LONG], max_new_tokens=8)
-        collect(scheduler.submit(long_seqs))
-        running.close()
-        settled(scheduler)
+        running_seqs, long_seqs = long_prompt_beside_a_stream(
+            scheduler, tiny_model, smollm2_tokenizer, once_decoding=events.clear)
     finally:
         forwards.remove()
     running_id = running_seqs[0].request_id[0]
@@ -265,15 +273,8 @@ def test_while_a_stream_decodes_a_pass_takes_at_most_the_stall_bound_of_its_step
     forwards = Forwards(tiny_model)
     timing = tiny_model.model.register_forward_pre_hook(advance, with_kwargs=True)
     try:
-        running_seqs = sequences(tiny_model, smollm2_tokenizer, [SHORT],
-                                 max_new_tokens=100_000, ignore_eos=True)
-        running = scheduler.submit(running_seqs)
-        next(running)  # it is decoding
-        forwards.passes.clear()
-        long_seqs = sequences(tiny_model, smollm2_tokenizer, [LONG], max_new_tokens=8)
-        collect(scheduler.submit(long_seqs))
-        running.close()
-        settled(scheduler)
+        _, long_seqs = long_prompt_beside_a_stream(
+            scheduler, tiny_model, smollm2_tokenizer, once_decoding=forwards.passes.clear)
     finally:
         timing.remove()
         forwards.remove()

@@ -173,4 +173,6 @@ def _own_the_other_weights(model: torch.nn.Module) -> None:
             if isinstance(module, PackedLinear):
                 continue
             for parameter in module.parameters(recurse=False):
-                parameter.data = parameter.data.clone()
+                # a quantized weight (a tensor subclass) is left as its library made it
+                if type(parameter) in _PLAIN_TENSORS and type(parameter.data) is torch.Tensor:
+                    parameter.data = parameter.data.clone()

@@ -13,8 +13,9 @@
     deprecated ``option.load_in_8bit=true`` / ``option.load_in_4bit=true`` mean the
     same, as there), through transformers' ``BitsAndBytesConfig``: what the Llama-2
     tutorials load with ``load_in_8bit=True``. Made for CUDA GPUs; bitsandbytes 0.45 and
-    later also run on a CPU, slowly (logged at load: a SmolLM2 decode step took several
-    times the float32 one here), so on a CPU ``int8`` is the one to use. Needs
+    later also run on a CPU (``python -m benchmarks.quantization`` compares them with
+    float32 there: on this project's 2-core CPU ``bitsandbytes8`` took twice float32's
+    decode step, and ``bitsandbytes4`` was faster but the least faithful). Needs
     ``pip install bitsandbytes``.
 
 The library is imported only when asked for, so neither is a dependency of the package.
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 #: What ``option.quantize`` accepts.
 QUANTIZE_METHODS = ("int8", "bitsandbytes8", "bitsandbytes4")
-#: Methods made for CUDA GPUs, slow on a CPU.
+#: Methods made for CUDA GPUs (their CPU kernels are a fallback).
 MADE_FOR_CUDA = frozenset({"bitsandbytes8", "bitsandbytes4"})
 
 
@@ -61,9 +62,9 @@ def quantization_kwargs(method: Optional[str], *, on_gpu: bool,
         raise ValueError(f"unknown quantization method {method!r}; "
                          f"expected one of {', '.join(QUANTIZE_METHODS)}")
     if method in MADE_FOR_CUDA and not on_gpu:
-        logger.warning("option.quantize=%s runs bitsandbytes' CPU kernels, which are much "
-                       "slower than its CUDA ones and than float32 here; on a CPU use "
-                       "option.quantize=int8", method)
+        logger.warning("option.quantize=%s on a CPU: bitsandbytes' CPU kernels stand in for "
+                       "its CUDA ones (see the README for how they compare with float32 and "
+                       "int8 there)", method)
     if method == "int8":
         return {"quantization_config": _torchao_int8_weight_only()}
     return {"quantization_config": _bitsandbytes(method, compute_dtype)}
