@@ -2,12 +2,14 @@
 ``transformers serve`` and Ray Serve, in one run, written into ``BENCHMARKS.md``.
 
 The run sets up each peer's environment and GGUF files (once; the time each took is
-reported), then serves each in turn, the machine otherwise idle, the others stopped:
+reported), starts every server at once, warms each up, and then:
 
-1. a warm-up request;
-2. the greedy-text check: each prompt once, its text compared with djl-stream's;
-3. the load rows: 1, 4 and 16 clients released together, ``--repetitions`` times;
-4. the server's resident memory (its whole process tree) after the load, and its peak.
+1. the greedy-text check: each prompt once per server, its text compared with djl-stream's;
+2. the load rows, interleaved: for each repetition and each client count (1, 4, 16
+   clients released together), every server in turn, so that a machine that slows down
+   slows every peer alike; the CPU that anything else took meanwhile (the idle servers
+   included) is counted per peer;
+3. each server's resident memory (its whole process tree) after the load, and its peak.
 
 The section it writes (between ``<!-- peers -->`` and ``<!-- /peers -->``) holds the
 figures, the targets of issue 10 computed from them (never asserted), the CPU taken by
@@ -23,6 +25,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -57,13 +60,15 @@ def log(message: str) -> None:
 
 @dataclasses.dataclass
 class PeerResult:
-    """What one peer's turn measured."""
+    """What one peer's rows measured."""
 
     peer: Peer
     loads: Dict[int, List[LoadResult]] = dataclasses.field(default_factory=dict)
     texts: List[str] = dataclasses.field(default_factory=list)
     memory: Optional[ProcessMemory] = None
-    other_cpu: str = ""
+    #: CPU seconds others took while this peer's rows ran, and the seconds available.
+    other_cpu: float = 0.0
+    available_cpu: float = 0.0
     error: str = ""
 
     def median(self, clients: int, figure: str) -> float:
@@ -77,58 +82,112 @@ class PeerResult:
         values = [v for v in values if not math.isnan(v)]
         return statistics.median(values) if values else math.nan
 
+    @property
+    def other_cpu_line(self) -> str:
+        if not self.available_cpu:
+            return "not measured"
+        return (f"{self.other_cpu:.0f} of {self.available_cpu:.0f} CPU-s "
+                f"({self.other_cpu / self.available_cpu * 100:.0f} %)")
+
 
 def _tree_cpu_seconds(pid: int) -> float:
     return sum(process_cpu_seconds(p) or 0.0 for p in process_tree(pid))
 
 
-def measure_peer(peer: Peer, prompts: Sequence[str], files: Dict[str, Path], args,
-                 workdir: Path) -> PeerResult:
-    result = PeerResult(peer)
-    server = peer.server(Path(args.model_dir), ROOT, files, workdir)
-    model = str(Path(args.model_dir).resolve())  # transformers serve answers only to its path
+class Turn:
+    """One peer's row: the CPU the machine spent on anything but this process and the
+    peer's own server meanwhile (the idle servers of the others included)."""
 
-    def body(prompt: str, tokens: int) -> dict:
-        return peer.body(prompt, tokens, model)
+    def __init__(self, server) -> None:
+        self.server = server
 
-    busy_before, own_before, started = system_busy_cpu_seconds(), process_cpu_seconds(), time.perf_counter()
-    server_cpu = 0.0
-    try:
-        server.start()
-        log(f"{peer.name}: ready on {server.url}")
-        warm = stream_once(server.url, body(prompts[0], 4), read=peer.read)
-        if warm.error:
-            raise RuntimeError(f"warm-up failed: {warm.error}")
-        for prompt in prompts:
-            timing = stream_once(server.url, body(prompt, args.new_tokens), read=peer.read)
-            result.texts.append(timing.text if not timing.error else f"(error: {timing.error})")
+    def __enter__(self) -> "Turn":
+        self.busy, self.own = system_busy_cpu_seconds(), process_cpu_seconds()
+        self.served, self.started = _tree_cpu_seconds(self.server.pid), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy, own = system_busy_cpu_seconds(), process_cpu_seconds()
+        served = _tree_cpu_seconds(self.server.pid)
+        self.available = (time.perf_counter() - self.started) * len(os.sched_getaffinity(0))
+        self.others = 0.0
+        if None not in (busy, own, self.busy, self.own):
+            self.others = max((busy - self.busy) - (own - self.own) - (served - self.served), 0.0)
+
+
+def start_servers(peers: Sequence[Peer], files: Dict[str, Path], args, workdir: Path,
+                  results: Dict[str, PeerResult], stack: contextlib.ExitStack) -> Dict[str, object]:
+    """Every peer's server, started together and each warmed up by one short request; a
+    peer that fails to start is reported and left out."""
+    servers = {}
+    for peer in peers:
+        server = peer.server(Path(args.model_dir), ROOT, files, workdir)
+        stack.callback(server.stop)
+        server.launch()
+        servers[peer.name] = server
+    ready = {}
+    for peer in peers:
+        server = servers[peer.name]
+        try:
+            server.wait_ready()
+            warm = stream_once(server.url, _body(peer, args, PROMPT_TEXTS[0], 4), read=peer.read)
+            if warm.error:
+                raise RuntimeError(f"warm-up failed: {warm.error}")
+            ready[peer.name] = server
+            log(f"{peer.name}: ready on {server.url}")
+        except Exception as error:  # noqa: BLE001 - a peer that fails is reported, the run goes on
+            message = str(error).splitlines()[0] if str(error) else ""
+            results[peer.name].error = f"{type(error).__name__}: {message}"
+            log(f"{peer.name}: FAILED {results[peer.name].error}\n{server.log_tail()}")
+            server.stop()
+    return ready
+
+
+#: The prompts as every server is sent them (the chat template applied), set by main().
+PROMPT_TEXTS: List[str] = []
+
+
+def _body(peer: Peer, args, prompt: str, tokens: int) -> dict:
+    # transformers serve answers only to requests naming its model's path
+    return peer.body(prompt, tokens, str(Path(args.model_dir).resolve()))
+
+
+def measure(peers: Sequence[Peer], files: Dict[str, Path], args,
+            workdir: Path) -> List[PeerResult]:
+    """Every peer's rows, interleaved: for each repetition and client count, each peer in
+    turn, all servers up, so that a machine that slows down slows every peer alike."""
+    results = {peer.name: PeerResult(peer) for peer in peers}
+    with contextlib.ExitStack() as stack:
+        servers = start_servers(peers, files, args, workdir, results, stack)
+        live = [peer for peer in peers if peer.name in servers]
+        for peer in live:
+            for prompt in PROMPT_TEXTS:
+                timing = stream_once(servers[peer.name].url,
+                                     _body(peer, args, prompt, args.new_tokens), read=peer.read)
+                results[peer.name].texts.append(
+                    timing.text if not timing.error else f"(error: {timing.error})")
         for rep in range(1, args.repetitions + 1):
             for clients in args.clients:
-                gc.collect()
-                bodies = [body(prompts[i % len(prompts)], args.new_tokens)
-                          for i in range(clients)]
-                load = run_concurrent(server.url, bodies, read=peer.read)
-                if not peer.pieces_are_tokens:  # a word stream: count the tokens asked for
-                    load = _counted_as_asked(load, args.new_tokens)
-                result.loads.setdefault(clients, []).append(load)
-                log(f"  [{rep}/{args.repetitions}] {clients:>2} clients: "
-                    f"{load.aggregate_tokens_per_s:6.1f} tok/s, TTFT p50 {load.ttft(50) * 1e3:6.0f} ms, "
-                    f"ITL p50 {load.inter_token(50) * 1e3:5.0f} ms"
-                    + (f", errors: {load.errors[:1]}" if load.errors else ""))
+                for peer in live:
+                    server, result = servers[peer.name], results[peer.name]
+                    gc.collect()
+                    bodies = [_body(peer, args, PROMPT_TEXTS[i % len(PROMPT_TEXTS)], args.new_tokens)
+                              for i in range(clients)]
+                    with Turn(server) as turn:
+                        load = run_concurrent(server.url, bodies, read=peer.read)
+                    result.other_cpu += turn.others
+                    result.available_cpu += turn.available
+                    if not peer.pieces_are_tokens:  # a word stream: count the tokens asked for
+                        load = _counted_as_asked(load, args.new_tokens)
+                    result.loads.setdefault(clients, []).append(load)
+                    log(f"  [{rep}/{args.repetitions}] {clients:>2} clients, {peer.name:<22} "
+                        f"{load.aggregate_tokens_per_s:6.1f} tok/s, TTFT p50 "
+                        f"{load.ttft(50) * 1e3:6.0f} ms, ITL p50 {load.inter_token(50) * 1e3:5.0f} ms"
+                        + (f", errors: {load.errors[:1]}" if load.errors else ""))
         time.sleep(1.0)
-        result.memory = server.memory()
-        server_cpu = _tree_cpu_seconds(server.pid)
-    except Exception as error:  # noqa: BLE001 - a peer that fails is reported, the run goes on
-        result.error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        log(f"{peer.name}: FAILED {result.error}\n{server.log_tail()}")
-    finally:
-        server.stop()
-    busy, own = system_busy_cpu_seconds(), process_cpu_seconds()
-    if None not in (busy, own, busy_before, own_before):
-        others = max((busy - busy_before) - (own - own_before) - server_cpu, 0.0)
-        available = (time.perf_counter() - started) * len(os.sched_getaffinity(0))
-        result.other_cpu = f"{others:.0f} of {available:.0f} CPU-s ({others / available * 100:.0f} %)"
-    return result
+        for peer in live:
+            results[peer.name].memory = servers[peer.name].memory()
+    return [results[peer.name] for peer in peers]
 
 
 def _counted_as_asked(load: LoadResult, tokens: int) -> LoadResult:
@@ -157,9 +216,11 @@ def report(results: List[PeerResult], setup: Dict[str, float], args, machine: Di
              f"in {elapsed / 60:.0f} min, on {machine.get('cpu')} (GPU: {machine.get('gpu')}). "
              f"Every server: the same prompts (SmolLM2's chat template applied by the client), "
              f"greedy, exactly {args.new_tokens} new tokens (end-of-sequence ids barred: "
-             "`ignore_eos`, `min_tokens` or `min_new_tokens`), served alone on the machine in "
-             "turn; clients released together, each on its own connection. Figures are medians "
-             f"over {args.repetitions} repetitions.", ""]
+             "`ignore_eos`, `min_tokens` or `min_new_tokens`). All servers run at once and are "
+             "measured in turn, row by row (each repetition, each client count, each server), "
+             "so that a machine that slows down slows every peer alike; clients are released "
+             "together, each on its own connection. Figures are medians over "
+             f"{args.repetitions} repetitions.", ""]
     lines += ["### Targets (issue 10)", ""]
     lines += [f"- {line}" for line in targets(by_name, args)] + [""]
     lines += ["| server | weights | clients | aggregate tokens/s | TTFT p50 | ITL p50 | ITL p90 | "
@@ -190,8 +251,10 @@ def report(results: List[PeerResult], setup: Dict[str, float], args, machine: Di
             continue
         cells = [_agreement(text, ref) for text, ref in zip(r.texts, reference.texts)]
         lines.append(f"| {r.peer.name} | " + " | ".join(cells) + " |")
-    lines += ["", "### CPU taken by other processes during each turn", ""]
-    lines += [f"- {r.peer.name}: {r.other_cpu or 'not measured'}" for r in results]
+    lines += ["", "### CPU taken by other processes during each peer's rows", "",
+              "Everything but the benchmark itself and the peer being measured, the other "
+              "servers idling beside it included:", ""]
+    lines += [f"- {r.peer.name}: {r.other_cpu_line}" for r in results]
     lines += ["", "### Setting the peers up", ""]
     lines += [f"- {name}: " + (f"{seconds / 60:.1f} min this run" if seconds else
                                "already set up (`.peers/`)") for name, seconds in setup.items()]
@@ -293,15 +356,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         setup["F32 GGUF conversion"] = 0.0 if converted_before else time.perf_counter() - t0
         files["q4_1"] = original_q4_1()
     loaded = LoadedModel.load(args.model_dir, device="cpu")
-    prompts = [loaded.prompt(p).text for p in PROMPTS]
+    PROMPT_TEXTS[:] = [loaded.prompt(p).text for p in PROMPTS]
     machine = describe()
     machine["date"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     del loaded
-    results = []
+    log(f"starting {len(peers)} servers" + (f" (load {cpu_load()[0]:.2f})" if cpu_load() else ""))
     with tempfile.TemporaryDirectory(prefix="djl-stream-peers-") as workdir:
-        for peer in peers:
-            log(f"{peer.name}: starting" + (f" (load {cpu_load()[0]:.2f})" if cpu_load() else ""))
-            results.append(measure_peer(peer, prompts, files, args, Path(workdir)))
+        results = measure(peers, files, args, Path(workdir))
     command = " ".join(["python -m benchmarks.peers", *argv])
     section = report(results, setup, args, machine, time.perf_counter() - started, command)
     write_section(Path(args.output), section)

@@ -1,0 +1,124 @@
+"""``python -m benchmarks.quantization``: each ``option.quantize`` method's decode step and how
+closely its greedy text follows float32's, in-process, side by side.
+
+Every method loads the model directory the way the server does
+(:func:`~djl_stream.generation.loading.load_model_and_tokenizer`, so float32 is prepacked
+on a CPU), then:
+
+* **decode step**: the median time of a one-row decode step through
+  :func:`~djl_stream.generation.batch.generate_token`, over ``--steps`` steps, the
+  methods taking turns for ``--repetitions`` rounds;
+* **greedy agreement**: each benchmark prompt decoded greedily for ``--tokens`` tokens;
+  how many tokens match float32's before the first difference, and, with float32's tokens
+  fed back (teacher forcing), the share of positions where the method's top token is
+  float32's: the first says when texts part, the second how often the two disagree.
+
+Example::
+
+    python -m benchmarks.quantization --model-dir model --methods none,int8,bitsandbytes4
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from djl_stream.generation.batch import CausalLMBatch, generate_token
+from djl_stream.generation.loading import load_model_and_tokenizer
+from djl_stream.generation.sequence import GenerationSequence
+from djl_stream.serving.properties import ModelProperties, djl_init_properties
+
+from .inprocess import LoadedModel
+from .settings import PROMPTS
+
+
+def _load(model_dir: str, method: Optional[str]):
+    init = djl_init_properties(model_dir)
+    if method:
+        init["quantize"] = method
+    return load_model_and_tokenizer(ModelProperties.from_init_properties(init))[0]
+
+
+def _sequence(ids: Sequence[int], tokenizer, tokens: int) -> GenerationSequence:
+    return GenerationSequence(0, list(ids), tokenizer, max_new_tokens=tokens,
+                              eos_token_ids=set(), ignore_eos=True)
+
+
+def greedy_ids(model, tokenizer, ids: Sequence[int], tokens: int) -> List[int]:
+    seq = _sequence(ids, tokenizer, tokens)
+    batch = CausalLMBatch.from_sequences([seq], pad_token_id=0, device="cpu")
+    while batch is not None:
+        _, batch = generate_token(model, batch)
+    return seq.generated_ids
+
+
+def step_seconds(model, tokenizer, ids: Sequence[int], steps: int) -> float:
+    """Median seconds of a one-row decode step, ``steps`` of them after the prefill."""
+    seq = _sequence(ids, tokenizer, steps + 1)
+    batch = CausalLMBatch.from_sequences([seq], pad_token_id=0, device="cpu")
+    _, batch = generate_token(model, batch)
+    times = []
+    while batch is not None:
+        start = time.perf_counter()
+        _, batch = generate_token(model, batch)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def teacher_forced_agreement(model, prompt: Sequence[int], reference: Sequence[int]) -> float:
+    """Share of positions where ``model``'s top token, fed ``reference``'s tokens so far,
+    is ``reference``'s next token."""
+    ids = torch.tensor([list(prompt) + list(reference[:-1])])
+    with torch.inference_mode():
+        logits = model(ids).logits[0, len(prompt) - 1:]
+    chosen = logits.argmax(-1).tolist()
+    return sum(a == b for a, b in zip(chosen, reference)) / len(reference)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.quantization",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", default="model")
+    parser.add_argument("--methods", default="none,int8,bitsandbytes4,bitsandbytes8")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--repetitions", type=int, default=3)
+    args = parser.parse_args(argv)
+    methods = [m.strip() for m in args.methods.split(",")]
+    lm = LoadedModel.load(args.model_dir, device="cpu")
+    prompts = [list(lm.prompt(p).ids) for p in PROMPTS]
+    tokenizer = lm.tokenizer
+    del lm
+    models: Dict[str, object] = {m: _load(args.model_dir, None if m == "none" else m)
+                                 for m in methods}
+    reference = [greedy_ids(models["none"], tokenizer, p, args.tokens) for p in prompts]
+    steps: Dict[str, List[float]] = {m: [] for m in methods}
+    for _ in range(args.repetitions):
+        for method, model in models.items():
+            steps[method].append(step_seconds(model, tokenizer, prompts[0], args.steps))
+    base = statistics.median(steps["none"])
+    print(f"{torch.get_num_threads()} threads; {args.tokens} greedy tokens on each of "
+          f"{len(prompts)} prompts; decode step: median of {args.steps} one-row steps, "
+          f"median of {args.repetitions} rounds")
+    print("| `option.quantize` | decode step | × float32's speed | tokens before the first "
+          "difference | top token = float32's (teacher-forced) |")
+    print("|---|---|---|---|---|")
+    for method, model in models.items():
+        step = statistics.median(steps[method])
+        firsts, shares = [], []
+        for prompt, ref in zip(prompts, reference):
+            ids = greedy_ids(model, tokenizer, prompt, args.tokens)
+            firsts.append(next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), len(ref)))
+            shares.append(teacher_forced_agreement(model, prompt, ref))
+        name = "unset (float32, prepacked)" if method == "none" else f"`{method}`"
+        print(f"| {name} | {step * 1e3:.1f} ms | {base / step:.2f}x | "
+              f"{', '.join(map(str, firsts))} of {args.tokens} | "
+              f"{statistics.mean(shares) * 100:.1f} % |")
+
+
+if __name__ == "__main__":
+    main()
