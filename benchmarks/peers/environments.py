@@ -5,13 +5,15 @@ through ``llama-cpp-python[server]`` (built from its sdist here: no CPU wheel of
 PyPI for this Python), ``transformers serve`` through ``transformers[serving]``, and Ray
 Serve through ``ray[serve]``. torch is pinned to the CPU build this machine carries
 (``torch==2.13.0``, as the Makefile does), since an unpinned torch pulls gigabytes of CUDA
-packages. An environment is set up once; a stamp file records what was asked, so that a
-changed pin sets it up again.
+packages. An environment is set up once; a stamp file records what was asked and how long
+it took, so that a changed pin sets it up again and the report can say what setting up
+costs.
 
 Example::
 
     env = ENVIRONMENTS["llama-cpp"]
-    seconds = env.ensure(Path(".peers"), log=print)   # 0.0 when it was already there
+    env.ensure(Path(".peers"), log=print)    # False when it was already there
+    env.setup_seconds(Path(".peers"))        # how long setting it up took
     subprocess.run([str(env.python(Path(".peers"))), "-c", "import llama_cpp"])
 """
 
@@ -22,7 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import transformers
 
@@ -53,15 +55,23 @@ class Environment:
     def spec(self) -> str:
         return " ".join(((TORCH,) if self.needs_torch else ()) + self.requirements)
 
-    def ready(self, root: Path) -> bool:
+    def _stamp(self, root: Path) -> list[str]:
         stamp = self.folder(root) / ".installed"
-        return stamp.is_file() and stamp.read_text() == self.spec
+        return stamp.read_text().splitlines() if stamp.is_file() else []
 
-    def ensure(self, root: Path, log: Callable[[str], None]) -> float:
-        """Set the environment up unless it already is; the seconds it took (0 if it was
-        there)."""
+    def ready(self, root: Path) -> bool:
+        return self._stamp(root)[:1] == [self.spec]
+
+    def setup_seconds(self, root: Path) -> Optional[float]:
+        """How long setting this environment up took, as recorded when it was."""
+        lines = self._stamp(root)
+        return float(lines[1]) if len(lines) > 1 and self.ready(root) else None
+
+    def ensure(self, root: Path, log: Callable[[str], None]) -> bool:
+        """Set the environment up unless it already is; whether it was set up now (the
+        seconds it took are :meth:`setup_seconds`)."""
         if self.ready(root):
-            return 0.0
+            return False
         started = time.perf_counter()
         folder = self.folder(root)
         log(f"setting up {folder} ({self.spec}){self.note}")
@@ -71,8 +81,8 @@ class Environment:
         if self.needs_torch:
             subprocess.run(pip + [TORCH], check=True)
         subprocess.run(pip + list(self.requirements), check=True)
-        (folder / ".installed").write_text(self.spec)
-        return time.perf_counter() - started
+        (folder / ".installed").write_text(f"{self.spec}\n{time.perf_counter() - started:.0f}\n")
+        return True
 
 
 ENVIRONMENTS: Dict[str, Environment] = {

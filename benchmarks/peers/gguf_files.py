@@ -19,8 +19,9 @@ import os
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from djl_stream.shipping.embedded import find_gguf
 
@@ -66,7 +67,15 @@ def float32_gguf(model_dir: Path, root: Path, python: Path, log: Callable[[str],
     log(f"converting {model_dir} to {target} with llama.cpp's convert_hf_to_gguf.py")
     env = {**os.environ, "PYTHONPATH": str(vendor / "gguf-py")}
     partial = target.with_suffix(".partial")
+    started = time.perf_counter()
     subprocess.run([str(python), str(vendor / "convert_hf_to_gguf.py"), str(model_dir),
                     "--outtype", "f32", "--outfile", str(partial)], check=True, env=env)
     partial.rename(target)
+    target.with_suffix(".seconds").write_text(f"{time.perf_counter() - started:.0f}\n")
     return target
+
+
+def conversion_seconds(model_dir: Path, root: Path) -> Optional[float]:
+    """How long making :func:`float32_gguf`'s file took, as recorded then."""
+    record = float32_gguf_path(model_dir, root).with_suffix(".seconds")
+    return float(record.read_text()) if record.is_file() else None

@@ -42,10 +42,11 @@ from ..http_load import LoadResult, run_concurrent, stream_once
 from ..inprocess import LoadedModel
 from ..machine import describe
 from ..measure import ProcessMemory, cpu_load, process_cpu_seconds, system_busy_cpu_seconds
+from ..results import ratio
 from ..measure import process_tree
 from ..settings import PROMPTS
 from .environments import ENVIRONMENTS
-from .gguf_files import float32_gguf, float32_gguf_path, original_q4_1
+from .gguf_files import conversion_seconds, float32_gguf, float32_gguf_path, original_q4_1
 from .servers import PEERS, Peer
 
 BEGIN, END = "<!-- peers -->", "<!-- /peers -->"
@@ -208,7 +209,7 @@ def _fmt(value: float, scale: float = 1.0, digits: int = 0, unit: str = "") -> s
     return "—" if math.isnan(value) else f"{value * scale:.{digits}f}{unit}"
 
 
-def report(results: List[PeerResult], setup: Dict[str, float], args, machine: Dict[str, str],
+def report(results: List[PeerResult], setup: Dict[str, tuple], args, machine: Dict[str, str],
            elapsed: float, command: str) -> str:
     by_name = {r.peer.name: r for r in results}
     lines = [BEGIN, "", "## Peers: djl-stream beside llama.cpp, transformers serve and Ray Serve", "",
@@ -256,8 +257,10 @@ def report(results: List[PeerResult], setup: Dict[str, float], args, machine: Di
               "servers idling beside it included:", ""]
     lines += [f"- {r.peer.name}: {r.other_cpu_line}" for r in results]
     lines += ["", "### Setting the peers up", ""]
-    lines += [f"- {name}: " + (f"{seconds / 60:.1f} min this run" if seconds else
-                               "already set up (`.peers/`)") for name, seconds in setup.items()]
+    for name, (seconds, now) in setup.items():
+        took = "time not recorded" if seconds is None else f"{seconds / 60:.1f} min"
+        lines.append(f"- {name}: {took}" + (", in this run" if now else
+                                           ", when it was set up (kept in `.peers/`)"))
     lines += ["", END]
     return "\n".join(lines)
 
@@ -279,16 +282,16 @@ def targets(by_name: Dict[str, PeerResult], args) -> List[str]:
         out.append(f"**{'PASS' if passed else 'FAIL'}** {text}: {value:.2f}x{miss}; {detail}")
 
     ours_itl, llama_itl = figure(OURS, 1, "itl_p50"), figure("llama.cpp F32", 1, "itl_p50")
-    check("single-stream ITL p50 <= 1.15x llama.cpp F32's", ours_itl / llama_itl, 1.15, True,
+    check("single-stream ITL p50 <= 1.15x llama.cpp F32's", ratio(ours_itl, llama_itl), 1.15, True,
           f"{_fmt(ours_itl, 1e3, 1, ' ms')} vs {_fmt(llama_itl, 1e3, 1, ' ms')}")
     most = max(args.clients)
     ours_many = figure(OURS, most, "aggregate")
     for peer, limit in (("transformers serve", 1.5), ("llama.cpp F32", 4.0)):
         theirs = figure(peer, most, "aggregate")
-        check(f"aggregate tokens/s at {most} clients >= {limit}x {peer}'s", ours_many / theirs,
+        check(f"aggregate tokens/s at {most} clients >= {limit}x {peer}'s", ratio(ours_many, theirs),
               limit, False, f"{_fmt(ours_many, digits=1)} vs {_fmt(theirs, digits=1)} tokens/s")
     int8_itl = figure(OURS_INT8, 1, "itl_p50")
-    check("int8 single-stream >= 1.6x our float32 (ITL p50)", ours_itl / int8_itl, 1.6, False,
+    check("int8 single-stream >= 1.6x our float32 (ITL p50)", ratio(ours_itl, int8_itl), 1.6, False,
           f"{_fmt(int8_itl, 1e3, 1, ' ms')} vs {_fmt(ours_itl, 1e3, 1, ' ms')}")
     return out
 
@@ -342,18 +345,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     peers = [PEERS[n] for n in names]
     started = time.perf_counter()
     ROOT.mkdir(exist_ok=True)
-    setup: Dict[str, float] = {}
+    setup: Dict[str, tuple] = {}  # what -> (seconds it took, done in this run)
     needs_gguf = any(peer.model_file for peer in peers)
     environments = {peer.environment for peer in peers} | ({"gguf-convert"} if needs_gguf else set())
     for name in sorted(environments - {None}):
-        setup[f"{name} environment"] = ENVIRONMENTS[name].ensure(ROOT, log)
+        now = ENVIRONMENTS[name].ensure(ROOT, log)
+        setup[f"{name} environment"] = (ENVIRONMENTS[name].setup_seconds(ROOT), now)
     files: Dict[str, Path] = {}
     if needs_gguf:
-        converted_before = float32_gguf_path(Path(args.model_dir), ROOT).is_file()
-        t0 = time.perf_counter()
+        now = not float32_gguf_path(Path(args.model_dir), ROOT).is_file()
         files["f32"] = float32_gguf(Path(args.model_dir), ROOT,
                                     ENVIRONMENTS["gguf-convert"].python(ROOT), log)
-        setup["F32 GGUF conversion"] = 0.0 if converted_before else time.perf_counter() - t0
+        setup["F32 GGUF conversion"] = (conversion_seconds(Path(args.model_dir), ROOT), now)
         files["q4_1"] = original_q4_1()
     loaded = LoadedModel.load(args.model_dir, device="cpu")
     PROMPT_TEXTS[:] = [loaded.prompt(p).text for p in PROMPTS]

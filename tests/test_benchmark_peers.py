@@ -1,0 +1,80 @@
+"""The parts of ``make bench-peers`` that decide its figures: reading each server's stream,
+the targets computed from the rows, and the BENCHMARKS.md section that ``make bench``
+keeps. (The peers themselves are installed and run by ``make bench-peers`` only.)"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import httpx
+
+from benchmarks.http_load import LoadResult, StreamError
+from benchmarks.measure import StreamTiming
+from benchmarks.peers.run import BEGIN, END, PeerResult, peers_section, targets, write_section
+from benchmarks.peers.servers import PEERS, openai_completion_pieces, text_chunks
+
+
+def response(body: bytes) -> httpx.Response:
+    return httpx.Response(200, content=body, request=httpx.Request("POST", "http://peer"))
+
+
+def test_an_openai_completion_stream_yields_each_event_s_text_until_done():
+    events = [{"choices": [{"text": "Hello"}]}, {"choices": [{"text": ""}]},
+              {"choices": [{"text": " world"}]}, {"choices": []}]
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    body += 'data: {"choices": [{"text": "after done"}]}\n\n'
+    assert list(openai_completion_pieces(response(body.encode()))) == ["Hello", " world"]
+
+
+def test_an_error_event_in_the_stream_is_a_stream_error():
+    body = b'data: {"choices": [{"text": "a"}]}\n\ndata: {"error": {"message": "boom"}}\n\n'
+    pieces = openai_completion_pieces(response(body))
+    assert next(pieces) == "a"
+    try:
+        next(pieces)
+    except StreamError as error:
+        assert "boom" in str(error)
+    else:
+        raise AssertionError("the error event was not raised")
+
+
+def test_a_plain_text_stream_yields_its_chunks():
+    assert "".join(text_chunks(response("Ave, Roma 🏛️".encode()))) == "Ave, Roma 🏛️"
+
+
+def _load(clients: int, gap: float) -> LoadResult:
+    """``clients`` streams of 10 tokens, one every ``gap`` seconds: an ITL of ``gap`` and
+    ``clients / gap`` tokens/s together."""
+    arrivals = tuple(i * gap for i in range(1, 11))
+    return LoadResult(clients, (StreamTiming(0.0, arrivals, arrivals[-1], 10),) * clients)
+
+
+def _result(name: str, solo_itl: float, tokens_per_s_at_16: float) -> PeerResult:
+    return PeerResult(PEERS[name], loads={1: [_load(1, solo_itl)],
+                                          16: [_load(16, 16 / tokens_per_s_at_16)]})
+
+
+def test_the_targets_are_ratios_of_the_rows_and_say_by_how_much_one_is_missed():
+    args = argparse.Namespace(clients=[1, 16])
+    results = {"djl-stream": _result("djl-stream", 0.030, 160.0),
+               "llama.cpp F32": _result("llama.cpp F32", 0.024, 30.0),
+               "transformers serve": _result("transformers serve", 0.060, 100.0)}
+    lines = targets(results, args)
+    assert lines[0].startswith("**FAIL** single-stream ITL p50 <= 1.15x llama.cpp F32's: 1.25x "
+                               "(missed by 9%)")
+    assert lines[1].startswith("**PASS** aggregate tokens/s at 16 clients >= 1.5x transformers serve's: 1.6")
+    assert lines[2].startswith("**PASS** aggregate tokens/s at 16 clients >= 4.0x llama.cpp F32's: 5.3")
+    assert lines[3].startswith("**NOT MEASURED** int8 single-stream")
+
+
+def test_the_peers_section_replaces_its_old_self_and_survives_a_rewrite(tmp_path):
+    path = tmp_path / "BENCHMARKS.md"
+    path.write_text("# Benchmarks\n\nmake bench's part\n", encoding="utf-8")
+    write_section(path, f"{BEGIN}\nfirst\n{END}")
+    write_section(path, f"{BEGIN}\nsecond\n{END}")
+    text = path.read_text(encoding="utf-8")
+    assert text.count(BEGIN) == 1 and "second" in text and "first" not in text
+    assert text.startswith("# Benchmarks\n\nmake bench's part\n")
+    # make bench rewrites the rest and puts the section back
+    assert peers_section(path) == f"{BEGIN}\nsecond\n{END}"
