@@ -5,19 +5,19 @@ once, so its speed is the speed at which those products read memory. PyTorch's
 ``nn.Linear`` on a CPU hands a few-row input to MKL's GEMM in the weight's own
 ``(out, in)`` layout; on the 2-core AMD EPYC this project is measured on, the matrix
 products of one SmolLM2-135M decode step read their 538 MB at 11-12 GB/s with one row and
-worse with a few (8.6 GB/s with 4), while the machine streams 35 GB/s. oneDNN, which ships
+worse with a few (8 GB/s with 4), while the machine streams 35 GB/s. oneDNN, which ships
 inside PyTorch, reorders a weight once into the blocked layout its kernels read fastest
 (``torch.ops.mkldnn._reorder_linear_weight``) and multiplies with it
-(``torch.ops.mkldnn._linear_pointwise``): the same products at 18-23 GB/s. Measured on
+(``torch.ops.mkldnn._linear_pointwise``): the same products at 14-19 GB/s. Measured on
 that machine, the 211 matrix products of a SmolLM2 step (``python -m
 benchmarks.linear_packing``):
 
 =========  ==============  ================
 rows       ``nn.Linear``   prepacked
 =========  ==============  ================
-1          44 ms           26 ms
-4          65 ms           22 ms
-16         70 ms           36 ms
+1          47 ms           29 ms
+4          66 ms           28 ms
+16         73 ms           39 ms
 =========  ==============  ================
 
 This is what TorchInductor's ``freezing`` does to a compiled CPU graph (in bf16) and what
