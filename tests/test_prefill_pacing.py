@@ -72,6 +72,18 @@ def test_a_single_column_costing_over_half_the_bound_still_widens():
     assert pacer.columns(budget=32, rows=1, cached=0) == 2
 
 
+def test_a_narrow_pass_does_not_make_the_next_prompt_crawl():
+    # A last column alone (or a deep one) costs about the fixed part; a cost per token
+    # taken from it made the next short prompt start at 3 columns (then 5, 9, ...).
+    clock = Clock()
+    pacer = PrefillPacer(1.5, math.inf, clock=clock)
+    run_step(pacer, clock)
+    run_pass(pacer, clock, 1, 32, 0)          # 183 ms
+    run_pass(pacer, clock, 1, 1, 0)           # 59 ms
+    assert pacer.pass_cost.fixed_seconds == pytest.approx(FIXED)
+    assert pacer.columns(budget=32, rows=1, cached=0) == 9   # (90 - 55) / 4 ms
+
+
 def test_the_bound_scales_with_the_running_batchs_step():
     clock = Clock()
     pacer = PrefillPacer(1.5, math.inf, clock=clock)

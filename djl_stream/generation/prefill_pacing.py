@@ -16,16 +16,19 @@ pass, and the narrower wins:
   there took two to three decode steps of SmolLM2 on a 2-core CPU, and a single column
   one.
 
-The pacer keeps moving averages of the seconds a decode step takes and of the seconds a
-pass spends per budget token (rows × columns × the depth factor), and affords the next
-pass as many budget tokens as fit in ``stall_steps`` decode steps. A pass also has a fixed
-cost (the weights), so the seconds per token measured at one width overstate those of a
-wider pass: sizing each pass from the ones before converges where a pass takes the bound
-(each new width is about the last one times bound / time taken, which contracts towards it
-while the fixed part is below the bound). Widths are rounded, not floored: floored, a
-single column that costs more than half the bound would never become two. The averages
-smooth a busy machine's hiccups: a rule sizing each pass from the last one alone narrowed
-passes more than the noise called for.
+The pacer keeps a moving average of the seconds a decode step takes, and fits what a pass
+costs as a fixed part plus a part per budget token (rows × columns × the depth factor):
+a pass streams all the weights once whatever its width, so on a CPU a one-column pass of
+SmolLM2 cost 37 ms and a 32-column one 70 ms. The fit is a least-squares line over the
+passes timed so far, recent ones weighing most (:class:`PassCostModel`), and the next pass
+gets as many budget tokens as fit in ``stall_steps`` decode steps after the fixed part.
+A cost per token alone (each pass's seconds over its tokens, which is what the pacer used
+at first) overstates what a wider pass costs after a narrow one: after a single deep
+column, the next short prompt was read two columns at a time, then five, ..., and 16
+clients arriving together waited 3 s for their first tokens instead of 1.2 s. Until passes
+of two widths have been seen, the fit is that cost per token. Widths are rounded, not
+floored: floored, a single column that costs more than half the bound would never become
+two.
 
 Example, with a clock that the "model" below advances:
 
@@ -37,8 +40,12 @@ Example, with a clock that the "model" below advances:
 32
 >>> with pacer.prefill_pass(rows=1, columns=32, cached=0):
 ...     now[0] += 0.05 + 32 * 0.003          # 146 ms: the weights, then 3 ms a column
->>> pacer.columns(budget=32, rows=1, cached=0)    # 32 x 100 / 146 ms
+>>> pacer.columns(budget=32, rows=1, cached=0)    # one size seen: 32 x 100 / 146 ms
 22
+>>> with pacer.prefill_pass(rows=1, columns=22, cached=0):
+...     now[0] += 0.05 + 22 * 0.003          # 116 ms
+>>> pacer.columns(budget=32, rows=1, cached=0)    # two: (100 - 50 ms fixed) / 3 ms
+17
 """
 
 from __future__ import annotations
@@ -54,9 +61,12 @@ from djl_stream.generation.kv_memory import attention_shape
 #: its decode steps for one prefill pass, so about 2.5 between two tokens, which leaves
 #: room for a busy machine's noise under the reliability target of 4 (RELIABILITY.md).
 DEFAULT_PREFILL_STALL_STEPS = 1.5
-#: Weight of the newest time in the moving averages: a pass's cost changes with the
-#: prompt's depth, so the last ones count most, and two of them smooth a hiccup.
+#: Weight of the newest decode step in the moving average: a busy machine's hiccup is
+#: smoothed over two steps.
 SMOOTHING = 0.5
+#: How much each older pass counts in the cost fit, against 1 for the newest: a pass's
+#: cost changes with the prompt's depth, so the last few count most.
+FORGETTING = 0.7
 
 
 def attention_parity_context(model) -> float:
@@ -117,6 +127,63 @@ def budget_tokens(rows: int, columns: int, cached: int, parity_context: float) -
     return rows * columns * (1 + cached / parity_context)
 
 
+class PassCostModel:
+    """Seconds a prefill pass takes for its budget tokens: ``fixed + per_token × tokens``,
+    fitted by least squares over the passes observed, each older one weighing
+    :data:`FORGETTING` times the next.
+
+    While every pass seen had about the same size (their spread under a tenth of their
+    mean), the two parts cannot be told apart and the model is a cost per token alone.
+
+    >>> model = PassCostModel()
+    >>> model.observe(32, 0.070); model.seconds_per_token   # one size: 70 ms / 32
+    0.0021875
+    >>> model.observe(1, 0.037); round(model.fixed_seconds, 3), round(model.seconds_per_token, 5)
+    (0.036, 0.00106)
+    >>> round(model.tokens_within(0.090))       # what a 90 ms pass can feed
+    51
+    """
+
+    def __init__(self, forgetting: float = FORGETTING):
+        self.forgetting = forgetting
+        self._weight = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, tokens: float, seconds: float) -> None:
+        f = self.forgetting
+        self._weight = f * self._weight + 1.0
+        self._x = f * self._x + tokens
+        self._y = f * self._y + seconds
+        self._xx = f * self._xx + tokens * tokens
+        self._xy = f * self._xy + tokens * seconds
+
+    @property
+    def observed(self) -> bool:
+        return self._weight > 0
+
+    def _fit(self) -> tuple[float, float]:
+        mean_x, mean_y = self._x / self._weight, self._y / self._weight
+        spread = self._xx / self._weight - mean_x * mean_x
+        if spread > (0.1 * mean_x) ** 2:
+            slope = (self._xy / self._weight - mean_x * mean_y) / spread
+            fixed = mean_y - slope * mean_x
+            if slope > 0 and fixed >= 0:
+                return fixed, slope
+        return 0.0, self._y / self._x  # one size seen, or a fit noise bent: per token alone
+
+    @property
+    def fixed_seconds(self) -> float:
+        return self._fit()[0]
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self._fit()[1]
+
+    def tokens_within(self, seconds: float) -> float:
+        """Budget tokens a pass of ``seconds`` feeds (0 when the fixed part alone exceeds it)."""
+        fixed, per_token = self._fit()
+        return max(0.0, (seconds - fixed) / per_token)
+
+
 class PrefillPacer:
     """Sizes prefill passes so that one takes at most ``stall_steps`` decode steps of the
     running batch, from the times it measures (see the module docstring).
@@ -136,8 +203,13 @@ class PrefillPacer:
         self.synchronize = synchronize
         #: The running batch's decode step, seconds (a moving average).
         self.step_seconds: Optional[float] = None
-        #: Seconds a prefill pass spends per budget token (a moving average).
-        self.seconds_per_token: Optional[float] = None
+        #: What a prefill pass costs, fitted from the passes timed so far.
+        self.pass_cost = PassCostModel()
+
+    @property
+    def seconds_per_token(self) -> Optional[float]:
+        """What one more budget token adds to a pass, as fitted (``None`` before any pass)."""
+        return self.pass_cost.seconds_per_token if self.pass_cost.observed else None
 
     @property
     def bound_seconds(self) -> Optional[float]:
@@ -152,10 +224,10 @@ class PrefillPacer:
         timed passes say that many would stall the running batch too long."""
         by_budget = prefill_columns(budget, rows, cached, self.parity_context)
         bound = self.bound_seconds
-        if bound is None or not self.seconds_per_token:
+        if bound is None or not self.pass_cost.observed:
             return by_budget
         per_column = budget_tokens(rows, 1, cached, self.parity_context)
-        within = round(bound / self.seconds_per_token / per_column)
+        within = round(self.pass_cost.tokens_within(bound) / per_column)
         return max(1, min(by_budget, within))
 
     @contextlib.contextmanager
@@ -172,9 +244,8 @@ class PrefillPacer:
         yield
         if self.synchronize is not None:
             self.synchronize()
-        tokens = budget_tokens(rows, columns, cached, self.parity_context)
-        self.seconds_per_token = _moving_average(
-            self.seconds_per_token, (self.clock() - start) / tokens)
+        self.pass_cost.observe(budget_tokens(rows, columns, cached, self.parity_context),
+                               self.clock() - start)
 
 
 def _moving_average(average: Optional[float], sample: float) -> float:
