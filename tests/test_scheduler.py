@@ -242,19 +242,17 @@ def test_a_request_cancelled_behind_a_waiting_one_leaves_the_queue_at_once(make_
     assert collect(head)[1] == 2
 
 
-def test_a_finished_prefill_joins_after_the_running_batch_has_stepped_once(
-        make_scheduler, tiny_model, smollm2_tokenizer):
-    # A cycle is a prefill pass then a decode step. Joined at once, the decode step that
-    # follows the prefill's last pass would run the joined (heavier) batch, and a running
-    # stream would wait for both; the join waits for the next cycle, which reads no chunk.
+def join_passes(make_scheduler, tiny_model, tokenizer, running_prompt, late_prompt):
+    """(rows, columns) of every forward pass while ``late_prompt`` joins a stream of
+    ``running_prompt``, from the late prompt's last prefill pass on; and whether the late
+    request generated its solo text."""
     scheduler = make_scheduler()
     forwards = BatchSizes(tiny_model)
     try:
-        running_seqs = sequences(tiny_model, smollm2_tokenizer, [PROMPTS[0]],
-                                 max_new_tokens=100_000, ignore_eos=True)
-        running = scheduler.submit(running_seqs)
+        running = scheduler.submit(sequences(tiny_model, tokenizer, [running_prompt],
+                                             max_new_tokens=100_000, ignore_eos=True))
         next(running)
-        late_seqs = sequences(tiny_model, smollm2_tokenizer, [PROMPTS[1]], max_new_tokens=6)
+        late_seqs = sequences(tiny_model, tokenizer, [late_prompt], max_new_tokens=6)
         collect(scheduler.submit(late_seqs))
         running.close()
     finally:
@@ -262,8 +260,28 @@ def test_a_finished_prefill_joins_after_the_running_batch_has_stepped_once(
     passes = list(zip(forwards.sizes, forwards.widths))
     prefill = max(i for i, (_, width) in enumerate(passes) if width > 1)
     assert passes[prefill] == (1, len(late_seqs[0].prompt_ids))
-    assert passes[prefill + 1] == (1, 1)  # the running stream's own step
-    assert passes[prefill + 2] == (2, 1)  # then together
-    solo = sequences(tiny_model, smollm2_tokenizer, [PROMPTS[1]], max_new_tokens=6)
+    solo = sequences(tiny_model, tokenizer, [late_prompt], max_new_tokens=6)
     collect(make_scheduler().submit(solo))
-    assert late_seqs[0].generated_ids == solo[0].generated_ids
+    return passes[prefill:], late_seqs[0].generated_ids == solo[0].generated_ids
+
+
+def test_a_finished_prefill_longer_than_the_running_rows_joins_after_they_stepped_once(
+        make_scheduler, tiny_model, smollm2_tokenizer):
+    # A cycle is a prefill pass then a decode step. Joined at once, the decode step that
+    # follows the prefill's last pass would run the joined (heavier) batch, and a running
+    # stream would wait for both; the join waits for the next cycle, which reads no chunk.
+    passes, solo_text = join_passes(make_scheduler, tiny_model, smollm2_tokenizer,
+                                    PROMPTS[0], PROMPTS[1])
+    assert passes[1] == (1, 1)  # the running stream's own step
+    assert passes[2] == (2, 1)  # then together
+    assert solo_text
+
+
+def test_a_finished_prefill_no_longer_than_the_running_rows_joins_at_once(
+        make_scheduler, tiny_model, smollm2_tokenizer):
+    # Its rows add no columns to the running rows' step: waiting a cycle would cost each
+    # short prompt a whole decode step.
+    passes, solo_text = join_passes(make_scheduler, tiny_model, smollm2_tokenizer,
+                                    PROMPTS[1], PROMPTS[2])
+    assert passes[1] == (2, 1)
+    assert solo_text
