@@ -1,17 +1,27 @@
 """The parts of ``make bench-peers`` that decide its figures: reading each server's stream,
-the targets computed from the rows, and the BENCHMARKS.md section that ``make bench``
-keeps. (The peers themselves are installed and run by ``make bench-peers`` only.)"""
+the targets computed from the rows, the BENCHMARKS.md section that ``make bench``
+keeps, and the pausing of the servers not being measured. (The peers themselves are installed and run by ``make bench-peers`` only.)"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
 
 import httpx
+import pytest
 
 from benchmarks.http_load import LoadResult, StreamError
 from benchmarks.measure import StreamTiming
-from benchmarks.peers.run import BEGIN, END, PeerResult, peers_section, targets, write_section
+from benchmarks.measure import process_tree
+from benchmarks.peers.run import (BEGIN, END, Paused, PeerResult, peers_section, targets,
+                                  write_section)
 from benchmarks.peers.servers import PEERS, openai_completion_pieces, text_chunks
 
 
@@ -78,3 +88,44 @@ def test_the_peers_section_replaces_its_old_self_and_survives_a_rewrite(tmp_path
     assert text.startswith("# Benchmarks\n\nmake bench's part\n")
     # make bench rewrites the rest and puts the section back
     assert peers_section(path) == f"{BEGIN}\nsecond\n{END}"
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_paused_stops_a_server_s_whole_process_tree_and_resumes_it_even_after_an_error():
+    # a "server" with a child process, as Ray's driver has its raylet and workers
+    parent = subprocess.Popen([sys.executable, "-c",
+                               "import subprocess, sys, time\n"
+                               "child = subprocess.Popen([sys.executable, '-c', "
+                               "'import time\\nwhile True: time.sleep(0.01)'])\n"
+                               "print(child.pid, flush=True)\n"
+                               "while True: time.sleep(0.01)\n"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        server = types.SimpleNamespace(pid=parent.pid)
+        with pytest.raises(RuntimeError):
+            with Paused([server]) as paused:
+                assert sorted(paused.stopped) == sorted([parent.pid, child])
+                for pid in (parent.pid, child):
+                    for _ in range(200):  # SIGSTOP is delivered asynchronously
+                        if _state(pid) == "T":
+                            break
+                        time.sleep(0.01)
+                    assert _state(pid) == "T"
+                raise RuntimeError("a row that fails")
+        assert paused.stopped == []
+        for pid in (parent.pid, child):
+            for _ in range(200):
+                if _state(pid) != "T":
+                    break
+                time.sleep(0.01)
+            assert _state(pid) != "T"
+        with Paused([]) as nothing:  # --keep-others-running
+            assert nothing.stopped == []
+    finally:
+        for pid in process_tree(parent.pid)[::-1]:
+            os.kill(pid, signal.SIGKILL)
+        parent.wait()

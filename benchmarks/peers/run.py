@@ -7,8 +7,10 @@ reported), starts every server at once, warms each up, and then:
 1. the greedy-text check: each prompt once per server, its text compared with djl-stream's;
 2. the load rows, interleaved: for each repetition and each client count (1, 4, 16
    clients released together), every server in turn, so that a machine that slows down
-   slows every peer alike; the CPU that anything else took meanwhile (the idle servers
-   included) is counted per peer;
+   slows every peer alike; while one server is measured the others are paused (their
+   whole process trees stopped with SIGSTOP, resumed with SIGCONT after the row), so that
+   an idle server's timers and polling threads take nothing from it; the CPU that anything
+   else took meanwhile is counted per peer;
 3. each server's resident memory (its whole process tree) after the load, and its peak.
 
 The section it writes (between ``<!-- peers -->`` and ``<!-- /peers -->``) holds the
@@ -31,6 +33,7 @@ import datetime
 import gc
 import math
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -97,7 +100,7 @@ def _tree_cpu_seconds(pid: int) -> float:
 
 class Turn:
     """One peer's row: the CPU the machine spent on anything but this process and the
-    peer's own server meanwhile (the idle servers of the others included)."""
+    peer's own server meanwhile (the other servers included, when they are not paused)."""
 
     def __init__(self, server) -> None:
         self.server = server
@@ -114,6 +117,42 @@ class Turn:
         self.others = 0.0
         if None not in (busy, own, self.busy, self.own):
             self.others = max((busy - self.busy) - (own - self.own) - (served - self.served), 0.0)
+
+
+class Paused:
+    """The process trees of ``servers`` stopped (SIGSTOP) while the block runs and
+    resumed (SIGCONT) after it, even when it raises.
+
+    A server that is up but idle is not silent: Ray's GCS, raylet and dashboard, and a
+    continuous-batching loop that polls its queue, take CPU time on a 2-core machine, and
+    a decode step that runs on both cores waits for the slower of its two threads. A
+    stopped process keeps its memory and sockets and takes no CPU; the whole tree is
+    stopped and resumed together, so that no part of a server sees another part missing.
+    """
+
+    def __init__(self, servers: Sequence[object]) -> None:
+        self.servers = list(servers)
+        self.stopped: List[int] = []
+
+    def _signal(self, pids: Sequence[int], signum: int) -> List[int]:
+        done = []
+        for pid in pids:
+            try:
+                os.kill(pid, signum)
+                done.append(pid)
+            except ProcessLookupError:
+                pass
+        return done
+
+    def __enter__(self) -> "Paused":
+        pids = [pid for server in self.servers for pid in process_tree(server.pid)]
+        self.stopped = self._signal(pids, signal.SIGSTOP)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        # children first, then parents: a parent resumed first could see a stopped child
+        self._signal(list(reversed(self.stopped)), signal.SIGCONT)
+        self.stopped = []
 
 
 def start_servers(peers: Sequence[Peer], files: Dict[str, Path], args, workdir: Path,
@@ -156,7 +195,8 @@ def _body(peer: Peer, args, prompt: str, tokens: int) -> dict:
 def measure(peers: Sequence[Peer], files: Dict[str, Path], args,
             workdir: Path) -> List[PeerResult]:
     """Every peer's rows, interleaved: for each repetition and client count, each peer in
-    turn, all servers up, so that a machine that slows down slows every peer alike."""
+    turn, all servers up, so that a machine that slows down slows every peer alike; the
+    others are paused during a peer's row (:class:`Paused`) unless ``--keep-others-running``."""
     results = {peer.name: PeerResult(peer) for peer in peers}
     with contextlib.ExitStack() as stack:
         servers = start_servers(peers, files, args, workdir, results, stack)
@@ -174,7 +214,8 @@ def measure(peers: Sequence[Peer], files: Dict[str, Path], args,
                     gc.collect()
                     bodies = [_body(peer, args, PROMPT_TEXTS[i % len(PROMPT_TEXTS)], args.new_tokens)
                               for i in range(clients)]
-                    with Turn(server) as turn:
+                    others = [servers[p.name] for p in live if p is not peer]
+                    with Paused(others if args.pause_others else []), Turn(server) as turn:
                         load = run_concurrent(server.url, bodies, read=peer.read)
                     result.other_cpu += turn.others
                     result.available_cpu += turn.available
@@ -219,7 +260,11 @@ def report(results: List[PeerResult], setup: Dict[str, tuple], args, machine: Di
              f"greedy, exactly {args.new_tokens} new tokens (end-of-sequence ids barred: "
              "`ignore_eos`, `min_tokens` or `min_new_tokens`). All servers run at once and are "
              "measured in turn, row by row (each repetition, each client count, each server), "
-             "so that a machine that slows down slows every peer alike; clients are released "
+             "so that a machine that slows down slows every peer alike; "
+             + ("the servers not being measured are paused (SIGSTOP, their whole process "
+                "tree) and resumed after the row; " if args.pause_others else
+                "the servers not being measured stay up and idle (`--keep-others-running`); ")
+             + "clients are released "
              "together, each on its own connection. Figures are medians over "
              f"{args.repetitions} repetitions.", ""]
     lines += ["### Targets (issue 10)", ""]
@@ -253,8 +298,9 @@ def report(results: List[PeerResult], setup: Dict[str, tuple], args, machine: Di
         cells = [_agreement(text, ref) for text, ref in zip(r.texts, reference.texts)]
         lines.append(f"| {r.peer.name} | " + " | ".join(cells) + " |")
     lines += ["", "### CPU taken by other processes during each peer's rows", "",
-              "Everything but the benchmark itself and the peer being measured, the other "
-              "servers idling beside it included:", ""]
+              "Everything but the benchmark itself and the peer being measured"
+              + (" (the other servers were paused):" if args.pause_others
+                 else ", the other servers idling beside it included:"), ""]
     lines += [f"- {r.peer.name}: {r.other_cpu_line}" for r in results]
     lines += ["", "### Setting the peers up", ""]
     for name, (seconds, now) in setup.items():
@@ -327,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repetitions", type=int, default=2)
     parser.add_argument("--output", default="BENCHMARKS.md")
+    parser.add_argument("--keep-others-running", dest="pause_others", action="store_false",
+                        help="leave the other servers running (idle) while one is measured, "
+                             "instead of pausing them")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 16 tokens, 1 and 4 clients, one repetition")
     return parser
