@@ -66,9 +66,15 @@ DEFAULT_MAX_BATCH_SIZE = 32
 DEFAULT_MAX_QUEUE = 1000
 #: The prefill budget (tokens per forward pass) when none is set, by device type. On a
 #: CPU, prefill is compute-bound: the number keeps one chunk within a few decode steps of
-#: a small model, so that a running stream barely slows while a long prompt is read. An
-#: accelerator reads a few thousand tokens in the time of a few decode steps.
-DEFAULT_MAX_BATCH_PREFILL_TOKENS = {"cpu": 32}
+#: a small model, so that a running stream barely slows while a long prompt is read; the
+#: stall bound (:mod:`~djl_stream.generation.prefill_pacing`) narrows passes further where
+#: this machine is slower. 64 rather than 32: a chat prompt of 40-60 tokens arriving
+#: beside 15 decoding streams is read in one pass where the stall bound allows it (their
+#: steps take 70 ms, so a pass may take about 100), not in two with a decode step between,
+#: and its first token came 3.2 decode steps after a solo one's instead of 7.1 (make bench's
+#: late arrival). An accelerator reads a few thousand tokens in the time of a few decode
+#: steps.
+DEFAULT_MAX_BATCH_PREFILL_TOKENS = {"cpu": 64}
 DEFAULT_ACCELERATOR_PREFILL_TOKENS = 2048
 #: While no request is decoding, a prefill pass may feed this many times the budget: no
 #: stream waits between tokens then, and fewer, wider passes read a long prompt sooner. A

@@ -138,7 +138,7 @@ class ModelProperties:
         max_batch_prefill_tokens: the most prompt tokens (rows × columns, padding
             included) one prefill forward pass feeds; a longer prompt is read in chunks,
             with a decode step of the running batch between them (chunked prefill, as
-            TGI's ``max_batch_prefill_tokens``). ``None`` picks one for the device (32 on
+            TGI's ``max_batch_prefill_tokens``). ``None`` picks one for the device (64 on
             CPU, 2048 on an accelerator); at least ``max_rolling_batch_size``.
         prefill_stall_steps: while requests decode, a prefill pass is also kept to at
             most this many of their decode steps, as timed by the scheduler, so that a
