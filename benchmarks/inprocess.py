@@ -37,7 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Text
 
 from djl_stream import StreamingUtils
 from djl_stream.generation.forward_kwargs import cache_kwarg, last_logits_only
-from djl_stream.generation.loading import prepack_for_cpu, torch_dtype
+from djl_stream.generation.loading import attach_decode_step, prepack_for_cpu, torch_dtype
 from djl_stream.serving.properties import ModelProperties, djl_init_properties
 
 from .measure import StreamTiming
@@ -91,6 +91,7 @@ class LoadedModel:
         model = model.to(target).eval()
         if target.type == "cpu":
             prepack_for_cpu(model, props)
+        attach_decode_step(model, tokenizer, props)
         return cls(model, tokenizer, target, props)
 
     @property

@@ -34,7 +34,7 @@ import dataclasses
 from typing import Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
-from djl_stream.generation import kv_cache
+from djl_stream.generation import kv_cache, llama_decode
 from djl_stream.generation.forward_kwargs import cache_kwarg, last_logits_only
 from djl_stream.generation.kv_cache import PreallocatedCache
 from djl_stream.generation.sampling import choose_next_tokens, token_logprobs
@@ -228,21 +228,27 @@ def generate_token(
     row finished). A row that cannot choose or record its token (its own parameters made
     its scores unusable, say) gets a Generation with an ``error`` and leaves the batch;
     the others go on. What raises here is the batch's: the forward pass or a batched
-    operation, before any sequence changed. Only the last position's logits are computed (``logits_to_keep=1``), so
+    operation, before any sequence changed. A decode step runs djl-stream's own step where
+    one is attached (:mod:`~djl_stream.generation.llama_decode`), the model's forward
+    otherwise. Only the last position's logits are computed (``logits_to_keep=1``), so
     a long prompt does not pay for a vocabulary projection of every prompt token. Rows
     whose request asked for ``logprobs`` / ``top_logprobs`` get them in their
     :class:`Generation` (see :func:`~djl_stream.generation.sampling.token_logprobs`).
     """
+    own_step = llama_decode.step_of(model)
     with torch.inference_mode():
-        outputs = model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,
-            use_cache=True,
-            **cache_kwarg(model, batch.past_key_values),
-            **last_logits_only(model),
-        )
-        logits = outputs.logits[:, -1, :]
+        if own_step is not None and own_step.accepts(batch):
+            logits = own_step.logits(batch)
+        else:
+            outputs = model(
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids,
+                use_cache=True,
+                **cache_kwarg(model, batch.past_key_values),
+                **last_logits_only(model),
+            )
+            logits = outputs.logits[:, -1, :]
         choosers = [seq.chooser for seq in batch.sequences]
         tokens, failures = choose_next_tokens(choosers, logits,
                                               [seq.all_ids for seq in batch.sequences])

@@ -296,6 +296,35 @@ class PreallocatedCache(DynamicCache):
             slab.keep_rows(rows)
         self._publish_all()
 
+    @torch.inference_mode()
+    def next_column_buffers(self, rows: int):
+        """For a decode step written by the caller (a compiled one,
+        :mod:`~djl_stream.generation.compiled_decode`): each layer's whole key and value
+        buffers, the first column in use and the column the step writes (the same in
+        every layer), which joins the columns in use at :meth:`next_column_written`. Room
+        is made for the column first, and the reserved rows are zeroed over it, as
+        :meth:`update` does."""
+        slabs = self._slabs
+        if not slabs or any(slab is None for slab in slabs):
+            raise ValueError("every layer must be written before a decode step")
+        first = slabs[0]
+        for slab in slabs:
+            if (slab.rows, slab.start, slab.end) != (rows, first.start, first.end):
+                raise ValueError("the layers of this cache hold different rows or columns")
+            if slab.end + 1 > slab.column_capacity:
+                slab.reallocate(slab.row_capacity, slab.length + 1)
+            slab._zero_reserved(slice(slab.end, slab.end + 1))
+        # (reallocating moves the columns in use to column 0, in every layer alike)
+        return ([slab.keys_buffer for slab in slabs], [slab.values_buffer for slab in slabs],
+                first.start, first.end)
+
+    def next_column_written(self) -> None:
+        """The column :meth:`next_column_windows` made room for now holds every layer's
+        keys and values: it joins the columns in use."""
+        for slab in self._slabs:
+            slab.end += 1
+        self._publish_all()
+
     def trim_left(self, columns: int) -> None:
         """Drop the first ``columns`` positions of every row (padding no row attends to)."""
         if columns <= 0:

@@ -169,7 +169,19 @@ def load_model_and_tokenizer(props: ModelProperties) -> Tuple[Any, Any]:
     model.eval()
     if not on_gpu:
         prepack_for_cpu(model, props)
+    attach_decode_step(model, tokenizer, props)
     return model, tokenizer
+
+
+def attach_decode_step(model, tokenizer, props: ModelProperties):
+    """Give ``model`` djl-stream's Llama decode step unless ``option.decode_step`` is
+    ``forward`` (or the model is not one it runs: then its forward runs, logged); compiled
+    here, at load, with ``compiled``. Returns the step or ``None``."""
+    from djl_stream.generation import llama_decode
+
+    if props.decode_step == "forward":
+        return None
+    return llama_decode.attach(model, tokenizer, compile=props.decode_step == "compiled")
 
 
 def prepack_for_cpu(model, props: ModelProperties) -> int:

@@ -1,0 +1,169 @@
+"""djl-stream's Llama decode step (``option.decode_step``): the same logits, tokens and KV
+cache as the model's forward through everything continuous batching does to a batch
+(padding, rows leaving, rows joining, buffers growing), which models keep their forward,
+and that a step that disagrees with the forward is never attached."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import build_tiny_llama
+from djl_stream.generation import kv_cache, llama_decode
+from djl_stream.generation.batch import CausalLMBatch, generate_token
+from djl_stream.generation.packed_linear import pack_linear_layers, packing_unavailable
+from djl_stream.generation.sequence import GenerationSequence
+from djl_stream.serving.properties import ModelProperties, PropertyError
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, there lived",
+           "1, 2, 3,", "A very long list of things to remember: milk, eggs, bread, butter,"]
+
+
+def sequences(tokenizer, prompts, new_tokens, first_id=0):
+    return [GenerationSequence(first_id + i, tokenizer(p)["input_ids"], tokenizer,
+                               max_new_tokens=new_tokens, eos_token_ids=set(), ignore_eos=True)
+            for i, p in enumerate(prompts)]
+
+
+def run_continuous_batch(model, tokenizer, logits_seen):
+    """Three prompts decode in one left-padded batch; after 3 steps the middle one leaves,
+    after 5 a fourth prompt (longer than the running rows) joins, and all decode to the
+    end. Returns every sequence's tokens and the final cache's keys of the last step's
+    rows; ``logits_seen`` gets each step's logits."""
+    hook = model.register_forward_hook(
+        lambda module, args, kwargs, output: logits_seen.append(output.logits[:, -1].clone()),
+        with_kwargs=True)
+    try:
+        running = sequences(tokenizer, PROMPTS[:3], 12)
+        batch = CausalLMBatch.from_sequences(running, pad_token_id=2, device="cpu")
+        _, batch = generate_token(model, batch)
+        for _ in range(3):
+            _, batch = generate_token(model, batch)
+        batch = batch.filter([running[0].request_id, running[2].request_id])
+        for _ in range(2):
+            _, batch = generate_token(model, batch)
+        late = sequences(tokenizer, PROMPTS[3:], 6, first_id=10)
+        newcomer = CausalLMBatch.from_sequences(late, pad_token_id=2, device="cpu")
+        _, newcomer = generate_token(model, newcomer)
+        batch = CausalLMBatch.concatenate([batch, newcomer])
+        keys = None
+        while batch is not None:
+            keys = [layer.keys.clone() for layer in kv_cache.layers(batch.past_key_values)]
+            _, batch = generate_token(model, batch)
+    finally:
+        hook.remove()
+    return [seq.generated_ids for seq in running + late], keys
+
+
+class StepLogits:
+    """Collects the logits the attached step returns (it does not call the model)."""
+
+    def __init__(self, model, monkeypatch):
+        step = llama_decode.step_of(model)
+        self.seen = []
+        original = step.logits
+
+        def recording(batch):
+            logits = original(batch)
+            self.seen.append(logits.clone())
+            return logits
+
+        monkeypatch.setattr(step, "logits", recording)
+
+
+@pytest.mark.parametrize("packed, compiled", [(False, False), (True, False), (True, True)],
+                         ids=["eager", "eager-packed", "compiled-packed"])
+def test_the_step_gives_the_forward_s_tokens_logits_and_cache_through_leaves_and_joins(
+        smollm2_tokenizer, monkeypatch, packed, compiled):
+    if packed and packing_unavailable():
+        pytest.skip(packing_unavailable())
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=3)
+    if packed:
+        assert pack_linear_layers(model) > 0
+    forward_logits = []
+    expected_tokens, expected_keys = run_continuous_batch(model, smollm2_tokenizer, forward_logits)
+
+    step = llama_decode.attach(model, smollm2_tokenizer, compile=compiled)
+    assert step is not None and step.compiled is compiled
+    step_logits = StepLogits(model, monkeypatch)
+    prefill_logits = []
+    tokens, keys = run_continuous_batch(model, smollm2_tokenizer, prefill_logits)
+
+    assert tokens == expected_tokens
+    assert [len(t) for t in tokens] == [12, 4, 12, 6]  # the middle one left after 4
+    # the forward now ran the prefills only: 2 (the first batch and the newcomer)
+    assert len(prefill_logits) == 2 and len(step_logits.seen) == len(forward_logits) - 2
+    # every decode step's logits, in order, against the forward's (prefills taken out)
+    prefill_rows = {0, 6}  # the first pass, and the newcomer's after 3 + 2 steps
+    decode_forward = [logits for i, logits in enumerate(forward_logits) if i not in prefill_rows]
+    assert len(decode_forward) == len(step_logits.seen)
+    for theirs, ours in zip(decode_forward, step_logits.seen):
+        assert ours.shape == theirs.shape
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    for theirs, ours in zip(expected_keys, keys):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_reserved_rows_stay_zero_and_the_buffers_grow_when_the_step_writes(smollm2_tokenizer):
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=4)
+    assert llama_decode.attach(model, smollm2_tokenizer) is not None
+    (seq,) = sequences(smollm2_tokenizer, PROMPTS[:1], 80)
+    batch = CausalLMBatch.from_sequences([seq], pad_token_id=2, device="cpu", room_for_rows=2)
+    batch.past_key_values.reserve_columns = 1  # the smallest buffers: the steps must grow them
+    _, batch = generate_token(model, batch)
+    slab = batch.past_key_values._slabs[0]
+    first_capacity = slab.column_capacity
+    for _ in range(70):
+        _, batch = generate_token(model, batch)
+    slab = batch.past_key_values._slabs[0]
+    assert slab.column_capacity > first_capacity  # grown by the step
+    assert slab.row_capacity >= 3
+    in_use = slice(slab.start, slab.end)
+    assert slab.end - slab.start == len(seq.prompt_ids) + 70  # one column a step
+    assert torch.count_nonzero(slab.keys_buffer[1:, :, in_use]) == 0
+    assert torch.count_nonzero(slab.values_buffer[1:, :, in_use]) == 0
+
+
+def test_models_it_does_not_know_keep_their_forward(smollm2_tokenizer):
+    biased = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                          num_hidden_layers=1, num_attention_heads=2,
+                                          attention_bias=True))
+    assert "biases" in llama_decode.unsupported_reason(biased)
+    assert llama_decode.attach(biased, smollm2_tokenizer) is None
+    assert llama_decode.step_of(biased) is None
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2))
+    assert "not a Llama" in llama_decode.unsupported_reason(gpt2)
+    assert llama_decode.attach(gpt2, smollm2_tokenizer) is None
+
+
+def test_a_step_that_disagrees_with_the_forward_is_not_attached(smollm2_tokenizer, monkeypatch,
+                                                                caplog):
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=5)
+    # a step that forgot its RMSNorms
+    monkeypatch.setattr(llama_decode.LlamaDecodeStep, "_norm", lambda self, x, weight: x)
+    assert llama_decode.attach(model, smollm2_tokenizer) is None
+    assert llama_decode.step_of(model) is None
+    assert "differs from the model's forward" in caplog.text
+
+
+def test_option_decode_step(tmp_path):
+    assert ModelProperties.from_init_properties({}).decode_step == "auto"
+    for value in ("forward", "eager", "compiled", "AUTO"):
+        props = ModelProperties.from_init_properties({"decode_step": value})
+        assert props.decode_step == value.lower()
+    with pytest.raises(PropertyError) as error:
+        ModelProperties.from_init_properties({"decode_step": "fast"})
+    assert "option.decode_step" in str(error.value) and "forward" in str(error.value)
+
+
+def test_option_decode_step_forward_keeps_the_model_s_forward(tmp_path, tiny_model_dir):
+    from djl_stream.generation.loading import load_model_and_tokenizer
+
+    for value, attached in (("forward", False), ("auto", True)):
+        props = ModelProperties.from_init_properties(
+            {"model_dir": str(tiny_model_dir), "decode_step": value})
+        model, _ = load_model_and_tokenizer(props)
+        assert (llama_decode.step_of(model) is not None) is attached
