@@ -167,3 +167,17 @@ def test_option_decode_step_forward_keeps_the_model_s_forward(tmp_path, tiny_mod
             {"model_dir": str(tiny_model_dir), "decode_step": value})
         model, _ = load_model_and_tokenizer(props)
         assert (llama_decode.step_of(model) is not None) is attached
+
+
+def test_a_model_without_grouped_heads_gets_the_step_too(smollm2_tokenizer):
+    torch.manual_seed(6)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(smollm2_tokenizer), hidden_size=32,
+                                         intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4)).eval()
+    # attach() checks the step's logits against the forward's on 1 and 3 rows
+    assert llama_decode.attach(model, smollm2_tokenizer) is not None
+    forward = LlamaForCausalLM(model.config).eval()
+    forward.load_state_dict(model.state_dict())
+    ours, _ = run_continuous_batch(model, smollm2_tokenizer, [])
+    theirs, _ = run_continuous_batch(forward, smollm2_tokenizer, [])
+    assert ours == theirs

@@ -1,0 +1,102 @@
+"""``python -m benchmarks.decode_step``: a decode step through the model's forward and
+through djl-stream's Llama decode step (``option.decode_step``), side by side.
+
+Each way decodes the same prompts (1, 4 and 16 rows of the benchmark's prompts, left-padded
+in one batch, greedy, end-of-sequence ignored) through
+:func:`~djl_stream.generation.batch.generate_token`, as the scheduler runs it; the median
+time of a step is kept over ``--steps`` steps, the ways taking turns row count by row
+count so that a busy machine slows each alike. The greedy tokens of every row are
+compared with the forward's. ``--compiled`` adds the step through ``torch.compile``
+(compiling takes minutes on a small CPU; the time is reported).
+
+Example::
+
+    python -m benchmarks.decode_step --model-dir model --rows 1,4,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Dict, List
+
+from djl_stream.generation import llama_decode
+from djl_stream.generation.batch import CausalLMBatch, generate_token
+from djl_stream.generation.sequence import GenerationSequence
+
+from .inprocess import LoadedModel
+from .settings import PROMPTS
+
+
+def decode(loaded: LoadedModel, rows: int, steps: int):
+    """Median seconds of a decode step of ``rows`` rows, and each row's tokens."""
+    prompts = [loaded.prompt(PROMPTS[i % len(PROMPTS)]).ids for i in range(rows)]
+    sequences = [GenerationSequence(i, ids, loaded.tokenizer, max_new_tokens=steps + 2,
+                                    eos_token_ids=set(), ignore_eos=True)
+                 for i, ids in enumerate(prompts)]
+    pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
+    batch = CausalLMBatch.from_sequences(sequences, pad_token_id=pad, device=loaded.device)
+    _, batch = generate_token(loaded.model, batch)  # prefill
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        _, batch = generate_token(loaded.model, batch)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:]), [seq.generated_ids for seq in sequences]
+
+
+def main(argv: List[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_step",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", default="model")
+    parser.add_argument("--rows", default="1,4,16", help="batch rows (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=40, help="decode steps timed per row count")
+    parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--compiled", action="store_true",
+                        help="also the step through torch.compile")
+    args = parser.parse_args(argv)
+    loaded = LoadedModel.load(args.model_dir, device="cpu")
+    reason = llama_decode.unsupported_reason(loaded.model)
+    if reason:
+        raise SystemExit(f"djl-stream's Llama decode step cannot run this model: {reason}")
+    ways: Dict[str, object] = {"model's forward": None}
+    llama_decode.detach(loaded.model)
+    ways["djl-stream's step"] = llama_decode.LlamaDecodeStep(loaded.model)
+    if args.compiled:
+        started = time.perf_counter()
+        compiled = llama_decode.attach(loaded.model, loaded.tokenizer, compile=True)
+        if compiled is None:
+            raise SystemExit("compiling the step failed (see the log)")
+        print(f"compiled at load in {time.perf_counter() - started:.0f} s")
+        ways["djl-stream's step, compiled"] = compiled
+    rows_list = [int(r) for r in args.rows.split(",")]
+    medians: Dict[tuple, List[float]] = {}
+    tokens: Dict[tuple, list] = {}
+    for _ in range(args.repetitions):
+        for rows in rows_list:
+            for name, step in ways.items():
+                llama_decode.detach(loaded.model)
+                if step is not None:
+                    setattr(loaded.model, llama_decode._ATTRIBUTE, step)
+                seconds, ids = decode(loaded, rows, args.steps)
+                medians.setdefault((name, rows), []).append(seconds)
+                tokens[(name, rows)] = ids
+    print(f"\n{args.model_dir}: decode step (median of {args.repetitions} medians of "
+          f"{args.steps} steps), greedy tokens against the forward's\n")
+    print("| rows | " + " | ".join(ways) + " |")
+    print("|---|" + "---|" * len(ways))
+    for rows in rows_list:
+        base = statistics.median(medians[("model's forward", rows)])
+        cells = []
+        for name in ways:
+            ms = statistics.median(medians[(name, rows)]) * 1e3
+            same = tokens[(name, rows)] == tokens[("model's forward", rows)]
+            cells.append(f"{ms:.1f} ms" + ("" if name == "model's forward" else
+                                           f" ({base * 1e3 / ms:.2f}x, "
+                                           f"{'same tokens' if same else 'tokens differ'})"))
+        print(f"| {rows} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
