@@ -273,6 +273,17 @@ class ModelProperties:
         return self.model_id
 
 
+#: Properties whose value is one of a few words (read case-insensitively).
+_CHOICES = {"decode_step": DECODE_STEPS, "chat_protocol": CHAT_PROTOCOLS}
+
+
+def _one_of(key: str, value: Any, choices: tuple) -> str:
+    text = str(value).strip().lower()
+    if text not in choices:
+        raise PropertyError(f"option.{key}", f"expected one of {', '.join(choices)}, got {value!r}")
+    return text
+
+
 def _typed(values: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in values.items():
@@ -314,18 +325,8 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
         elif key == "context_length_estimate":
             parts = [p for p in str(value).replace(" ", "").split(",") if p]
             out[key] = tuple(_as_int(key, p) for p in parts) or None
-        elif key == "decode_step":
-            text = str(value).strip().lower()
-            if text not in DECODE_STEPS:
-                raise PropertyError("option.decode_step",
-                                    f"expected one of {', '.join(DECODE_STEPS)}, got {value!r}")
-            out[key] = text
-        elif key == "chat_protocol":
-            text = str(value).strip().lower()
-            if text not in CHAT_PROTOCOLS:
-                raise PropertyError("option.chat_protocol",
-                                    f"expected one of {', '.join(CHAT_PROTOCOLS)}, got {value!r}")
-            out[key] = text
+        elif key in _CHOICES:
+            out[key] = _one_of(key, value, _CHOICES[key])
         elif key == "output_formatter" and callable(value):
             # djl's worker hands over a function marked with @output_formatter itself
             out[key] = value
