@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 # `make conformance` runs and reads; see ../shared/djl-serving/README.md.
 DJL_SERVING_SRC ?= ../shared/djl-serving
 
-.PHONY: install model serve test conformance bench bench-peers reliability clean help
+.PHONY: install model serve test conformance bench bench-peers bench-quantization reliability clean help
 
 help:
 	@echo "make serve   - set up .venv, prepare the embedded model, serve $(MODEL_DIR)/ on $(HOST):$(PORT)"
@@ -18,6 +18,7 @@ help:
 	@echo "make conformance - run model/ in djl-serving's real Python worker (DJL_SERVING_SRC=$(DJL_SERVING_SRC))"
 	@echo "make bench   - run the benchmarks and write BENCHMARKS.md"
 	@echo "make bench-peers - djl-stream beside llama.cpp, transformers serve and Ray Serve (sets them up in .peers/); writes BENCHMARKS.md's peers section"
+	@echo "make bench-quantization - option.quantize's methods against float32 (speed, greedy agreement); writes BENCHMARKS.md's quantization section"
 	@echo "make reliability - hostile clients against a real server; writes RELIABILITY.md"
 
 install: $(STAMP)
@@ -57,6 +58,10 @@ bench: $(STAMP) model
 # Each peer in its own venv under .peers/ (git-ignored), set up on first use.
 bench-peers: $(STAMP) model
 	$(BIN)/python -m benchmarks.peers --model-dir $(MODEL_DIR)
+
+# option.quantize's methods against float32, into BENCHMARKS.md's quantization section.
+bench-quantization: $(STAMP) model
+	$(BIN)/python -m benchmarks.quantization --model-dir $(MODEL_DIR)
 
 reliability: $(STAMP) model
 	$(BIN)/python -m reliability.run --model-dir $(MODEL_DIR)

@@ -13,6 +13,9 @@ on a CPU), then:
   fed back (teacher forcing), the share of positions where the method's top token is
   float32's: the first says when texts part, the second how often the two disagree.
 
+The table is printed and written into ``BENCHMARKS.md``'s quantization section (which
+``make bench`` keeps; ``--output ''`` writes nothing). ``make bench-quantization`` runs it.
+
 Example::
 
     python -m benchmarks.quantization --model-dir model --methods none,int8,bitsandbytes4
@@ -21,8 +24,10 @@ Example::
 from __future__ import annotations
 
 import argparse
+import datetime
 import statistics
 import time
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -33,6 +38,8 @@ from djl_stream.generation.sequence import GenerationSequence
 from djl_stream.serving.properties import ModelProperties, djl_init_properties
 
 from .inprocess import LoadedModel
+from .machine import describe
+from .sections import write_section
 from .settings import PROMPTS
 
 
@@ -87,6 +94,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--output", default="BENCHMARKS.md",
+                        help="file whose quantization section gets the table ('' for none)")
     args = parser.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",")]
     lm = LoadedModel.load(args.model_dir, device="cpu")
@@ -101,12 +110,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         for method, model in models.items():
             steps[method].append(step_seconds(model, tokenizer, prompts[0], args.steps))
     base = statistics.median(steps["none"])
-    print(f"{torch.get_num_threads()} threads; {args.tokens} greedy tokens on each of "
-          f"{len(prompts)} prompts; decode step: median of {args.steps} one-row steps, "
-          f"median of {args.repetitions} rounds")
-    print("| `option.quantize` | decode step | × float32's speed | tokens before the first "
-          "difference | top token = float32's (teacher-forced) |")
-    print("|---|---|---|---|---|")
+    lines = [f"{torch.get_num_threads()} threads; {args.tokens} greedy tokens on each of "
+             f"{len(prompts)} prompts; decode step: median of {args.steps} one-row steps, "
+             f"median of {args.repetitions} rounds taken in turns", "",
+             "| `option.quantize` | decode step | × float32's speed | tokens before the first "
+             "difference | top token = float32's (teacher-forced) |",
+             "|---|---|---|---|---|"]
     for method, model in models.items():
         step = statistics.median(steps[method])
         firsts, shares = [], []
@@ -115,9 +124,24 @@ def main(argv: Optional[List[str]] = None) -> None:
             firsts.append(next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), len(ref)))
             shares.append(teacher_forced_agreement(model, prompt, ref))
         name = "unset (float32, prepacked)" if method == "none" else f"`{method}`"
-        print(f"| {name} | {step * 1e3:.1f} ms | {base / step:.2f}x | "
-              f"{', '.join(map(str, firsts))} of {args.tokens} | "
-              f"{statistics.mean(shares) * 100:.1f} % |")
+        lines.append(f"| {name} | {step * 1e3:.1f} ms | {base / step:.2f}x | "
+                     f"{', '.join(map(str, firsts))} of {args.tokens} | "
+                     f"{statistics.mean(shares) * 100:.1f} % |")
+    print("\n".join(lines))
+    if args.output:
+        machine = describe()
+        now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        command = " ".join(["python -m benchmarks.quantization", *(argv or [])])
+        write_section(Path(args.output), "quantization", "\n".join([
+            "## Quantized weights (`option.quantize`) against float32", "",
+            f"Measured on {now} with `{command}` (what `make bench-quantization` runs), on "
+            f"{machine.get('cpu')} (GPU: {machine.get('gpu')}), in one process, each method "
+            "loaded the way the server loads it. The greedy-text columns compare each "
+            "method's tokens with float32's: how many agree before the first difference, "
+            "and with float32's tokens fed back (teacher forcing) how often the top token "
+            "is float32's. bitsandbytes is made for CUDA: on a CPU it runs its CPU "
+            "kernels. None of this has run on a GPU.", "", *lines, ""]))
+        print(f"wrote the quantization section of {args.output}")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from .measure import (
     process_cpu_seconds,
     system_busy_cpu_seconds,
 )
-from .peers.run import peers_section
+from .sections import kept_sections
 from .results import CONTINUOUS, ONE_AT_A_TIME, Results
 from .settings import PROMPTS, Settings
 from .targets import evaluate
@@ -315,9 +315,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     plotted = report.plot_concurrency(results, plot)
     text = report.markdown(results, checks, command_line(argv),
                            report.link(plot, output) if plotted else None)
-    peers = peers_section(output)  # written by make bench-peers; this run keeps it
-    if peers:
-        text = text.rstrip("\n") + "\n\n" + peers + "\n"
+    # the sections make bench-peers and make bench-quantization wrote: this run keeps them
+    for kept in kept_sections(output):
+        text = text.rstrip("\n") + "\n\n" + kept + "\n"
     output.write_text(text, encoding="utf-8")
     log("")
     others = results.machine.get("CPU taken by other processes during the run")

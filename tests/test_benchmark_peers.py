@@ -20,8 +20,8 @@ import pytest
 from benchmarks.http_load import LoadResult, StreamError
 from benchmarks.measure import StreamTiming
 from benchmarks.measure import process_tree
-from benchmarks.peers.run import (BEGIN, END, Paused, PeerResult, peers_section, targets,
-                                  write_section)
+from benchmarks.peers.run import Paused, PeerResult, targets
+from benchmarks.sections import kept_sections, markers, write_section
 from benchmarks.peers.servers import PEERS, openai_completion_pieces, text_chunks
 
 
@@ -78,16 +78,20 @@ def test_the_targets_are_ratios_of_the_rows_and_say_by_how_much_one_is_missed():
     assert lines[3].startswith("**NOT MEASURED** int8 single-stream")
 
 
-def test_the_peers_section_replaces_its_old_self_and_survives_a_rewrite(tmp_path):
+def test_a_section_replaces_its_old_self_and_make_bench_keeps_them_in_their_order(tmp_path):
     path = tmp_path / "BENCHMARKS.md"
     path.write_text("# Benchmarks\n\nmake bench's part\n", encoding="utf-8")
-    write_section(path, f"{BEGIN}\nfirst\n{END}")
-    write_section(path, f"{BEGIN}\nsecond\n{END}")
+    write_section(path, "quantization", "first")
+    write_section(path, "peers", "peers' figures")
+    write_section(path, "quantization", "second")
     text = path.read_text(encoding="utf-8")
-    assert text.count(BEGIN) == 1 and "second" in text and "first" not in text
+    begin, end = markers("quantization")
+    assert text.count(begin) == 1 and "second" in text and "first" not in text
     assert text.startswith("# Benchmarks\n\nmake bench's part\n")
-    # make bench rewrites the rest and puts the section back
-    assert peers_section(path) == f"{BEGIN}\nsecond\n{END}"
+    # make bench rewrites the rest and puts the sections back, in the order they were in
+    assert kept_sections(path) == [f"{begin}\nsecond\n{end}",
+                                   "<!-- peers -->\npeers' figures\n<!-- /peers -->"]
+    assert kept_sections(tmp_path / "none.md") == []
 
 
 def _state(pid: int) -> str:

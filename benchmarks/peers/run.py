@@ -46,13 +46,15 @@ from ..inprocess import LoadedModel
 from ..machine import describe
 from ..measure import ProcessMemory, cpu_load, process_cpu_seconds, system_busy_cpu_seconds
 from ..results import ratio
+from ..sections import write_section
 from ..measure import process_tree
 from ..settings import PROMPTS
 from .environments import ENVIRONMENTS
 from .gguf_files import conversion_seconds, float32_gguf, float32_gguf_path, original_q4_1
 from .servers import PEERS, Peer
 
-BEGIN, END = "<!-- peers -->", "<!-- /peers -->"
+#: This run's section of BENCHMARKS.md (kept by make bench, see benchmarks.sections).
+SECTION = "peers"
 ROOT = Path(".peers")
 #: The djl-stream rows the targets are computed from, and its int8 row.
 OURS, OURS_INT8 = "djl-stream", "djl-stream int8"
@@ -253,7 +255,7 @@ def _fmt(value: float, scale: float = 1.0, digits: int = 0, unit: str = "") -> s
 def report(results: List[PeerResult], setup: Dict[str, tuple], args, machine: Dict[str, str],
            elapsed: float, command: str) -> str:
     by_name = {r.peer.name: r for r in results}
-    lines = [BEGIN, "", "## Peers: djl-stream beside llama.cpp, transformers serve and Ray Serve", "",
+    lines = ["## Peers: djl-stream beside llama.cpp, transformers serve and Ray Serve", "",
              f"Measured on {machine.get('date')} with `{command}` (what `make bench-peers` runs) "
              f"in {elapsed / 60:.0f} min, on {machine.get('cpu')} (GPU: {machine.get('gpu')}). "
              f"Every server: the same prompts (SmolLM2's chat template applied by the client), "
@@ -307,7 +309,7 @@ def report(results: List[PeerResult], setup: Dict[str, tuple], args, machine: Di
         took = "time not recorded" if seconds is None else f"{seconds / 60:.1f} min"
         lines.append(f"- {name}: {took}" + (", in this run" if now else
                                            ", when it was set up (kept in `.peers/`)"))
-    lines += ["", END]
+    lines += [""]
     return "\n".join(lines)
 
 
@@ -340,27 +342,6 @@ def targets(by_name: Dict[str, PeerResult], args) -> List[str]:
     check("int8 single-stream >= 1.6x our float32 (ITL p50)", ratio(ours_itl, int8_itl), 1.6, False,
           f"{_fmt(int8_itl, 1e3, 1, ' ms')} vs {_fmt(ours_itl, 1e3, 1, ' ms')}")
     return out
-
-
-def write_section(path: Path, section: str) -> None:
-    """Put ``section`` into ``path`` in place of the one there, or at the end."""
-    text = path.read_text(encoding="utf-8") if path.is_file() else ""
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + section + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text, encoding="utf-8")
-
-
-def peers_section(path: Path) -> Optional[str]:
-    """The peers section of ``path``, to be kept by a run that rewrites the rest."""
-    if not path.is_file():
-        return None
-    text = path.read_text(encoding="utf-8")
-    if BEGIN not in text or END not in text:
-        return None
-    return BEGIN + text.split(BEGIN, 1)[1].split(END, 1)[0] + END
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -417,7 +398,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results = measure(peers, files, args, Path(workdir))
     command = " ".join(["python -m benchmarks.peers", *argv])
     section = report(results, setup, args, machine, time.perf_counter() - started, command)
-    write_section(Path(args.output), section)
+    write_section(Path(args.output), SECTION, section)
     for line in targets({r.peer.name: r for r in results}, args):
         log(line)
     log(f"wrote the peers section of {args.output}")
