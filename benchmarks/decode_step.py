@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 from djl_stream.generation import llama_decode
 from djl_stream.generation.batch import CausalLMBatch, generate_token
@@ -29,19 +29,19 @@ from .inprocess import LoadedModel
 from .settings import PROMPTS
 
 
-def decode(loaded: LoadedModel, rows: int, steps: int):
-    """Median seconds of a decode step of ``rows`` rows, and each row's tokens."""
-    prompts = [loaded.prompt(PROMPTS[i % len(PROMPTS)]).ids for i in range(rows)]
-    sequences = [GenerationSequence(i, ids, loaded.tokenizer, max_new_tokens=steps + 2,
+def decode_steps(model, tokenizer, prompts: Sequence[Sequence[int]], steps: int):
+    """Median seconds of a decode step of ``prompts`` in one left-padded batch (the first
+    two steps left out), and each row's greedy tokens."""
+    sequences = [GenerationSequence(i, list(ids), tokenizer, max_new_tokens=steps + 2,
                                     eos_token_ids=set(), ignore_eos=True)
                  for i, ids in enumerate(prompts)]
-    pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
-    batch = CausalLMBatch.from_sequences(sequences, pad_token_id=pad, device=loaded.device)
-    _, batch = generate_token(loaded.model, batch)  # prefill
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    batch = CausalLMBatch.from_sequences(sequences, pad_token_id=pad, device=model.device)
+    _, batch = generate_token(model, batch)  # prefill
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        _, batch = generate_token(loaded.model, batch)
+        _, batch = generate_token(model, batch)
         times.append(time.perf_counter() - start)
     return statistics.median(times[2:]), [seq.generated_ids for seq in sequences]
 
@@ -78,8 +78,9 @@ def main(argv: List[str] | None = None) -> None:
             for name, step in ways.items():
                 llama_decode.detach(loaded.model)
                 if step is not None:
-                    setattr(loaded.model, llama_decode._ATTRIBUTE, step)
-                seconds, ids = decode(loaded, rows, args.steps)
+                    llama_decode.install(loaded.model, step)
+                prompts = [loaded.prompt(PROMPTS[i % len(PROMPTS)]).ids for i in range(rows)]
+                seconds, ids = decode_steps(loaded.model, loaded.tokenizer, prompts, args.steps)
                 medians.setdefault((name, rows), []).append(seconds)
                 tokens[(name, rows)] = ids
     print(f"\n{args.model_dir}: decode step (median of {args.repetitions} medians of "

@@ -6,8 +6,9 @@ Every method loads the model directory the way the server does
 on a CPU), then:
 
 * **decode step**: the median time of a one-row decode step through
-  :func:`~djl_stream.generation.batch.generate_token`, over ``--steps`` steps, the
-  methods taking turns for ``--repetitions`` rounds;
+  :func:`~djl_stream.generation.batch.generate_token`, over ``--steps`` steps
+  (:func:`benchmarks.decode_step.decode_steps`), the methods taking turns for
+  ``--repetitions`` rounds;
 * **greedy agreement**: each benchmark prompt decoded greedily for ``--tokens`` tokens;
   how many tokens match float32's before the first difference, and, with float32's tokens
   fed back (teacher forcing), the share of positions where the method's top token is
@@ -26,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import statistics
-import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -37,6 +37,7 @@ from djl_stream.generation.loading import load_model_and_tokenizer
 from djl_stream.generation.sequence import GenerationSequence
 from djl_stream.serving.properties import ModelProperties, djl_init_properties
 
+from .decode_step import decode_steps
 from .inprocess import LoadedModel
 from .machine import describe
 from .sections import write_section
@@ -61,19 +62,6 @@ def greedy_ids(model, tokenizer, ids: Sequence[int], tokens: int) -> List[int]:
     while batch is not None:
         _, batch = generate_token(model, batch)
     return seq.generated_ids
-
-
-def step_seconds(model, tokenizer, ids: Sequence[int], steps: int) -> float:
-    """Median seconds of a one-row decode step, ``steps`` of them after the prefill."""
-    seq = _sequence(ids, tokenizer, steps + 1)
-    batch = CausalLMBatch.from_sequences([seq], pad_token_id=0, device="cpu")
-    _, batch = generate_token(model, batch)
-    times = []
-    while batch is not None:
-        start = time.perf_counter()
-        _, batch = generate_token(model, batch)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def teacher_forced_agreement(model, prompt: Sequence[int], reference: Sequence[int]) -> float:
@@ -108,7 +96,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     steps: Dict[str, List[float]] = {m: [] for m in methods}
     for _ in range(args.repetitions):
         for method, model in models.items():
-            steps[method].append(step_seconds(model, tokenizer, prompts[0], args.steps))
+            steps[method].append(decode_steps(model, tokenizer, [prompts[0]], args.steps)[0])
     base = statistics.median(steps["none"])
     lines = [f"{torch.get_num_threads()} threads; {args.tokens} greedy tokens on each of "
              f"{len(prompts)} prompts; decode step: median of {args.steps} one-row steps, "

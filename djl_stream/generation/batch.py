@@ -31,7 +31,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
+from typing import Hashable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from djl_stream.generation import kv_cache, llama_decode
@@ -240,15 +240,7 @@ def generate_token(
         if own_step is not None and own_step.accepts(batch):
             logits = own_step.logits(batch)
         else:
-            outputs = model(
-                input_ids=batch.input_ids,
-                attention_mask=batch.attention_mask,
-                position_ids=batch.position_ids,
-                use_cache=True,
-                **cache_kwarg(model, batch.past_key_values),
-                **last_logits_only(model),
-            )
-            logits = outputs.logits[:, -1, :]
+            logits = forward_logits(model, batch)
         choosers = [seq.chooser for seq in batch.sequences]
         tokens, failures = choose_next_tokens(choosers, logits,
                                               [seq.all_ids for seq in batch.sequences])
@@ -277,6 +269,21 @@ def generate_token(
         return generations, next_batch
     alive = [seq.request_id for seq in batch.sequences if not seq.finished]
     return generations, next_batch.filter(alive)
+
+
+def forward_logits(model, batch: CausalLMBatch) -> torch.Tensor:
+    """The model's forward over ``batch`` (its cache gains the columns fed): the logits
+    ``(rows, vocab)`` of each row's last position."""
+    with torch.inference_mode():
+        outputs = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            use_cache=True,
+            **cache_kwarg(model, batch.past_key_values),
+            **last_logits_only(model),
+        )
+    return outputs.logits[:, -1, :]
 
 
 def prefill_chunk(model, batch: CausalLMBatch, columns: int) -> CausalLMBatch:

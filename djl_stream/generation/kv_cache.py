@@ -298,8 +298,8 @@ class PreallocatedCache(DynamicCache):
 
     @torch.inference_mode()
     def next_column_buffers(self, rows: int):
-        """For a decode step written by the caller (a compiled one,
-        :mod:`~djl_stream.generation.compiled_decode`): each layer's whole key and value
+        """For a decode step that writes the cache itself
+        (:mod:`~djl_stream.generation.llama_decode`): each layer's whole key and value
         buffers, the first column in use and the column the step writes (the same in
         every layer), which joins the columns in use at :meth:`next_column_written`. Room
         is made for the column first, and the reserved rows are zeroed over it, as
@@ -319,7 +319,7 @@ class PreallocatedCache(DynamicCache):
                 first.start, first.end)
 
     def next_column_written(self) -> None:
-        """The column :meth:`next_column_windows` made room for now holds every layer's
+        """The column :meth:`next_column_buffers` made room for now holds every layer's
         keys and values: it joins the columns in use."""
         for slab in self._slabs:
             slab.end += 1

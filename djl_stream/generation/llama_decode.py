@@ -40,10 +40,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
+
+from djl_stream.generation.kv_cache import PreallocatedCache
 
 logger = logging.getLogger(__name__)
 
@@ -218,8 +220,6 @@ class LlamaDecodeStep:
     def accepts(self, batch) -> bool:
         """Whether ``batch`` is at a decode step this step can run (prefilled, one column
         to feed, its cache a ``PreallocatedCache``)."""
-        from djl_stream.generation.kv_cache import PreallocatedCache
-
         return (isinstance(batch.past_key_values, PreallocatedCache)
                 and batch.columns_to_feed == 1 and batch.prefilled)
 
@@ -269,7 +269,7 @@ def attach(model, tokenizer, *, compile: bool = False) -> Optional[LlamaDecodeSt
                        "model's forward", "compiling" if compile else "building",
                        type(error).__name__, str(error).splitlines()[0] if str(error) else "")
         return None
-    setattr(model, _ATTRIBUTE, step)
+    install(model, step)
     if compile:
         logger.info("decode step compiled in %.0f s (Inductor's cache: %s)",
                     time.perf_counter() - started,
@@ -277,6 +277,11 @@ def attach(model, tokenizer, *, compile: bool = False) -> Optional[LlamaDecodeSt
     else:
         logger.info("decode steps run djl-stream's Llama decode step")
     return step
+
+
+def install(model, step: LlamaDecodeStep) -> None:
+    """Have ``model``'s decode steps run ``step`` (:func:`attach` checks one first)."""
+    setattr(model, _ATTRIBUTE, step)
 
 
 def detach(model) -> None:
@@ -303,15 +308,9 @@ def _probe_batch(model, tokenizer, rows: int):
 
 
 def _agrees(step: LlamaDecodeStep, model, tokenizer, rows: int) -> bool:
-    from djl_stream.generation.forward_kwargs import cache_kwarg, last_logits_only
+    from djl_stream.generation.batch import forward_logits
 
-    ours_batch, theirs_batch = _probe_batch(model, tokenizer, rows), _probe_batch(model, tokenizer, rows)
-    ours = step.logits(ours_batch)
-    with torch.inference_mode():
-        theirs = model(input_ids=theirs_batch.input_ids,
-                       attention_mask=theirs_batch.attention_mask,
-                       position_ids=theirs_batch.position_ids, use_cache=True,
-                       **cache_kwarg(model, theirs_batch.past_key_values),
-                       **last_logits_only(model)).logits[:, -1, :]
+    ours = step.logits(_probe_batch(model, tokenizer, rows))
+    theirs = forward_logits(model, _probe_batch(model, tokenizer, rows))
     scale = float(theirs.abs().max()) or 1.0
     return bool(torch.isfinite(ours).all()) and float((ours - theirs).abs().max()) <= TOLERANCE * scale
