@@ -188,3 +188,29 @@ def test_a_model_without_grouped_heads_gets_the_step_too(smollm2_tokenizer):
     ours, _ = run_continuous_batch(model, smollm2_tokenizer, [])
     theirs, _ = run_continuous_batch(forward, smollm2_tokenizer, [])
     assert ours == theirs
+
+
+def test_the_step_grows_a_cache_whose_leading_columns_were_trimmed(smollm2_tokenizer):
+    """A longer row leaves, so the columns only it used leave the cache (its first column
+    in use is no longer 0), and then the buffers fill up and grow under the step: every
+    layer must move alike (a CI run caught layers left at different columns)."""
+    def run(model):
+        long_prompt, short_prompt = PROMPTS[3], PROMPTS[2]
+        rows = sequences(smollm2_tokenizer, [long_prompt, short_prompt], 90)
+        batch = CausalLMBatch.from_sequences(rows, pad_token_id=2, device="cpu")
+        batch.past_key_values.reserve_columns = 1  # the smallest buffers: the steps grow them
+        _, batch = generate_token(model, batch)
+        batch = batch.filter([rows[1].request_id])
+        slab = batch.past_key_values._slabs[0]
+        assert slab.start > 0 and slab.end < slab.column_capacity  # trimmed, not yet full
+        first_capacity = slab.column_capacity
+        while batch is not None:
+            _, batch = generate_token(model, batch)
+        return rows[1].generated_ids, first_capacity
+
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=7)
+    expected, _ = run(model)
+    assert llama_decode.attach(model, smollm2_tokenizer) is not None
+    tokens, first_capacity = run(model)
+    assert len(tokens) == 90 and first_capacity < len(tokens)  # it had to grow
+    assert tokens == expected

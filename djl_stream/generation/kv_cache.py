@@ -308,13 +308,16 @@ class PreallocatedCache(DynamicCache):
         if not slabs or any(slab is None for slab in slabs):
             raise ValueError("every layer must be written before a decode step")
         first = slabs[0]
-        for slab in slabs:
-            if (slab.rows, slab.start, slab.end) != (rows, first.start, first.end):
-                raise ValueError("the layers of this cache hold different rows or columns")
-            if slab.end + 1 > slab.column_capacity:
+        if any((slab.rows, slab.start, slab.end) != (rows, first.start, first.end)
+               for slab in slabs):
+            raise ValueError(f"a decode step of {rows} rows over a cache whose layers hold "
+                             f"(rows, start, end) {[(x.rows, x.start, x.end) for x in slabs]}")
+        if any(slab.end + 1 > slab.column_capacity for slab in slabs):
+            # every layer moves to column 0 together, so that they keep one start and end
+            for slab in slabs:
                 slab.reallocate(slab.row_capacity, slab.length + 1)
+        for slab in slabs:
             slab._zero_reserved(slice(slab.end, slab.end + 1))
-        # (reallocating moves the columns in use to column 0, in every layer alike)
         return ([slab.keys_buffer for slab in slabs], [slab.values_buffer for slab in slabs],
                 first.start, first.end)
 
