@@ -149,3 +149,45 @@ def test_a_pass_that_raises_teaches_nothing():
             clock.now += 5.0
             raise RuntimeError("the model failed")
     assert pacer.seconds_per_token is None
+
+
+# -- a chunk beside the running batch's step (a mixed pass) --------------------------------
+
+def run_mixed(pacer, clock, rows, columns, cached, step=STEP, parity=math.inf):
+    """A mixed pass: the running batch's step, plus each token of the chunk (the weights
+    are read once, for both)."""
+    with pacer.mixed_pass(rows, columns, cached):
+        clock.now += step + PER_TOKEN * budget_tokens(rows, columns, cached, parity)
+
+
+def test_beside_a_step_a_chunk_skips_the_weights_fixed_cost():
+    clock = Clock()
+    pacer = PrefillPacer(1.5, math.inf, clock=clock)
+    run_step(pacer, clock)
+    run_pass(pacer, clock, 1, 32, 0)
+    run_pass(pacer, clock, 1, 1, 0)
+    # alone: (90 ms bound - 55 fixed) / 4 ms; beside a step the streams wait for one pass,
+    # the chunk adds its tokens only: 90 / 4 ms
+    assert pacer.columns(budget=64, rows=1, cached=0) == 9
+    assert pacer.columns(budget=64, rows=1, cached=0, beside_step=True) == 22
+    assert pacer.columns(budget=16, rows=1, cached=0, beside_step=True) == 16  # the budget
+
+
+def test_once_mixed_passes_are_timed_their_share_sizes_the_chunk():
+    clock = Clock()
+    pacer = PrefillPacer(1.5, math.inf, clock=clock)
+    run_step(pacer, clock)
+    # nothing timed but the step: the budget
+    assert pacer.columns(budget=64, rows=1, cached=0, beside_step=True) == 64
+    run_mixed(pacer, clock, 1, 64, 0)           # 60 ms step + 256 ms of chunk
+    assert pacer.shared_cost.seconds_per_token == pytest.approx(PER_TOKEN)
+    assert pacer.columns(budget=64, rows=1, cached=0, beside_step=True) == 22
+    assert pacer.pass_cost.observed is False   # a mixed pass is not a prefill pass
+
+
+def test_a_mixed_pass_faster_than_the_average_step_leaves_the_budget():
+    clock = Clock()
+    pacer = PrefillPacer(1.5, math.inf, clock=clock)
+    run_step(pacer, clock, 1.0)               # one slow step (a hiccup)
+    run_mixed(pacer, clock, 1, 8, 0, step=0.0)   # the chunk's share reads as nothing
+    assert pacer.columns(budget=32, rows=1, cached=0, beside_step=True) == 32

@@ -18,7 +18,8 @@ A long prompt need not be prefilled in one forward pass: :func:`prefill_chunk` f
 leading columns of a batch's prompts through the model and keeps the rest for later, so
 the prefill can be spread over several scheduler steps (chunked prefill) while a running
 batch goes on decoding between them; the last part goes through :func:`generate_token`,
-which chooses the first tokens.
+which chooses the first tokens. Where the model runs djl-stream's Llama step, a chunk can
+share one forward pass with a running batch's decode step instead (:func:`mixed_pass`).
 
 Example::
 
@@ -241,14 +242,76 @@ def generate_token(
             logits = own_step.logits(batch)
         else:
             logits = forward_logits(model, batch)
+    return _advance(batch, _choose(batch, logits))
+
+
+def mixed_pass(
+    model, running: CausalLMBatch, prefill: CausalLMBatch, columns: int
+) -> Tuple[List[Generation], Optional[CausalLMBatch], List[Generation], Optional[CausalLMBatch]]:
+    """``running``'s decode step and ``columns`` prompt columns of ``prefill`` in one
+    forward pass (the weights are read once for both), through the model's Llama step
+    (:meth:`~djl_stream.generation.llama_decode.LlamaDecodeStep.mixed_logits`; see
+    :func:`mixed_pass_possible`).
+
+    Returns what :func:`generate_token` returns for ``running``, then for ``prefill``:
+    its first tokens and its batch at its first decode step when ``columns`` were the last
+    of its prompts, else no generations and the batch that feeds the rest (as
+    :func:`prefill_chunk` returns it). As there, what raises is the pass's, before any
+    sequence changed; the caches may then hold columns past their ends (see
+    :meth:`CausalLMBatch.truncate_cache`).
+    """
+    running_logits, prefill_logits = llama_decode.step_of(model).mixed_logits(
+        running, prefill, columns)
+    running_choice = _choose(running, running_logits)
+    prefill_choice = None if prefill_logits is None else _choose(prefill, prefill_logits)
+    generations, running = _advance(running, running_choice)
+    if prefill_choice is None:
+        return generations, running, [], dataclasses.replace(
+            prefill, input_ids=prefill.input_ids[:, columns:],
+            position_ids=prefill.position_ids[:, columns:])
+    return (generations, running) + _advance(prefill, prefill_choice)
+
+
+def mixed_pass_possible(model, running: Optional[CausalLMBatch],
+                        prefill: Optional[CausalLMBatch]) -> bool:
+    """Whether :func:`mixed_pass` can run ``running``'s decode step with a chunk of
+    ``prefill`` (a model with djl-stream's Llama step, a running batch at a decode step,
+    a prefill with prompt columns left in a cache of this project)."""
+    own_step = llama_decode.step_of(model)
+    return (own_step is not None and running is not None and prefill is not None
+            and own_step.accepts(running)
+            and isinstance(prefill.past_key_values, PreallocatedCache)
+            and prefill.columns_to_feed >= 1)
+
+
+@dataclasses.dataclass
+class _Choice:
+    """The tokens chosen for each row of a batch from its logits."""
+
+    tokens: List[int]
+    failures: dict
+    details: list
+
+
+def _choose(batch: CausalLMBatch, logits: torch.Tensor) -> _Choice:
+    """Each row's next token (batched operations: what raises here is the batch's)."""
+    with torch.inference_mode():
         choosers = [seq.chooser for seq in batch.sequences]
         tokens, failures = choose_next_tokens(choosers, logits,
                                               [seq.all_ids for seq in batch.sequences])
         details = token_logprobs(choosers, logits, tokens)
+    return _Choice(tokens, failures, details)
+
+
+def _advance(batch: CausalLMBatch,
+             choice: _Choice) -> Tuple[List[Generation], Optional[CausalLMBatch]]:
+    """Record each row's chosen token (a row that cannot fails alone) and make the batch
+    of the next step, finished rows removed."""
     generations = []
-    for row, (seq, token, detail) in enumerate(zip(batch.sequences, tokens, details)):
-        if row in failures:
-            generations.append(seq.fail(failures[row]))
+    for row, (seq, token, detail) in enumerate(zip(batch.sequences, choice.tokens,
+                                                   choice.details)):
+        if row in choice.failures:
+            generations.append(seq.fail(choice.failures[row]))
             continue
         try:
             generations.append(seq.append(token) if detail is None
@@ -258,7 +321,7 @@ def generate_token(
     device = batch.attention_mask.device
     next_batch = CausalLMBatch(
         sequences=batch.sequences,
-        input_ids=torch.tensor(tokens, dtype=torch.long, device=device).unsqueeze(1),
+        input_ids=torch.tensor(choice.tokens, dtype=torch.long, device=device).unsqueeze(1),
         attention_mask=torch.cat(
             [batch.attention_mask, batch.attention_mask.new_ones((len(batch), 1))], dim=1
         ),

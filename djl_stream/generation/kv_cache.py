@@ -304,28 +304,49 @@ class PreallocatedCache(DynamicCache):
         every layer), which joins the columns in use at :meth:`next_column_written`. Room
         is made for the column first, and the reserved rows are zeroed over it, as
         :meth:`update` does."""
+        return self.next_columns_buffers(rows, 1)
+
+    def next_column_written(self) -> None:
+        """The column :meth:`next_column_buffers` made room for now holds every layer's
+        keys and values: it joins the columns in use."""
+        self.next_columns_written(1)
+
+    @torch.inference_mode()
+    def next_columns_buffers(self, rows: int, count: int, *, layers: int = 0,
+                             like: Optional[torch.Tensor] = None):
+        """:meth:`next_column_buffers` for ``count`` columns (a prompt chunk that a step
+        writes itself). A cache never written is allocated first, ``layers`` layers of
+        buffers of ``like``'s dtype, device, heads and head size (``like`` is shaped
+        ``(any, heads, any, head_dim)``), reserving what :meth:`update` reserves."""
         slabs = self._slabs
+        if not slabs and layers and like is not None:
+            slabs = self._slabs = [
+                _Slab.allocate(like, max(self.reserve_rows, rows),
+                               _round_up(max(self.reserve_columns, count)))
+                for _ in range(layers)]
+            for slab in slabs:
+                slab.rows = rows
         if not slabs or any(slab is None for slab in slabs):
             raise ValueError("every layer must be written before a decode step")
         first = slabs[0]
         if any((slab.rows, slab.start, slab.end) != (rows, first.start, first.end)
                for slab in slabs):
-            raise ValueError(f"a decode step of {rows} rows over a cache whose layers hold "
+            raise ValueError(f"a step of {rows} rows over a cache whose layers hold "
                              f"(rows, start, end) {[(x.rows, x.start, x.end) for x in slabs]}")
-        if any(slab.end + 1 > slab.column_capacity for slab in slabs):
+        if any(slab.end + count > slab.column_capacity for slab in slabs):
             # every layer moves to column 0 together, so that they keep one start and end
             for slab in slabs:
-                slab.reallocate(slab.row_capacity, slab.length + 1)
+                slab.reallocate(slab.row_capacity, slab.length + count)
         for slab in slabs:
-            slab._zero_reserved(slice(slab.end, slab.end + 1))
+            slab._zero_reserved(slice(slab.end, slab.end + count))
         return ([slab.keys_buffer for slab in slabs], [slab.values_buffer for slab in slabs],
                 first.start, first.end)
 
-    def next_column_written(self) -> None:
-        """The column :meth:`next_column_buffers` made room for now holds every layer's
-        keys and values: it joins the columns in use."""
+    def next_columns_written(self, count: int) -> None:
+        """The ``count`` columns :meth:`next_columns_buffers` made room for now hold every
+        layer's keys and values: they join the columns in use."""
         for slab in self._slabs:
-            slab.end += 1
+            slab.end += count
         self._publish_all()
 
     def trim_left(self, columns: int) -> None:

@@ -9,11 +9,17 @@ cache's generic interface. :class:`LlamaDecodeStep` does only what a decode step
 modules and weights: per layer, the RMSNorms, the projections, the model's own rotary
 embedding module, one in-place write of the new column into the cache buffers (every
 row's new column is the same buffer column: rows are left-padded to one length), attention
-over the columns in use with the batch's padding mask, the gated MLP. Prefill stays on the
-model's forward. Measured on the 2-core CPU this project is measured on, SmolLM2-135M
-prepacked (``python -m benchmarks.decode_step --compiled``): a step of one row took
-34.4 ms instead of 38.2, of four 32.5 instead of 36.7, of sixteen 50.2 instead of 53.9,
-the same greedy tokens.
+over the columns in use with the batch's padding mask, the gated MLP. Measured on the 2-core
+CPU this project is measured on, SmolLM2-135M prepacked (``python -m benchmarks.decode_step
+--compiled``): a step of one row took 34.4 ms instead of 38.2, of four 32.5 instead of
+36.7, of sixteen 50.2 instead of 53.9, the same greedy tokens.
+
+A prompt alone is prefilled by the model's forward. A prompt chunk read while a batch
+decodes can share the step's forward pass (:meth:`LlamaDecodeStep.mixed_logits`, a mixed
+pass): the projections and MLPs run once over the running rows' new column and the
+chunk's columns together (the weights are read once), attention runs per batch over its
+own cache, the chunk's with a causal mask. On a CPU a pass of SmolLM2 costs about
+35 ms of reading weights whatever its width, which the chunk no longer pays.
 
 It knows one architecture, ``LlamaForCausalLM`` (Llama 2 and 3, SmolLM2, TinyLlama and
 others) without biases, on a CPU; :func:`unsupported_reason` says why another model keeps
@@ -216,6 +222,105 @@ class LlamaDecodeStep:
             x = self._norm(hidden, layer["mlp_norm"])
             hidden = hidden + layer["down"](F.silu(layer["gate"](x)) * layer["up"](x))
         return self.lm_head(self._norm(hidden, self.final_norm))
+
+    def _prompt_mask(self, attention_mask: torch.Tensor, cached: int, columns: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+        """The additive mask ``(rows, 1, columns, cached + columns)`` of a prompt chunk:
+        a column sees the real columns up to itself. A padding column sees itself too
+        (nothing else would be left to it, and attention over nothing is NaN, which would
+        reach the cache); real columns never see it."""
+        seen = cached + columns
+        column = torch.arange(seen, device=attention_mask.device)
+        query = cached + torch.arange(columns, device=attention_mask.device)
+        causal = column.view(1, seen) <= query.view(columns, 1)
+        allowed = (attention_mask[:, :seen].bool().view(-1, 1, 1, seen) & causal) | (
+            column.view(1, seen) == query.view(columns, 1))
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=attention_mask.device)
+        return mask.masked_fill_(~allowed, float("-inf"))
+
+    def _mixed(self, decode, prefill, columns: int, finishing: bool):
+        """One forward over ``decode``'s next column and ``columns`` prompt columns of
+        ``prefill``: every projection and MLP runs once over the tokens of both (the
+        weights are read once), attention runs per batch over its own cache. Returns the
+        logits ``(rows, vocab)`` of ``decode`` and, when ``finishing``, of ``prefill``'s
+        last column (else ``None``)."""
+        rows, prompts = len(decode), len(prefill)
+        tokens = prompts * columns
+        decode_cache, prompt_cache = decode.past_key_values, prefill.past_key_values
+        cached = prefill.cache_length
+        d_keys, d_values, d_start, d_column = decode_cache.next_column_buffers(rows)
+        if decode.attention_mask.shape[1] != d_column + 1 - d_start:
+            raise ValueError(f"a mask of {decode.attention_mask.shape[1]} columns for a cache "
+                             f"of {d_column - d_start} and the new one")
+        p_keys, p_values, p_start, p_column = prompt_cache.next_columns_buffers(
+            prompts, columns, layers=len(self.layers), like=d_keys[0])
+        seen = cached + columns
+        ids = torch.cat([decode.input_ids.reshape(rows),
+                         prefill.input_ids[:, :columns].reshape(tokens)])
+        positions = torch.cat([decode.position_ids.reshape(rows),
+                               prefill.position_ids[:, :columns].reshape(tokens)])
+        hidden = F.embedding(ids, self.embedding)
+        cos, sin = self.rotary(hidden, positions.view(1, -1))
+        cos, sin = cos[0], sin[0]  # (tokens of both, head_dim)
+        d_cos, d_sin = cos[:rows].view(rows, 1, 1, -1), sin[:rows].view(rows, 1, 1, -1)
+        p_cos = cos[rows:].view(prompts, 1, columns, -1)
+        p_sin = sin[rows:].view(prompts, 1, columns, -1)
+        d_mask = torch.zeros((rows, 1, 1, decode.attention_mask.shape[1]), dtype=hidden.dtype)
+        d_mask.masked_fill_(decode.attention_mask.view(rows, 1, 1, -1) == 0, float("-inf"))
+        p_mask = self._prompt_mask(prefill.attention_mask, cached, columns, hidden.dtype)
+        d_write = torch.tensor([d_column])
+        gqa = {"enable_gqa": True} if self.grouped else {}
+        width = self.heads * self.head_dim
+        for index, layer in enumerate(self.layers):
+            x = self._norm(hidden, layer["attention_norm"])
+            q, k, v = layer["q"](x), layer["k"](x), layer["v"](x)
+            # this step's column of the running rows
+            qd = self._rotate(q[:rows].view(rows, self.heads, 1, self.head_dim), d_cos, d_sin)
+            kd = self._rotate(k[:rows].view(rows, self.kv_heads, 1, self.head_dim), d_cos, d_sin)
+            d_keys[index][:rows].index_copy_(2, d_write, kd)
+            d_values[index][:rows].index_copy_(2, d_write, v[:rows].view(rows, self.kv_heads, 1, -1))
+            d_out = F.scaled_dot_product_attention(
+                qd, d_keys[index][:rows].narrow(2, d_start, d_mask.shape[3]),
+                d_values[index][:rows].narrow(2, d_start, d_mask.shape[3]),
+                attn_mask=d_mask, scale=self.scaling, **gqa)
+            # the prompt chunk's columns
+            def heads_first(t, heads):
+                return t[rows:].view(prompts, columns, heads, self.head_dim).transpose(1, 2)
+            qp = self._rotate(heads_first(q, self.heads), p_cos, p_sin)
+            kp = self._rotate(heads_first(k, self.kv_heads), p_cos, p_sin)
+            written = slice(p_column, p_column + columns)
+            p_keys[index][:prompts, :, written] = kp
+            p_values[index][:prompts, :, written] = heads_first(v, self.kv_heads)
+            p_out = F.scaled_dot_product_attention(
+                qp, p_keys[index][:prompts].narrow(2, p_start, seen),
+                p_values[index][:prompts].narrow(2, p_start, seen),
+                attn_mask=p_mask, scale=self.scaling, **gqa)
+            attended = torch.cat([d_out.reshape(rows, width),
+                                  p_out.transpose(1, 2).reshape(tokens, width)])
+            hidden = hidden + layer["o"](attended)
+            x = self._norm(hidden, layer["mlp_norm"])
+            hidden = hidden + layer["down"](F.silu(layer["gate"](x)) * layer["up"](x))
+        decode_cache.next_column_written()
+        prompt_cache.next_columns_written(columns)
+        last = hidden[:rows]
+        if finishing:
+            last = torch.cat([last, hidden[rows:].view(prompts, columns, -1)[:, -1]])
+        logits = self.lm_head(self._norm(last, self.final_norm))
+        return logits[:rows], (logits[rows:] if finishing else None)
+
+    def mixed_logits(self, decode, prefill, columns: int):
+        """Run ``decode``'s decode step and feed ``columns`` prompt columns of ``prefill``
+        (a batch part-way through, or at the start of, its prefill) in one pass; see
+        :meth:`_mixed`. Both caches gain their columns. Returns the logits of ``decode``'s
+        rows and, when those were ``prefill``'s last prompt columns, of its rows' first
+        tokens (else ``None``)."""
+        if not (self.accepts(decode) and isinstance(prefill.past_key_values, PreallocatedCache)
+                and 0 < columns <= prefill.columns_to_feed):
+            raise ValueError("a mixed pass takes a batch at a decode step and 1 to "
+                             f"{prefill.columns_to_feed} prompt columns, not {columns}")
+        with torch.inference_mode():
+            return self._mixed(decode, prefill, columns,
+                               finishing=columns == prefill.columns_to_feed)
 
     def accepts(self, batch) -> bool:
         """Whether ``batch`` is at a decode step this step can run (prefilled, one column

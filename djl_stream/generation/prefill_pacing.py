@@ -181,6 +181,8 @@ class PassCostModel:
     def tokens_within(self, seconds: float) -> float:
         """Budget tokens a pass of ``seconds`` feeds (0 when the fixed part alone exceeds it)."""
         fixed, per_token = self._fit()
+        if per_token <= 0:
+            return math.inf  # nothing measurable per token (a chunk beside a step, say)
         return max(0.0, (seconds - fixed) / per_token)
 
 
@@ -205,6 +207,9 @@ class PrefillPacer:
         self.step_seconds: Optional[float] = None
         #: What a prefill pass costs, fitted from the passes timed so far.
         self.pass_cost = PassCostModel()
+        #: What a prompt chunk adds to a decode step it shares a pass with (a mixed
+        #: pass's time beyond the running batch's step), fitted likewise.
+        self.shared_cost = PassCostModel()
 
     @property
     def seconds_per_token(self) -> Optional[float]:
@@ -218,17 +223,30 @@ class PrefillPacer:
             return None
         return self.stall_steps * self.step_seconds
 
-    def columns(self, budget: int, rows: int, cached: int) -> int:
+    def columns(self, budget: int, rows: int, cached: int, *,
+                beside_step: bool = False) -> int:
         """Columns for the next pass of ``rows`` rows after ``cached`` columns, a decode
         step of the running batch waiting on it: the token budget's, or fewer where the
-        timed passes say that many would stall the running batch too long."""
+        timed passes say that many would stall the running batch too long.
+
+        ``beside_step``: the chunk shares one pass with the running batch's decode step
+        (a mixed pass): the streams then wait for that pass alone, so the chunk may add
+        the bound to the step, and it does not pay for reading the weights again. Its
+        cost is what mixed passes were seen to add to a step, or, before any was timed,
+        a prefill pass's cost without its fixed part."""
         by_budget = prefill_columns(budget, rows, cached, self.parity_context)
         bound = self.bound_seconds
-        if bound is None or not self.pass_cost.observed:
+        if beside_step and self.shared_cost.observed:
+            tokens = self.shared_cost.tokens_within(bound) if bound is not None else None
+        elif self.pass_cost.observed and bound is not None:
+            extra = self.pass_cost.fixed_seconds if beside_step else 0.0
+            tokens = self.pass_cost.tokens_within(bound + extra)
+        else:
+            tokens = None
+        if tokens is None:
             return by_budget
         per_column = budget_tokens(rows, 1, cached, self.parity_context)
-        within = round(self.pass_cost.tokens_within(bound) / per_column)
-        return max(1, min(by_budget, within))
+        return max(1, round(min(by_budget, tokens / per_column)))
 
     @contextlib.contextmanager
     def decode_step(self) -> Iterator[None]:
@@ -246,6 +264,21 @@ class PrefillPacer:
             self.synchronize()
         self.pass_cost.observe(budget_tokens(rows, columns, cached, self.parity_context),
                                self.clock() - start)
+
+    @contextlib.contextmanager
+    def mixed_pass(self, rows: int, columns: int, cached: int) -> Iterator[None]:
+        """Time a mixed pass run inside: the running batch's decode step plus ``rows`` ×
+        ``columns`` prompt columns after ``cached``. What it took beyond a decode step
+        (the moving average) is the chunk's share. While a mixed pass runs, no decode
+        step runs alone, so the average can lag a batch that grew; the share then reads
+        high, and the next chunks are narrower: the streams wait less, not more."""
+        start = self.clock()
+        yield
+        if self.synchronize is not None:
+            self.synchronize()
+        if self.step_seconds is not None:
+            self.shared_cost.observe(budget_tokens(rows, columns, cached, self.parity_context),
+                                     max(0.0, self.clock() - start - self.step_seconds))
 
 
 def _moving_average(average: Optional[float], sample: float) -> float:

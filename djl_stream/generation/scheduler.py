@@ -10,7 +10,10 @@ while it is read (chunked prefill). A chunk deep into a long prompt attends to a
 so it feeds fewer columns (:func:`prefill_columns`), and while requests decode a pass is
 also kept within ``prefill_stall_steps`` of their decode steps, as timed
 (:mod:`~djl_stream.generation.prefill_pacing`); with nothing decoding, the budget is wider
-(``max_idle_prefill_tokens``). Once its last chunk has chosen its first token, the
+(``max_idle_prefill_tokens``). Where the model runs djl-stream's Llama step, a chunk read
+while requests decode shares one forward pass with their decode step (a mixed pass,
+:func:`~djl_stream.generation.batch.mixed_pass`): the weights are read once for both, so
+the streams wait for that pass alone and a short prompt is read in one pass. Once its last chunk has chosen its first token, the
 request joins the running batch: at once when its cache is no longer than the running
 rows', else at the start of the next cycle, which reads no chunk: the joined batch is then
 heavier (its rows attend to the new prompt's columns), and a running stream should not wait
@@ -53,7 +56,8 @@ import threading
 import time
 from typing import Deque, Dict, Iterator, List, Optional, Sequence
 
-from djl_stream.generation.batch import CausalLMBatch, generate_token, prefill_chunk
+from djl_stream.generation.batch import (CausalLMBatch, generate_token, mixed_pass,
+                                         mixed_pass_possible, prefill_chunk)
 from djl_stream.generation.errors import GenerationFailed, QueueFullError
 from djl_stream.generation.prefill_pacing import (DEFAULT_PREFILL_STALL_STEPS, PrefillPacer,
                                                   attention_parity_context, prefill_columns)
@@ -427,12 +431,13 @@ class Scheduler:
                 if self._stopping:
                     break
                 self._drop_cancelled_prefills()
+                stepped = False  # whether a mixed pass took the running batch's step
                 if self._joining is not None:
                     self._join()
                 elif self._prefilling:
-                    self._prefill_step()
+                    stepped = self._prefill_step()
                 self._drop_cancelled()
-                if self._running is not None:
+                if self._running is not None and not stepped:
                     self._decode()
                 self._publish_running()
                 if self._running is None and not self._busy():
@@ -512,9 +517,11 @@ class Scheduler:
             admitted.append(job)
         return admitted
 
-    def _prefill_step(self) -> None:
+    def _prefill_step(self, mixing: bool = True) -> bool:
         """One forward pass of the prefill under way: a chunk of its prompts, or the rest
-        of them, which chooses the first tokens and joins the running batch."""
+        of them, which chooses the first tokens and joins the running batch. Where the
+        model's Llama step can, the pass also takes the running batch's decode step (a
+        mixed pass, :meth:`_mixed_step`); returns whether it did."""
         prefill = self._prefilling[0]
         try:
             if prefill.batch is None:
@@ -523,6 +530,11 @@ class Scheduler:
                     sequences, pad_token_id=self.pad_token_id, device=self.device,
                     room_for_rows=self._rows_to_host(sequences))
             batch = prefill.batch
+            if mixing and self._running is not None:
+                self._drop_cancelled_running()  # they would take this step too
+                if mixed_pass_possible(self.model, self._running, batch):
+                    self._mixed_step(prefill)
+                    return True
             # With nothing decoding, nobody waits between tokens: a long prompt alone is
             # read in fewer, wider passes (its time to first token is shorter).
             rows, cached = len(batch), batch.cache_length
@@ -534,27 +546,71 @@ class Scheduler:
             if batch.columns_to_feed > width:
                 with self._pacer.prefill_pass(rows, width, cached):
                     prefill.batch = prefill_chunk(self.model, batch, width)
-                return
+                return False
             with self._pacer.prefill_pass(rows, batch.columns_to_feed, cached):
                 generations, batch = generate_token(self.model, batch)
         except Exception as error:  # noqa: BLE001 - find who caused it, keep serving
-            self._prefilling.popleft()
-            if len(prefill.jobs) == 1:
-                self._fail(prefill.jobs, error)
-                return
-            # One of them may have caused it (a prompt the model cannot take): prefill
-            # each on its own, next, so that only the one that fails again fails.
-            logger.warning("prefill of %d requests failed (%s: %s); retrying each alone",
-                           len(prefill.jobs), type(error).__name__, error)
-            self._prefilling.extendleft(reversed([_Prefill([job]) for job in prefill.jobs]))
+            self._prefill_failed(error)
+            return False
+        self._prefilled(generations, batch)
+        return False
+
+    def _mixed_step(self, prefill: "_Prefill") -> None:
+        """The running batch's decode step and the next chunk of ``prefill`` in one forward
+        pass (:func:`~djl_stream.generation.batch.mixed_pass`): the weights are read once
+        for both, so a chunk costs the running streams what its own columns cost, not a
+        whole pass. The chunk may add ``prefill_stall_steps`` of their steps to the step
+        (the wait between two of their tokens stays what it is with separate passes), and
+        a short prompt is read in one pass instead of two or three."""
+        running, batch = self._running, prefill.batch
+        rows, cached, running_cached = len(batch), batch.cache_length, running.cache_length
+        width = min(batch.columns_to_feed, self._pacer.columns(
+            self.max_batch_prefill_tokens, rows, cached, beside_step=True))
+        last_chunk = width == batch.columns_to_feed
+        try:
+            with self._pacer.mixed_pass(rows, width, cached):
+                generations, self._running, first_tokens, rest = mixed_pass(
+                    self.model, running, batch, width)
+        except Exception as error:  # noqa: BLE001 - run them apart: each finds its culprit
+            logger.warning("a mixed pass failed (%s: %s); running the prefill and the decode "
+                           "step apart", type(error).__name__, error)
+            running.truncate_cache(running_cached)
+            batch.truncate_cache(cached)
+            self._running = running
+            self._prefill_step(mixing=False)
+            self._drop_cancelled_running()
+            if self._running is not None:
+                self._decode()
             return
+        self._dispatch(generations)
+        if not last_chunk:
+            prefill.batch = rest
+            return
+        self._prefilled(first_tokens, rest, stepped=True)
+
+    def _prefill_failed(self, error: Exception) -> None:
+        prefill = self._prefilling.popleft()
+        if len(prefill.jobs) == 1:
+            self._fail(prefill.jobs, error)
+            return
+        # One of them may have caused it (a prompt the model cannot take): prefill
+        # each on its own, next, so that only the one that fails again fails.
+        logger.warning("prefill of %d requests failed (%s: %s); retrying each alone",
+                       len(prefill.jobs), type(error).__name__, error)
+        self._prefilling.extendleft(reversed([_Prefill([job]) for job in prefill.jobs]))
+
+    def _prefilled(self, generations: List[Generation], batch: Optional[CausalLMBatch],
+                   stepped: bool = False) -> None:
+        """The prefill under way chose its first tokens: send them, and have its batch
+        join the running one: now, or at the next cycle when it is longer and the running
+        batch's step is still to come this cycle (not ``stepped`` in the same pass)."""
         self._prefilling.popleft()
         self._dispatch(generations)
         if batch is None:
             return
         if self._running is None:
             self._running = batch
-        elif batch.cache_length <= self._running.cache_length:
+        elif stepped or batch.cache_length <= self._running.cache_length:
             # No longer than the running rows: the joined step reads no more columns per
             # row than theirs, and waiting a cycle would cost each short prompt a step
             # (16 clients arriving together were admitted one per three steps).
@@ -629,6 +685,9 @@ class Scheduler:
 
     def _drop_cancelled(self) -> None:
         self._drop_cancelled_prefills()
+        self._drop_cancelled_running()
+
+    def _drop_cancelled_running(self) -> None:
         batch = self._running
         if batch is None:
             return
