@@ -16,7 +16,7 @@ pass, and the narrower wins:
   there took two to three decode steps of SmolLM2 on a 2-core CPU, and a single column
   one.
 
-The pacer keeps a moving average of the seconds a decode step takes, and fits what a pass
+The pacer keeps the median of the last few decode steps' seconds, and fits what a pass
 costs as a fixed part plus a part per budget token (rows × columns × the depth factor):
 a pass streams all the weights once whatever its width, so on a CPU a one-column pass of
 SmolLM2 cost 37 ms and a 32-column one 70 ms. The fit is a least-squares line over the
@@ -50,10 +50,12 @@ Example, with a clock that the "model" below advances:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
+import statistics
 import time
-from typing import Callable, Iterator, Optional
+from typing import Callable, Deque, Iterator, Optional
 
 from djl_stream.generation.kv_memory import attention_shape
 
@@ -61,9 +63,11 @@ from djl_stream.generation.kv_memory import attention_shape
 #: its decode steps for one prefill pass, so about 2.5 between two tokens, which leaves
 #: room for a busy machine's noise under the reliability target of 4 (RELIABILITY.md).
 DEFAULT_PREFILL_STALL_STEPS = 1.5
-#: Weight of the newest decode step in the moving average: a busy machine's hiccup is
-#: smoothed over two steps.
-SMOOTHING = 0.5
+#: The running batch's step is the median of its last this many decode steps. A median,
+#: not a moving average: the steps just before a long prompt arrives are slowed by the
+#: server reading that request (the same two cores), and with mixed passes no step runs
+#: alone until the prompt is read, so that slowed figure would size every chunk of it.
+STEP_WINDOW = 9
 #: How much each older pass counts in the cost fit, against 1 for the newest: a pass's
 #: cost changes with the prompt's depth, so the last few count most.
 FORGETTING = 0.7
@@ -203,8 +207,7 @@ class PrefillPacer:
         self.parity_context = parity_context
         self.clock = clock
         self.synchronize = synchronize
-        #: The running batch's decode step, seconds (a moving average).
-        self.step_seconds: Optional[float] = None
+        self._recent_steps: Deque[float] = collections.deque(maxlen=STEP_WINDOW)
         #: What a prefill pass costs, fitted from the passes timed so far.
         self.pass_cost = PassCostModel()
         #: What a prompt chunk adds to a decode step it shares a pass with (a mixed
@@ -215,6 +218,12 @@ class PrefillPacer:
     def seconds_per_token(self) -> Optional[float]:
         """What one more budget token adds to a pass, as fitted (``None`` before any pass)."""
         return self.pass_cost.seconds_per_token if self.pass_cost.observed else None
+
+    @property
+    def step_seconds(self) -> Optional[float]:
+        """The running batch's decode step, seconds: the median of the last
+        :data:`STEP_WINDOW` timed (``None`` before any)."""
+        return statistics.median(self._recent_steps) if self._recent_steps else None
 
     @property
     def bound_seconds(self) -> Optional[float]:
@@ -253,7 +262,7 @@ class PrefillPacer:
         """Time the decode step run inside (the running batch's)."""
         start = self.clock()
         yield
-        self.step_seconds = _moving_average(self.step_seconds, self.clock() - start)
+        self._recent_steps.append(self.clock() - start)
 
     @contextlib.contextmanager
     def prefill_pass(self, rows: int, columns: int, cached: int) -> Iterator[None]:
@@ -269,8 +278,8 @@ class PrefillPacer:
     def mixed_pass(self, rows: int, columns: int, cached: int) -> Iterator[None]:
         """Time a mixed pass run inside: the running batch's decode step plus ``rows`` ×
         ``columns`` prompt columns after ``cached``. What it took beyond a decode step
-        (the moving average) is the chunk's share. While a mixed pass runs, no decode
-        step runs alone, so the average can lag a batch that grew; the share then reads
+        (:attr:`step_seconds`) is the chunk's share. While mixed passes run, no decode
+        step runs alone, so that figure can lag a batch that grew; the share then reads
         high, and the next chunks are narrower: the streams wait less, not more."""
         start = self.clock()
         yield
@@ -280,6 +289,3 @@ class PrefillPacer:
             self.shared_cost.observe(budget_tokens(rows, columns, cached, self.parity_context),
                                      max(0.0, self.clock() - start - self.step_seconds))
 
-
-def _moving_average(average: Optional[float], sample: float) -> float:
-    return sample if average is None else (1 - SMOOTHING) * average + SMOOTHING * sample
