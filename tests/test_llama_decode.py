@@ -156,6 +156,18 @@ def test_a_step_that_disagrees_with_the_forward_is_not_attached(smollm2_tokenize
     assert "differs from the model's forward" in caplog.text
 
 
+def test_a_step_whose_mixed_pass_disagrees_with_the_forward_is_not_attached(
+        smollm2_tokenizer, monkeypatch, caplog):
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=5)
+    # a mixed pass whose prompt columns see the columns after them (no causal mask)
+    monkeypatch.setattr(llama_decode.LlamaDecodeStep, "_prompt_mask",
+                        lambda self, mask, cached, columns, dtype: torch.zeros(
+                            (mask.shape[0], 1, columns, cached + columns), dtype=dtype))
+    assert llama_decode.attach(model, smollm2_tokenizer) is None
+    assert llama_decode.step_of(model) is None
+    assert "mixed pass differs from the model's forward" in caplog.text
+
+
 def test_option_decode_step(tmp_path):
     assert ModelProperties.from_init_properties({}).decode_step == "auto"
     for value in ("forward", "eager", "compiled", "AUTO"):

@@ -369,6 +369,10 @@ def attach(model, tokenizer, *, compile: bool = False) -> Optional[LlamaDecodeSt
                 logger.warning("the Llama decode step differs from the model's forward on "
                                "a probe of %d rows; decode steps run the model's forward", rows)
                 return None
+        if not _mixed_agrees(step, model, tokenizer):
+            logger.warning("the Llama decode step's mixed pass differs from the model's "
+                           "forward on a probe; decode steps run the model's forward")
+            return None
     except Exception as error:  # noqa: BLE001 - serving goes on without the step
         logger.warning("%s the Llama decode step failed (%s: %s); decode steps run the "
                        "model's forward", "compiling" if compile else "building",
@@ -395,10 +399,10 @@ def detach(model) -> None:
         delattr(model, _ATTRIBUTE)
 
 
-def _probe_batch(model, tokenizer, rows: int):
-    """A batch of ``rows`` prompts of different lengths (so that some are padded), past
-    its prefill and at its first decode step."""
-    from djl_stream.generation.batch import CausalLMBatch, generate_token
+def _probe_prompts(model, tokenizer, rows: int):
+    """A batch of ``rows`` prompts of different lengths (so that some are padded), before
+    its prefill."""
+    from djl_stream.generation.batch import CausalLMBatch
     from djl_stream.generation.sequence import GenerationSequence
 
     vocab = model.config.vocab_size
@@ -407,15 +411,37 @@ def _probe_batch(model, tokenizer, rows: int):
                                     ignore_eos=True)
                  for row in range(rows)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    batch = CausalLMBatch.from_sequences(sequences, pad_token_id=pad, device=model.device)
-    _, batch = generate_token(model, batch)  # prefill: the model's forward
+    return CausalLMBatch.from_sequences(sequences, pad_token_id=pad, device=model.device)
+
+
+def _probe_batch(model, tokenizer, rows: int):
+    """:func:`_probe_prompts` past its prefill (the model's forward), at its first decode
+    step."""
+    from djl_stream.generation.batch import generate_token
+
+    _, batch = generate_token(model, _probe_prompts(model, tokenizer, rows))
     return batch
+
+
+def _close(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
+    scale = float(theirs.abs().max()) or 1.0
+    return bool(torch.isfinite(ours).all()) and float((ours - theirs).abs().max()) <= TOLERANCE * scale
 
 
 def _agrees(step: LlamaDecodeStep, model, tokenizer, rows: int) -> bool:
     from djl_stream.generation.batch import forward_logits
 
     ours = step.logits(_probe_batch(model, tokenizer, rows))
-    theirs = forward_logits(model, _probe_batch(model, tokenizer, rows))
-    scale = float(theirs.abs().max()) or 1.0
-    return bool(torch.isfinite(ours).all()) and float((ours - theirs).abs().max()) <= TOLERANCE * scale
+    return _close(ours, forward_logits(model, _probe_batch(model, tokenizer, rows)))
+
+
+def _mixed_agrees(step: LlamaDecodeStep, model, tokenizer) -> bool:
+    """A mixed pass of a 3-row probe at its decode step with the whole prompts of a
+    2-row one (of different lengths: one is padded) against the forward on each."""
+    from djl_stream.generation.batch import forward_logits
+
+    prompts = _probe_prompts(model, tokenizer, 2)
+    decode_logits, first_logits = step.mixed_logits(_probe_batch(model, tokenizer, 3), prompts,
+                                                    prompts.columns_to_feed)
+    return (_close(decode_logits, forward_logits(model, _probe_batch(model, tokenizer, 3)))
+            and _close(first_logits, forward_logits(model, _probe_prompts(model, tokenizer, 2))))
