@@ -21,6 +21,7 @@ from djl_stream.generation.batch import (CausalLMBatch, forward_logits, generate
                                          mixed_pass, mixed_pass_possible, prefill_chunk)
 from djl_stream.generation.packed_linear import pack_linear_layers, packing_unavailable
 from djl_stream.generation.scheduler import Scheduler
+import test_chunked_prefill as chunked
 from test_chunked_prefill import LONG, SHORT
 from test_scheduler import collect, sequences
 
@@ -146,13 +147,15 @@ class MixedPasses:
     """Counts the step's mixed passes as ``(decode rows, prompt rows, columns)``; can
     make the first ``failures`` raise."""
 
-    def __init__(self, step, monkeypatch, failures=0):
+    def __init__(self, step, monkeypatch, failures=0, on_pass=None):
         self.passes = []
         self.failures = failures
         original = step.mixed_logits
 
         def counting(decode, prefill, columns):
             self.passes.append((len(decode), len(prefill), columns))
+            if on_pass is not None:
+                on_pass(len(self.passes))
             if self.failures:
                 self.failures -= 1
                 raise RuntimeError("simulated failure of a mixed pass")
@@ -180,21 +183,15 @@ def alone(model, tokenizer, prompt, **parameters):
 
 
 def long_prompt_beside_a_stream(model, tokenizer, budget=16):
-    """:data:`SHORT` decodes; :data:`LONG` is read beside it (in chunks of ``budget``
-    tokens), 8 new tokens; then the short one is closed. Returns both sequences."""
+    """test_chunked_prefill's scenario (:data:`LONG` read beside :data:`SHORT` decoding,
+    chunks of ``budget`` tokens) on ``model``. Returns both requests' sequences."""
     scheduler = Scheduler(model, pad_token_id=2, device="cpu", max_batch_size=4,
                           max_batch_prefill_tokens=budget, prefill_stall_steps=0)
     try:
-        running_seqs = sequences(model, tokenizer, [SHORT], max_new_tokens=100_000,
-                                 ignore_eos=True)
-        running = scheduler.submit(running_seqs)
-        next(running)
-        long_seqs = sequences(model, tokenizer, [LONG], max_new_tokens=8)
-        collect(scheduler.submit(long_seqs))
-        running.close()
+        return chunked.long_prompt_beside_a_stream(scheduler, model, tokenizer,
+                                                   once_decoding=lambda: None)
     finally:
         scheduler.shutdown()
-    return running_seqs, long_seqs
 
 
 def test_a_prompt_read_beside_a_stream_shares_its_passes_and_both_generate_what_they_do_alone(
@@ -236,3 +233,37 @@ def test_a_mixed_pass_that_fails_runs_the_prefill_and_the_step_apart(
     # the two failed passes were run apart; the rest of the prompt went mixed
     assert mixed.failures == 0
     assert sum(columns for _, _, columns in mixed.passes[2:]) < len(long_seqs[0].prompt_ids)
+
+
+def test_a_prompt_cancelled_part_way_leaves_at_the_next_pass_and_the_stream_goes_on(
+        stepped_model, smollm2_tokenizer, monkeypatch):
+    scheduler = Scheduler(stepped_model, pad_token_id=2, device="cpu", max_batch_size=4,
+                          max_batch_prefill_tokens=16, prefill_stall_steps=0)
+    try:
+        running = scheduler.submit(sequences(stepped_model, smollm2_tokenizer, [SHORT],
+                                             max_new_tokens=100_000, ignore_eos=True))
+        next(running)
+        streams, closed_at = [], []
+
+        def leave(count):  # the client of the long prompt leaves during a mixed pass
+            if count >= 2 and streams and not closed_at:
+                closed_at.append(count)
+                streams[0].close()
+
+        mixed = MixedPasses(llama_decode.step_of(stepped_model), monkeypatch, on_pass=leave)
+        streams.append(scheduler.submit(sequences(stepped_model, smollm2_tokenizer, [LONG],
+                                                  max_new_tokens=8)))
+        for _ in range(200):  # until it has left and its prefill with it
+            next(running)
+            if closed_at and not scheduler.prefilling_size:
+                break
+        # the pass under way when it left was its last; the stream goes on alone
+        assert closed_at and len(mixed.passes) == closed_at[0], (closed_at, mixed.passes)
+        assert sum(columns for _, _, columns in mixed.passes) < len(
+            smollm2_tokenizer(LONG)["input_ids"])
+        for _ in range(3):
+            next(running)
+        assert len(mixed.passes) == closed_at[0]
+        running.close()
+    finally:
+        scheduler.shutdown()
