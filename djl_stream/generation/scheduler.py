@@ -13,8 +13,8 @@ also kept within ``prefill_stall_steps`` of their decode steps, as timed
 (``max_idle_prefill_tokens``). Where the model runs djl-stream's Llama step, a chunk read
 while requests decode shares one forward pass with their decode step (a mixed pass,
 :func:`~djl_stream.generation.batch.mixed_pass`): the weights are read once for both, so
-the streams wait for that pass alone and a short prompt is read in one pass. Once its last chunk has chosen its first token, the
-request joins the running batch: at once when its cache is no longer than the running
+the streams wait for that pass alone and a short prompt is read in one pass. Once its
+last chunk has chosen its first token, the request joins the running batch: at once when its cache is no longer than the running
 rows', else at the start of the next cycle, which reads no chunk: the joined batch is then
 heavier (its rows attend to the new prompt's columns), and a running stream should not wait
 for a prefill pass and that step at once. A finished, stopped or abandoned request leaves the
@@ -530,11 +530,15 @@ class Scheduler:
                     sequences, pad_token_id=self.pad_token_id, device=self.device,
                     room_for_rows=self._rows_to_host(sequences))
             batch = prefill.batch
-            if mixing and self._running is not None:
-                self._drop_cancelled_running()  # they would take this step too
-                if mixed_pass_possible(self.model, self._running, batch):
-                    self._mixed_step(prefill)
-                    return True
+        except Exception as error:  # noqa: BLE001 - a prompt the model cannot take
+            self._prefill_failed(error)
+            return False
+        if mixing and self._running is not None:
+            self._drop_cancelled_running()  # they would take this step too
+            if mixed_pass_possible(self.model, self._running, batch):
+                self._mixed_step(prefill)
+                return True
+        try:
             # With nothing decoding, nobody waits between tokens: a long prompt alone is
             # read in fewer, wider passes (its time to first token is shorter).
             rows, cached = len(batch), batch.cache_length
@@ -613,7 +617,9 @@ class Scheduler:
         elif stepped or batch.cache_length <= self._running.cache_length:
             # No longer than the running rows: the joined step reads no more columns per
             # row than theirs, and waiting a cycle would cost each short prompt a step
-            # (16 clients arriving together were admitted one per three steps).
+            # (16 clients arriving together were admitted one per three steps). After a
+            # mixed pass the running batch has had this cycle's step: the joined batch's
+            # first is the next cycle's, whatever its length.
             self._running = CausalLMBatch.concatenate([self._running, batch])
         else:
             # Not now: this cycle's decode step would then follow this prefill pass with
