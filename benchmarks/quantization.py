@@ -1,5 +1,6 @@
 """``python -m benchmarks.quantization``: each ``option.quantize`` method's decode step and how
-closely its greedy text follows float32's, in-process, side by side.
+closely its greedy text follows float32's, in-process, side by side; bfloat16 weights
+(``option.dtype=bf16``) too, the other way to read fewer bytes a step.
 
 Every method loads the model directory the way the server does
 (:func:`~djl_stream.generation.loading.load_model_and_tokenizer`, so float32 is prepacked
@@ -44,9 +45,15 @@ from .sections import write_section
 from .settings import PROMPTS
 
 
+#: Methods that are a dtype (``option.dtype``) rather than an ``option.quantize`` value.
+DTYPES = ("bf16",)
+
+
 def _load(model_dir: str, method: Optional[str]):
     init = djl_init_properties(model_dir)
-    if method:
+    if method in DTYPES:
+        init["dtype"] = method
+    elif method:
         init["quantize"] = method
     return load_model_and_tokenizer(ModelProperties.from_init_properties(init))[0]
 
@@ -78,7 +85,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.quantization",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", default="model")
-    parser.add_argument("--methods", default="none,int8,bitsandbytes4,bitsandbytes8")
+    parser.add_argument("--methods", default="none,bf16,int8,bitsandbytes4,bitsandbytes8",
+                        help="option.quantize values, 'none' (float32) and 'bf16' "
+                             "(option.dtype=bf16)")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repetitions", type=int, default=3)
@@ -111,7 +120,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             ids = greedy_ids(model, tokenizer, prompt, args.tokens)
             firsts.append(next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), len(ref)))
             shares.append(teacher_forced_agreement(model, prompt, ref))
-        name = "unset (float32, prepacked)" if method == "none" else f"`{method}`"
+        name = ("unset (float32, prepacked)" if method == "none"
+                else f"unset, `option.dtype={method}`" if method in DTYPES else f"`{method}`")
         lines.append(f"| {name} | {step * 1e3:.1f} ms | {base / step:.2f}x | "
                      f"{', '.join(map(str, firsts))} of {args.tokens} | "
                      f"{statistics.mean(shares) * 100:.1f} % |")
@@ -121,7 +131,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         command = " ".join(["python -m benchmarks.quantization", *(argv or [])])
         write_section(Path(args.output), "quantization", "\n".join([
-            "## Quantized weights (`option.quantize`) against float32", "",
+            "## Quantized weights (`option.quantize`) and bfloat16 against float32", "",
             f"Measured on {now} with `{command}` (what `make bench-quantization` runs), on "
             f"{machine.get('cpu')} (GPU: {machine.get('gpu')}), in one process, each method "
             "loaded the way the server loads it. The greedy-text columns compare each "

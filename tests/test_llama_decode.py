@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import build_tiny_llama
 from djl_stream.generation import kv_cache, llama_decode
-from djl_stream.generation.batch import CausalLMBatch, generate_token
+from djl_stream.generation.batch import CausalLMBatch, forward_logits, generate_token
 from djl_stream.generation.packed_linear import pack_linear_layers, packing_unavailable
 from djl_stream.generation.sequence import GenerationSequence
 from djl_stream.serving.properties import ModelProperties, PropertyError
@@ -166,6 +166,28 @@ def test_a_step_whose_mixed_pass_disagrees_with_the_forward_is_not_attached(
     assert llama_decode.attach(model, smollm2_tokenizer) is None
     assert llama_decode.step_of(model) is None
     assert "mixed pass differs from the model's forward" in caplog.text
+
+
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=_NO_PACKING)])
+def test_a_bfloat16_model_gets_the_step_with_the_forward_s_logits(smollm2_tokenizer, packed):
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=6).to(torch.bfloat16)
+    if packed:
+        pack_linear_layers(model)  # packed where this CPU multiplies bfloat16 natively
+    step = llama_decode.attach(model, smollm2_tokenizer)
+    assert step is not None
+    batch = CausalLMBatch.from_sequences(sequences(smollm2_tokenizer, PROMPTS[:3], 4),
+                                         pad_token_id=2, device="cpu")
+    _, batch = generate_token(model, batch)
+    reference = CausalLMBatch.from_sequences(sequences(smollm2_tokenizer, PROMPTS[:3], 4),
+                                             pad_token_id=2, device="cpu")
+    llama_decode.detach(model)
+    _, reference = generate_token(model, reference)
+    theirs = forward_logits(model, reference)
+    ours = step.logits(batch)
+    assert ours.dtype == theirs.dtype == torch.bfloat16
+    scale = float(theirs.float().abs().max())
+    assert float((ours.float() - theirs.float()).abs().max()) <= (
+        llama_decode.TOLERANCE[torch.bfloat16] * scale)
 
 
 def test_option_decode_step(tmp_path):

@@ -10,7 +10,9 @@ from conftest import build_tiny_llama
 from djl_stream.generation.batch import CausalLMBatch, generate_token
 from djl_stream.generation.kv_memory import default_max_request_kv_tokens
 from djl_stream.generation.loading import load_model_and_tokenizer
-from djl_stream.generation.packed_linear import PackedLinear, pack_linear_layers, packing_unavailable
+from djl_stream.generation import packed_linear
+from djl_stream.generation.packed_linear import (PackedLinear, bfloat16_native, pack_linear_layers,
+                                                 packing_unavailable)
 from djl_stream.generation.sequence import GenerationSequence
 from djl_stream.serving.properties import ModelProperties
 
@@ -78,11 +80,32 @@ def test_a_layer_whose_packed_output_differs_leaves_the_whole_model_unpacked(
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
 
 
-def test_weights_that_are_not_float32_are_left_alone():
-    layer = torch.nn.Linear(16, 16).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_weights_neither_float32_nor_bfloat16_are_left_alone(dtype):
+    layer = torch.nn.Linear(16, 16).to(dtype)
     assert PackedLinear.from_linear(layer) is None
     model = torch.nn.Sequential(layer)
     assert pack_linear_layers(model) == 0 and model[0] is layer
+
+
+def test_bfloat16_weights_are_left_alone_where_the_cpu_would_emulate_it(monkeypatch):
+    monkeypatch.setattr(packed_linear, "bfloat16_native", lambda: False)
+    layer = torch.nn.Linear(16, 16).to(torch.bfloat16)
+    assert PackedLinear.from_linear(layer) is None
+
+
+@pytest.mark.skipif(not bfloat16_native(), reason="this CPU does not multiply bfloat16 natively")
+def test_bfloat16_weights_are_packed_where_the_cpu_multiplies_them_natively(smollm2_tokenizer):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(96, 40).to(torch.bfloat16)
+    packed = PackedLinear.from_linear(layer)
+    x = torch.randn(5, 96, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert packed(x).dtype == torch.bfloat16
+        torch.testing.assert_close(packed(x), layer(x), rtol=2e-2, atol=2e-2)
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=3).to(torch.bfloat16)
+    assert pack_linear_layers(model) == 2 * 7 + 1
+    assert model.lm_head.weight.dtype == torch.bfloat16
 
 
 def test_loading_on_a_cpu_packs_unless_option_prepack_weights_is_false(tiny_model_dir):

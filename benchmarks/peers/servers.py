@@ -4,7 +4,8 @@ Every server gets the same prompt text (SmolLM2's chat template already applied,
 server renders a template of its own), greedy decoding, and a fixed number of new tokens:
 
 * **djl-stream**: ``djl-stream serve model``, OpenAI ``/v1/completions`` with
-  ``ignore_eos`` (vLLM's name for it), in float32 and with ``option.quantize=int8``;
+  ``ignore_eos`` (vLLM's name for it), in float32, with ``option.quantize=int8`` and with
+  ``option.dtype=bf16``;
 * **llama.cpp**: ``python -m llama_cpp.server`` (llama-cpp-python) on a GGUF file,
   ``/v1/completions`` with ``min_tokens`` equal to ``max_tokens``; it serves one request
   at a time (its server has no parallel slots);
@@ -168,6 +169,9 @@ PEERS: Dict[str, Peer] = {peer.name: peer for peer in (
     Peer("djl-stream int8", None, _djl_stream, "/ping", "/v1/completions",
          lambda prompt, n, model: _greedy_openai(prompt, n, model, ignore_eos=True),
          weights="int8 weight-only (torchao), from model/", options=(("quantize", "int8"),)),
+    Peer("djl-stream bf16", None, _djl_stream, "/ping", "/v1/completions",
+         lambda prompt, n, model: _greedy_openai(prompt, n, model, ignore_eos=True),
+         weights="bfloat16, from model/ (option.dtype=bf16)", options=(("dtype", "bf16"),)),
     Peer("llama.cpp F32", "llama-cpp", _llama_cpp("f32"), "/v1/models", "/v1/completions",
          lambda prompt, n, model: _greedy_openai(prompt, n, "model", min_tokens=n),
          one_at_a_time=True, weights="float32, converted from model/ to GGUF", model_file="f32"),
