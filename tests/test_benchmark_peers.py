@@ -133,3 +133,19 @@ def test_paused_stops_a_server_s_whole_process_tree_and_resumes_it_even_after_an
         for pid in process_tree(parent.pid)[::-1]:
             os.kill(pid, signal.SIGKILL)
         parent.wait()
+
+
+def test_a_djl_stream_peer_s_options_reach_its_server_even_where_serving_properties_sets_them(
+        tmp_path):
+    model_dir = Path(__file__).resolve().parent.parent / "model"
+    assert "option.dtype=" in (model_dir / "serving.properties").read_text()
+    # the file sets option.dtype (and it wins over OPTION_DTYPE): a copy that says bf16
+    bf16 = PEERS["djl-stream bf16"].server(model_dir, tmp_path, {}, tmp_path / "bf16")
+    served = Path(bf16.command()[bf16.command().index("serve") + 1])
+    assert served != model_dir
+    assert "option.dtype=bf16\n" in (served / "serving.properties").read_text()
+    assert (served / "config.json").resolve() == (model_dir / "config.json").resolve()
+    # the file does not set option.quantize: the environment carries it, as SageMaker's does
+    int8 = PEERS["djl-stream int8"].server(model_dir, tmp_path, {}, tmp_path / "int8")
+    assert Path(int8.command()[int8.command().index("serve") + 1]) == model_dir
+    assert int8.env["OPTION_QUANTIZE"] == "int8"

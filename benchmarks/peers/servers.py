@@ -32,7 +32,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import httpx
 
-from ..http_load import PieceReader, ServerProcess, StreamError
+from ..http_load import PieceReader, ServerProcess, StreamError, configure_model_dir
 from ..measure import ProcessMemory
 from .environments import ENVIRONMENTS
 
@@ -125,8 +125,13 @@ class Peer:
     def server(self, model_dir: Path, root: Path, files: Dict[str, Path],
                workdir: Path) -> PeerProcess:
         python = self.python(root)
+        # options go in the environment, as SageMaker passes them; one that the model
+        # directory's serving.properties sets (which wins) goes in a copy of that file
+        served, options = configure_model_dir(model_dir, dict(self.options),
+                                              workdir / f"{self.name.replace(' ', '-')}-model")
         env = {"OMP_NUM_THREADS": str(os.cpu_count() or 1), "TRANSFORMERS_VERBOSITY": "error",
-               **{f"OPTION_{key.upper()}": value for key, value in self.options}}
+               **options}
+        model_dir = served
         return PeerProcess(
             lambda port: [python, *self.command(model_dir, files, port)],
             name=self.name.replace(" ", "-"), workdir=workdir, ready_path=self.ready_path,
