@@ -110,7 +110,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     lines = [f"{torch.get_num_threads()} threads; {args.tokens} greedy tokens on each of "
              f"{len(prompts)} prompts; decode step: median of {args.steps} one-row steps, "
              f"median of {args.repetitions} rounds taken in turns", "",
-             "| `option.quantize` | decode step | × float32's speed | tokens before the first "
+             "| weights | decode step | × float32's speed | tokens before the first "
              "difference | top token = float32's (teacher-forced) |",
              "|---|---|---|---|---|"]
     for method, model in models.items():

@@ -92,9 +92,7 @@ def test_a_mixed_pass_gives_each_batch_what_its_own_passes_give(smollm2_tokenize
     step_logits, none = step.mixed_logits(running, newcomer, chunk)
     assert none is None  # not the last chunk: no logits for the newcomer
     torch.testing.assert_close(step_logits, expected_step, rtol=1e-4, atol=1e-4)
-    newcomer = newcomer.__class__(newcomer.sequences, newcomer.input_ids[:, chunk:],
-                                  newcomer.attention_mask, newcomer.position_ids[:, chunk:],
-                                  newcomer.past_key_values)
+    newcomer = newcomer.after_prompt_columns(chunk)
     for ours, theirs in zip(real_columns(newcomer), expected_keys_after_chunk):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 

@@ -125,16 +125,16 @@ class Peer:
     def server(self, model_dir: Path, root: Path, files: Dict[str, Path],
                workdir: Path) -> PeerProcess:
         python = self.python(root)
+        name = self.name.replace(" ", "-")
         # options go in the environment, as SageMaker passes them; one that the model
         # directory's serving.properties sets (which wins) goes in a copy of that file
-        served, options = configure_model_dir(model_dir, dict(self.options),
-                                              workdir / f"{self.name.replace(' ', '-')}-model")
+        model_dir, options = configure_model_dir(model_dir, dict(self.options),
+                                                 workdir / f"{name}-model")
         env = {"OMP_NUM_THREADS": str(os.cpu_count() or 1), "TRANSFORMERS_VERBOSITY": "error",
                **options}
-        model_dir = served
         return PeerProcess(
             lambda port: [python, *self.command(model_dir, files, port)],
-            name=self.name.replace(" ", "-"), workdir=workdir, ready_path=self.ready_path,
+            name=name, workdir=workdir, ready_path=self.ready_path,
             request_path=self.request_path, env=env)
 
 

@@ -140,6 +140,12 @@ class CausalLMBatch:
             parts.append(self._with_rows(rows, self.past_key_values.copy_rows(rows)))
         return parts
 
+    def after_prompt_columns(self, columns: int) -> "CausalLMBatch":
+        """This batch once its next ``columns`` prompt columns are in its cache (a prefill
+        chunk fed them): the same cache and mask, the rest of the prompt to feed."""
+        return dataclasses.replace(self, input_ids=self.input_ids[:, columns:],
+                                   position_ids=self.position_ids[:, columns:])
+
     @property
     def cache_length(self) -> int:
         """Positions the KV cache holds per row (0 before prefill)."""
@@ -266,22 +272,17 @@ def mixed_pass(
     prefill_choice = None if prefill_logits is None else _choose(prefill, prefill_logits)
     generations, running = _advance(running, running_choice)
     if prefill_choice is None:
-        return generations, running, [], dataclasses.replace(
-            prefill, input_ids=prefill.input_ids[:, columns:],
-            position_ids=prefill.position_ids[:, columns:])
+        return generations, running, [], prefill.after_prompt_columns(columns)
     return (generations, running) + _advance(prefill, prefill_choice)
 
 
-def mixed_pass_possible(model, running: Optional[CausalLMBatch],
-                        prefill: Optional[CausalLMBatch]) -> bool:
+def mixed_pass_possible(model, running: CausalLMBatch, prefill: CausalLMBatch) -> bool:
     """Whether :func:`mixed_pass` can run ``running``'s decode step with a chunk of
     ``prefill`` (a model with djl-stream's Llama step, a running batch at a decode step,
-    a prefill with prompt columns left in a cache of this project)."""
+    a prefill whose cache is one of this project's)."""
     own_step = llama_decode.step_of(model)
-    return (own_step is not None and running is not None and prefill is not None
-            and own_step.accepts(running)
-            and isinstance(prefill.past_key_values, PreallocatedCache)
-            and prefill.columns_to_feed >= 1)
+    return (own_step is not None and own_step.accepts(running)
+            and isinstance(prefill.past_key_values, PreallocatedCache))
 
 
 @dataclasses.dataclass
@@ -374,11 +375,7 @@ def prefill_chunk(model, batch: CausalLMBatch, columns: int) -> CausalLMBatch:
             **cache_kwarg(forward, batch.past_key_values),
             **extra,
         )
-    return dataclasses.replace(
-        batch,
-        input_ids=batch.input_ids[:, columns:],
-        position_ids=batch.position_ids[:, columns:],
-    )
+    return batch.after_prompt_columns(columns)
 
 
 def _without_lm_head(model):

@@ -253,12 +253,18 @@ class PreallocatedCache(DynamicCache):
             self._slabs.append(None)
         slab = self._slabs[layer_idx]
         if slab is None:
-            slab = self._slabs[layer_idx] = _Slab.allocate(
-                key_states, max(self.reserve_rows, key_states.shape[0]),
-                _round_up(max(self.reserve_columns, key_states.shape[2])),
+            slab = self._slabs[layer_idx] = self._new_slab(
+                key_states, key_states.shape[0], key_states.shape[2],
                 value_dim=value_states.shape[3])
         slab.append(key_states, value_states)
         return self._publish(layer_idx)
+
+    def _new_slab(self, like: torch.Tensor, rows: int, columns: int,
+                  value_dim: Optional[int] = None) -> _Slab:
+        """A layer's buffers for a first write of ``rows`` × ``columns``, with the rows and
+        columns this cache reserves."""
+        return _Slab.allocate(like, max(self.reserve_rows, rows),
+                              _round_up(max(self.reserve_columns, columns)), value_dim=value_dim)
 
     def _publish(self, index: int):
         """Make layer ``index`` of the release's own layout show the slab's views, and
@@ -297,33 +303,19 @@ class PreallocatedCache(DynamicCache):
         self._publish_all()
 
     @torch.inference_mode()
-    def next_column_buffers(self, rows: int):
-        """For a decode step that writes the cache itself
-        (:mod:`~djl_stream.generation.llama_decode`): each layer's whole key and value
-        buffers, the first column in use and the column the step writes (the same in
-        every layer), which joins the columns in use at :meth:`next_column_written`. Room
-        is made for the column first, and the reserved rows are zeroed over it, as
-        :meth:`update` does."""
-        return self.next_columns_buffers(rows, 1)
-
-    def next_column_written(self) -> None:
-        """The column :meth:`next_column_buffers` made room for now holds every layer's
-        keys and values: it joins the columns in use."""
-        self.next_columns_written(1)
-
-    @torch.inference_mode()
-    def next_columns_buffers(self, rows: int, count: int, *, layers: int = 0,
+    def next_columns_buffers(self, rows: int, count: int = 1, *, layers: int = 0,
                              like: Optional[torch.Tensor] = None):
-        """:meth:`next_column_buffers` for ``count`` columns (a prompt chunk that a step
-        writes itself). A cache never written is allocated first, ``layers`` layers of
-        buffers of ``like``'s dtype, device, heads and head size (``like`` is shaped
-        ``(any, heads, any, head_dim)``), reserving what :meth:`update` reserves."""
+        """For a step that writes the cache itself (:mod:`~djl_stream.generation.llama_decode`:
+        a decode step's column, a prompt chunk's ``count`` columns): each layer's whole key
+        and value buffers, the first column in use and the first column the step writes
+        (the same in every layer); they join the columns in use at
+        :meth:`next_columns_written`. Room is made for them first, and the reserved rows
+        are zeroed over them, as :meth:`update` does. A cache never written is allocated
+        first: ``layers`` layers of buffers of ``like``'s dtype, device, heads and head
+        size (``like`` is shaped ``(any, heads, any, head_dim)``)."""
         slabs = self._slabs
         if not slabs and layers and like is not None:
-            slabs = self._slabs = [
-                _Slab.allocate(like, max(self.reserve_rows, rows),
-                               _round_up(max(self.reserve_columns, count)))
-                for _ in range(layers)]
+            slabs = self._slabs = [self._new_slab(like, rows, count) for _ in range(layers)]
             for slab in slabs:
                 slab.rows = rows
         if not slabs or any(slab is None for slab in slabs):
@@ -342,7 +334,7 @@ class PreallocatedCache(DynamicCache):
         return ([slab.keys_buffer for slab in slabs], [slab.values_buffer for slab in slabs],
                 first.start, first.end)
 
-    def next_columns_written(self, count: int) -> None:
+    def next_columns_written(self, count: int = 1) -> None:
         """The ``count`` columns :meth:`next_columns_buffers` made room for now hold every
         layer's keys and values: they join the columns in use."""
         for slab in self._slabs:

@@ -202,10 +202,7 @@ class LlamaDecodeStep:
         cos, sin = self.rotary(hidden, position_ids.view(rows, 1))
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (rows, 1, 1, head_dim)
         columns = attention_mask.shape[1]
-        # an additive mask, made once: a boolean one is turned into this by every
-        # layer's attention call (four more operators a layer)
-        mask = torch.zeros((rows, 1, 1, columns), dtype=hidden.dtype, device=hidden.device)
-        mask.masked_fill_(attention_mask.view(rows, 1, 1, columns) == 0, float("-inf"))
+        mask = self._padding_mask(attention_mask, hidden.dtype)
         for layer, layer_keys, layer_values in zip(self.layers, keys, values):
             x = self._norm(hidden, layer["attention_norm"])
             q = layer["q"](x).view(rows, self.heads, 1, self.head_dim)
@@ -221,9 +218,21 @@ class LlamaDecodeStep:
                 layer_values[:rows].narrow(2, start, columns), attn_mask=mask, scale=self.scaling,
                 **({"enable_gqa": True} if self.grouped else {}))
             hidden = hidden + layer["o"](attended.reshape(rows, self.heads * self.head_dim))
-            x = self._norm(hidden, layer["mlp_norm"])
-            hidden = hidden + layer["down"](F.silu(layer["gate"](x)) * layer["up"](x))
+            hidden = self._mlp(layer, hidden)
         return self.lm_head(self._norm(hidden, self.final_norm))
+
+    def _padding_mask(self, attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The additive mask ``(rows, 1, 1, columns)`` of a decode step, made once a step:
+        a boolean one is turned into this by every layer's attention call (four more
+        operators a layer)."""
+        rows, columns = attention_mask.shape
+        mask = torch.zeros((rows, 1, 1, columns), dtype=dtype, device=attention_mask.device)
+        return mask.masked_fill_(attention_mask.view(rows, 1, 1, columns) == 0, float("-inf"))
+
+    def _mlp(self, layer: dict, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` after layer ``layer``'s gated MLP (with its norm and residual)."""
+        x = self._norm(hidden, layer["mlp_norm"])
+        return hidden + layer["down"](F.silu(layer["gate"](x)) * layer["up"](x))
 
     def _prompt_mask(self, attention_mask: torch.Tensor, cached: int, columns: int,
                      dtype: torch.dtype) -> torch.Tensor:
@@ -250,10 +259,7 @@ class LlamaDecodeStep:
         tokens = prompts * columns
         decode_cache, prompt_cache = decode.past_key_values, prefill.past_key_values
         cached = prefill.cache_length
-        d_keys, d_values, d_start, d_column = decode_cache.next_column_buffers(rows)
-        if decode.attention_mask.shape[1] != d_column + 1 - d_start:
-            raise ValueError(f"a mask of {decode.attention_mask.shape[1]} columns for a cache "
-                             f"of {d_column - d_start} and the new one")
+        d_keys, d_values, d_start, d_column = self._decode_buffers(decode)
         p_keys, p_values, p_start, p_column = prompt_cache.next_columns_buffers(
             prompts, columns, layers=len(self.layers), like=d_keys[0])
         seen = cached + columns
@@ -267,12 +273,15 @@ class LlamaDecodeStep:
         d_cos, d_sin = cos[:rows].view(rows, 1, 1, -1), sin[:rows].view(rows, 1, 1, -1)
         p_cos = cos[rows:].view(prompts, 1, columns, -1)
         p_sin = sin[rows:].view(prompts, 1, columns, -1)
-        d_mask = torch.zeros((rows, 1, 1, decode.attention_mask.shape[1]), dtype=hidden.dtype)
-        d_mask.masked_fill_(decode.attention_mask.view(rows, 1, 1, -1) == 0, float("-inf"))
+        d_mask = self._padding_mask(decode.attention_mask, hidden.dtype)
         p_mask = self._prompt_mask(prefill.attention_mask, cached, columns, hidden.dtype)
         d_write = torch.tensor([d_column])
         gqa = {"enable_gqa": True} if self.grouped else {}
         width = self.heads * self.head_dim
+
+        def heads_first(t, heads):  # the chunk's tokens of t, as (prompts, heads, columns, dim)
+            return t[rows:].view(prompts, columns, heads, self.head_dim).transpose(1, 2)
+
         for index, layer in enumerate(self.layers):
             x = self._norm(hidden, layer["attention_norm"])
             q, k, v = layer["q"](x), layer["k"](x), layer["v"](x)
@@ -286,8 +295,6 @@ class LlamaDecodeStep:
                 d_values[index][:rows].narrow(2, d_start, d_mask.shape[3]),
                 attn_mask=d_mask, scale=self.scaling, **gqa)
             # the prompt chunk's columns
-            def heads_first(t, heads):
-                return t[rows:].view(prompts, columns, heads, self.head_dim).transpose(1, 2)
             qp = self._rotate(heads_first(q, self.heads), p_cos, p_sin)
             kp = self._rotate(heads_first(k, self.kv_heads), p_cos, p_sin)
             written = slice(p_column, p_column + columns)
@@ -299,10 +306,8 @@ class LlamaDecodeStep:
                 attn_mask=p_mask, scale=self.scaling, **gqa)
             attended = torch.cat([d_out.reshape(rows, width),
                                   p_out.transpose(1, 2).reshape(tokens, width)])
-            hidden = hidden + layer["o"](attended)
-            x = self._norm(hidden, layer["mlp_norm"])
-            hidden = hidden + layer["down"](F.silu(layer["gate"](x)) * layer["up"](x))
-        decode_cache.next_column_written()
+            hidden = self._mlp(layer, hidden + layer["o"](attended))
+        decode_cache.next_columns_written()
         prompt_cache.next_columns_written(columns)
         last = hidden[:rows]
         if finishing:
@@ -333,16 +338,22 @@ class LlamaDecodeStep:
     def logits(self, batch) -> torch.Tensor:
         """Run ``batch``'s decode step: its cache gains the column, and the logits
         ``(rows, vocab)`` of the next token come back."""
-        cache = batch.past_key_values
-        keys, values, start, column = cache.next_column_buffers(len(batch))
-        if batch.attention_mask.shape[1] != column + 1 - start:
-            raise ValueError(f"a mask of {batch.attention_mask.shape[1]} columns for a cache "
-                             f"of {column - start} and the new one")
+        keys, values, start, column = self._decode_buffers(batch)
         with torch.inference_mode():
             logits = self._step(batch.input_ids, batch.position_ids, batch.attention_mask,
                                 keys, values, torch.tensor([column]), start)
-        cache.next_column_written()
+        batch.past_key_values.next_columns_written()
         return logits
+
+    @staticmethod
+    def _decode_buffers(batch):
+        """``batch``'s cache buffers with room for its decode step's column
+        (:meth:`PreallocatedCache.next_columns_buffers`), its mask checked against them."""
+        keys, values, start, column = batch.past_key_values.next_columns_buffers(len(batch))
+        if batch.attention_mask.shape[1] != column + 1 - start:
+            raise ValueError(f"a mask of {batch.attention_mask.shape[1]} columns for a cache "
+                             f"of {column - start} and the new one")
+        return keys, values, start, column
 
 
 def step_of(model) -> Optional[LlamaDecodeStep]:

@@ -245,14 +245,14 @@ class PrefillPacer:
         a prefill pass's cost without its fixed part."""
         by_budget = prefill_columns(budget, rows, cached, self.parity_context)
         bound = self.bound_seconds
+        if bound is None:
+            return by_budget
         if beside_step and self.shared_cost.observed:
-            tokens = self.shared_cost.tokens_within(bound) if bound is not None else None
-        elif self.pass_cost.observed and bound is not None:
-            extra = self.pass_cost.fixed_seconds if beside_step else 0.0
-            tokens = self.pass_cost.tokens_within(bound + extra)
+            tokens = self.shared_cost.tokens_within(bound)
+        elif self.pass_cost.observed:
+            fixed = self.pass_cost.fixed_seconds if beside_step else 0.0
+            tokens = self.pass_cost.tokens_within(bound + fixed)
         else:
-            tokens = None
-        if tokens is None:
             return by_budget
         per_column = budget_tokens(rows, 1, cached, self.parity_context)
         return max(1, round(min(by_budget, tokens / per_column)))
@@ -267,12 +267,10 @@ class PrefillPacer:
     @contextlib.contextmanager
     def prefill_pass(self, rows: int, columns: int, cached: int) -> Iterator[None]:
         """Time the prefill pass run inside: ``rows`` × ``columns`` fed after ``cached``."""
-        start = self.clock()
-        yield
-        if self.synchronize is not None:
-            self.synchronize()
+        with self._timed() as seconds:
+            yield
         self.pass_cost.observe(budget_tokens(rows, columns, cached, self.parity_context),
-                               self.clock() - start)
+                               seconds[0])
 
     @contextlib.contextmanager
     def mixed_pass(self, rows: int, columns: int, cached: int) -> Iterator[None]:
@@ -281,11 +279,20 @@ class PrefillPacer:
         (:attr:`step_seconds`) is the chunk's share. While mixed passes run, no decode
         step runs alone, so that figure can lag a batch that grew; the share then reads
         high, and the next chunks are narrower: the streams wait less, not more."""
-        start = self.clock()
-        yield
-        if self.synchronize is not None:
-            self.synchronize()
+        with self._timed() as seconds:
+            yield
         if self.step_seconds is not None:
             self.shared_cost.observe(budget_tokens(rows, columns, cached, self.parity_context),
-                                     max(0.0, self.clock() - start - self.step_seconds))
+                                     max(0.0, seconds[0] - self.step_seconds))
+
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator[list]:
+        """Seconds the code inside took, the device's work done (in the list yielded,
+        once it ends; nothing when the code raises)."""
+        seconds: list = []
+        start = self.clock()
+        yield seconds
+        if self.synchronize is not None:
+            self.synchronize()
+        seconds.append(self.clock() - start)
 

@@ -517,7 +517,7 @@ class Scheduler:
             admitted.append(job)
         return admitted
 
-    def _prefill_step(self, mixing: bool = True) -> bool:
+    def _prefill_step(self) -> bool:
         """One forward pass of the prefill under way: a chunk of its prompts, or the rest
         of them, which chooses the first tokens and joins the running batch. Where the
         model's Llama step can, the pass also takes the running batch's decode step (a
@@ -533,10 +533,10 @@ class Scheduler:
         except Exception as error:  # noqa: BLE001 - a prompt the model cannot take
             self._prefill_failed(error)
             return False
-        if mixing and self._running is not None:
+        if self._running is not None:
             self._drop_cancelled_running()  # they would take this step too
-            if mixed_pass_possible(self.model, self._running, batch):
-                self._mixed_step(prefill)
+            if (mixed_pass_possible(self.model, self._running, batch)
+                    and self._mixed_step(prefill)):
                 return True
         try:
             # With nothing decoding, nobody waits between tokens: a long prompt alone is
@@ -559,13 +559,15 @@ class Scheduler:
         self._prefilled(generations, batch)
         return False
 
-    def _mixed_step(self, prefill: "_Prefill") -> None:
+    def _mixed_step(self, prefill: "_Prefill") -> bool:
         """The running batch's decode step and the next chunk of ``prefill`` in one forward
         pass (:func:`~djl_stream.generation.batch.mixed_pass`): the weights are read once
         for both, so a chunk costs the running streams what its own columns cost, not a
         whole pass. The chunk may add ``prefill_stall_steps`` of their steps to the step
         (the wait between two of their tokens stays what it is with separate passes), and
-        a short prompt is read in one pass instead of two or three."""
+        a short prompt is read in one pass instead of two or three. A mixed pass that
+        raises is cut out of both caches and ``False`` comes back: this cycle then runs
+        the prefill pass and the decode step apart, each finding its own culprit."""
         running, batch = self._running, prefill.batch
         rows, cached, running_cached = len(batch), batch.cache_length, running.cache_length
         width = min(batch.columns_to_feed, self._pacer.columns(
@@ -580,17 +582,13 @@ class Scheduler:
                            "step apart", type(error).__name__, error)
             running.truncate_cache(running_cached)
             batch.truncate_cache(cached)
-            self._running = running
-            self._prefill_step(mixing=False)
-            self._drop_cancelled_running()
-            if self._running is not None:
-                self._decode()
-            return
+            return False
         self._dispatch(generations)
-        if not last_chunk:
+        if last_chunk:
+            self._prefilled(first_tokens, rest, stepped=True)
+        else:
             prefill.batch = rest
-            return
-        self._prefilled(first_tokens, rest, stepped=True)
+        return True
 
     def _prefill_failed(self, error: Exception) -> None:
         prefill = self._prefilling.popleft()
