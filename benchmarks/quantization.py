@@ -85,7 +85,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.quantization",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", default="model")
-    parser.add_argument("--methods", default="none,bf16,int8,bitsandbytes4,bitsandbytes8",
+    parser.add_argument("--methods", default="none,bf16,int8,w8a8,bitsandbytes4,bitsandbytes8",
                         help="option.quantize values, 'none' (float32) and 'bf16' "
                              "(option.dtype=bf16)")
     parser.add_argument("--tokens", type=int, default=64)

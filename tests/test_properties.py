@@ -121,7 +121,7 @@ def test_option_prepack_weights_is_auto_unless_set(value, packs):
     "values, key, words",
     [
         ({"quantize": "int4"}, "quantize",
-         "expected one of int8, bitsandbytes8, bitsandbytes4, got 'int4'"),
+         "expected one of int8, w8a8, bitsandbytes8, bitsandbytes4, got 'int4'"),
         ({"prepack_weights": "maybe"}, "prepack_weights", "expected true or false"),
         ({"prefill_stall_steps": "-1"}, "prefill_stall_steps", "at least 0, got '-1'"),
         ({"prefill_stall_steps": "nan"}, "prefill_stall_steps", "finite number"),

@@ -85,9 +85,10 @@ def _(x: torch.Tensor, handle: int) -> torch.Tensor:
 def _linear(module: torch.nn.Module, compile: bool):
     """A function ``x (rows, in) -> (rows, out)`` doing what ``module`` does (the module
     itself, run eagerly), in a form a graph can hold when ``compile``."""
+    from djl_stream.generation.int8_linear import Int8Linear
     from djl_stream.generation.packed_linear import PackedLinear
 
-    if not compile:
+    if not compile or isinstance(module, Int8Linear):  # plain tensors and operators: traceable
         return module
     if isinstance(module, PackedLinear):
         _PACKED.append((module.weight, module.bias, module.out_features))
@@ -107,6 +108,7 @@ def unsupported_reason(model) -> Optional[str]:
     >>> unsupported_reason(torch.nn.Linear(2, 2))
     'not a Llama-architecture causal LM (Linear)'
     """
+    from djl_stream.generation.int8_linear import Int8Linear
     from djl_stream.generation.packed_linear import PackedLinear
 
     config = getattr(model, "config", None)
@@ -124,7 +126,8 @@ def unsupported_reason(model) -> Optional[str]:
                for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                          layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
                          layer.mlp.down_proj)] + [model.lm_head]
-    odd = [type(m).__name__ for m in linears if type(m) not in (torch.nn.Linear, PackedLinear)]
+    odd = [type(m).__name__ for m in linears
+           if type(m) not in (torch.nn.Linear, PackedLinear, Int8Linear)]
     if odd:
         return f"linear layers of type {odd[0]}"
     if any(p.device.type != "cpu" for p in model.parameters()):

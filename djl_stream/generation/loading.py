@@ -19,7 +19,8 @@ import os
 from pathlib import Path
 from typing import Any, Dict, MutableMapping, Optional, Tuple
 
-from djl_stream.generation.quantization import QuantizationUnavailable, quantization_kwargs
+from djl_stream.generation.quantization import (QuantizationUnavailable, quantization_kwargs,
+                                                quantize_after_load)
 from djl_stream.serving.properties import ModelProperties
 
 logger = logging.getLogger(__name__)
@@ -167,6 +168,10 @@ def load_model_and_tokenizer(props: ModelProperties) -> Tuple[Any, Any]:
             "directory and leave option.model_id unset."
         ) from error
     model.eval()
+    try:
+        quantize_after_load(model, props.quantize, on_gpu=on_gpu)
+    except QuantizationUnavailable as error:
+        raise ModelLoadError(str(error)) from error
     if not on_gpu:
         prepack_for_cpu(model, props)
     attach_decode_step(model, tokenizer, props)

@@ -177,22 +177,25 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
         packed.weight.duplicates_a_weight = id(getattr(parent, name).weight) in kept
         setattr(parent, name, packed)
     if replacements:
-        _own_the_other_weights(model)
+        own_the_other_weights(model)
     return len(replacements)
 
 
-def _own_the_other_weights(model: torch.nn.Module) -> None:
-    """Copy the parameters that were not packed (embeddings, norms) into memory of their
-    own.
+def own_the_other_weights(model: torch.nn.Module) -> None:
+    """Copy the parameters that were not packed or quantized here (embeddings, norms) into
+    memory of their own.
 
     transformers maps a safetensors file into memory and its parameters are views of that
     one mapping, which stays as long as any of them lives. Packing read every weight
     through it, so the pages of the whole file stayed resident beside the packed copies
     (SmolLM2: 1.40 GB resident after packing instead of 1.00 GB) until the embedding, the
-    last view, let go of the mapping."""
+    last view, let go of the mapping. The same holds for the float32 originals of
+    :class:`~djl_stream.generation.int8_linear.Int8Linear` layers."""
+    from djl_stream.generation.int8_linear import Int8Linear
+
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, PackedLinear):
+            if isinstance(module, (PackedLinear, Int8Linear)):
                 continue
             for parameter in module.parameters(recurse=False):
                 # a quantized weight (a tensor subclass) is left as its library made it

@@ -8,6 +8,19 @@
     activations are not quantized), so batching still never changes a request's text.
     Weights take a quarter of their float32 size; the LM head stays unquantized
     (transformers keeps a tied output embedding as it is). Needs ``pip install torchao``.
+``w8a8``
+    Int8 weights *and* activations: each linear layer's weight as int8 with one scale per
+    output channel, each input row quantized to int8 as it arrives (dynamic, per token),
+    the product in integers. On a CPU this is djl-stream's
+    :class:`~djl_stream.generation.int8_linear.Int8Linear` on PyTorch's own ``torch._int_mm``
+    (no extra library; the weights load in float32 and are quantized after): the fast
+    int8 mode there, 2-3x float32's matrix products where the CPU has AVX512-VNNI, but
+    rounding the activations too makes it less faithful to float32 than ``int8`` (see
+    ``make bench-quantization``). The LM head is quantized too. A row's scales are its
+    own, so batching does not change a request's text. On a GPU, torchao's
+    ``Int8DynamicActivationInt8WeightConfig`` through a ``TorchAoConfig`` (the same
+    arithmetic; not yet run on a GPU by this project). Needs ``pip install torchao`` on a
+    GPU only.
 ``bitsandbytes8`` / ``bitsandbytes4``
     bitsandbytes' LLM.int8() and 4-bit NF4, djl-serving's own names for them (its
     deprecated ``option.load_in_8bit=true`` / ``option.load_in_4bit=true`` mean the
@@ -27,7 +40,9 @@ Example::
     >>> quantization_kwargs("int4", on_gpu=False)
     Traceback (most recent call last):
     ...
-    ValueError: unknown quantization method 'int4'; expected one of int8, bitsandbytes8, bitsandbytes4
+    ValueError: unknown quantization method 'int4'; expected one of int8, w8a8, bitsandbytes8, bitsandbytes4
+    >>> quantization_kwargs("w8a8", on_gpu=False)  # quantized after loading: see quantize_after_load
+    {}
 """
 
 from __future__ import annotations
@@ -38,7 +53,7 @@ from typing import Any, Dict, Optional
 logger = logging.getLogger(__name__)
 
 #: What ``option.quantize`` accepts.
-QUANTIZE_METHODS = ("int8", "bitsandbytes8", "bitsandbytes4")
+QUANTIZE_METHODS = ("int8", "w8a8", "bitsandbytes8", "bitsandbytes4")
 #: Methods made for CUDA GPUs (their CPU kernels are a fallback).
 MADE_FOR_CUDA = frozenset({"bitsandbytes8", "bitsandbytes4"})
 
@@ -66,20 +81,46 @@ def quantization_kwargs(method: Optional[str], *, on_gpu: bool,
                        "its CUDA ones (see the README for how they compare with float32 and "
                        "int8 there)", method)
     if method == "int8":
-        return {"quantization_config": _torchao_int8_weight_only()}
+        return {"quantization_config": _torchao("int8", "Int8WeightOnlyConfig")}
+    if method == "w8a8":
+        if not on_gpu:
+            return {}  # djl-stream's own int8 layers, after loading (quantize_after_load)
+        return {"quantization_config": _torchao("w8a8", "Int8DynamicActivationInt8WeightConfig")}
     return {"quantization_config": _bitsandbytes(method, compute_dtype)}
 
 
-def _torchao_int8_weight_only():
+def quantize_after_load(model, method: Optional[str], *, on_gpu: bool) -> int:
+    """Quantize what ``from_pretrained`` loaded unquantized for ``method``: on a CPU,
+    ``w8a8``'s linear layers (:func:`~djl_stream.generation.int8_linear.quantize_linear_layers`);
+    returns how many layers were quantized (0 for every other method, which
+    :func:`quantization_kwargs` hands to ``from_pretrained``).
+
+    Raises :class:`QuantizationUnavailable` where ``w8a8`` was asked for and no layer
+    could be quantized (the message says why), rather than serve float32 silently.
+    """
+    if method != "w8a8" or on_gpu:
+        return 0
+    from djl_stream.generation.int8_linear import int8_matmul_unavailable, quantize_linear_layers
+
+    quantized = quantize_linear_layers(model)
+    if not quantized:
+        raise QuantizationUnavailable(
+            "option.quantize=w8a8: no linear layer could be quantized: "
+            f"{int8_matmul_unavailable() or 'the model has no float32 nn.Linear on the CPU'}")
+    logger.info("quantized %d linear layers to int8 weights and activations (w8a8)", quantized)
+    return quantized
+
+
+def _torchao(method: str, config_name: str):
     try:
-        from torchao.quantization import Int8WeightOnlyConfig
+        from torchao import quantization as torchao_quantization
     except ImportError as error:
         raise QuantizationUnavailable(
-            "option.quantize=int8 needs torchao: pip install torchao "
+            f"option.quantize={method} needs torchao: pip install torchao "
             f"(or add it to the model directory's requirements.txt) ({error})") from error
     from transformers import TorchAoConfig
 
-    return TorchAoConfig(quant_type=Int8WeightOnlyConfig())
+    return TorchAoConfig(quant_type=getattr(torchao_quantization, config_name)())
 
 
 def _bitsandbytes(method: str, compute_dtype: Any):
