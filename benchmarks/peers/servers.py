@@ -4,8 +4,8 @@ Every server gets the same prompt text (SmolLM2's chat template already applied,
 server renders a template of its own), greedy decoding, and a fixed number of new tokens:
 
 * **djl-stream**: ``djl-stream serve model``, OpenAI ``/v1/completions`` with
-  ``ignore_eos`` (vLLM's name for it), in float32, with ``option.quantize=int8`` and with
-  ``option.dtype=bf16``;
+  ``ignore_eos`` (vLLM's name for it), in float32, with ``option.quantize=int8`` (weight-only),
+  with ``option.quantize=w8a8`` and with ``option.dtype=bf16``;
 * **llama.cpp**: ``python -m llama_cpp.server`` (llama-cpp-python) on a GGUF file,
   ``/v1/completions`` with ``min_tokens`` equal to ``max_tokens``; it serves one request
   at a time (its server has no parallel slots);
@@ -174,6 +174,10 @@ PEERS: Dict[str, Peer] = {peer.name: peer for peer in (
     Peer("djl-stream int8", None, _djl_stream, "/ping", "/v1/completions",
          lambda prompt, n, model: _greedy_openai(prompt, n, model, ignore_eos=True),
          weights="int8 weight-only (torchao), from model/", options=(("quantize", "int8"),)),
+    Peer("djl-stream w8a8", None, _djl_stream, "/ping", "/v1/completions",
+         lambda prompt, n, model: _greedy_openai(prompt, n, model, ignore_eos=True),
+         weights="int8 weights and per-token int8 activations, from model/",
+         options=(("quantize", "w8a8"),)),
     Peer("djl-stream bf16", None, _djl_stream, "/ping", "/v1/completions",
          lambda prompt, n, model: _greedy_openai(prompt, n, model, ignore_eos=True),
          weights="bfloat16, from model/ (option.dtype=bf16)", options=(("dtype", "bf16"),)),
