@@ -118,3 +118,47 @@ def test_loading_on_a_cpu_packs_unless_option_prepack_weights_is_false(tiny_mode
     ids = torch.tensor([[1, 400, 401, 402]])
     with torch.inference_mode():
         torch.testing.assert_close(packed(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+_ROW_COUNTS_SCRIPT = """
+import ctypes, gc, sys
+import torch
+from djl_stream.generation.loading import bound_onednn_caches
+from djl_stream.generation.packed_linear import pack_linear_layers
+if sys.argv[1] == "bounded":
+    bound_onednn_caches()
+def resident_mb():
+    line = next(l for l in open("/proc/self/status") if l.startswith("VmRSS"))
+    return int(line.split()[1]) / 1024
+shapes = [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # a SmolLM2 layer's
+layers = torch.nn.Sequential(*[torch.nn.Linear(i, o, bias=False) for o, i in shapes])
+assert pack_linear_layers(layers) == 4
+with torch.inference_mode():
+    for layer in layers:
+        layer(torch.randn(1, layer.in_features))
+    gc.collect(); ctypes.CDLL("libc.so.6").malloc_trim(0)
+    before = resident_mb()
+    for rows in range(2, 122):  # every prefill chunk and mixed pass brings a new row count
+        for layer in layers:
+            layer(torch.randn(rows, layer.in_features))
+    gc.collect(); ctypes.CDLL("libc.so.6").malloc_trim(0)
+print(resident_mb() - before)
+"""
+
+
+def test_ever_new_row_counts_do_not_grow_resident_memory_once_the_onednn_caches_are_bounded():
+    import os
+    import subprocess
+    import sys
+
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
+
+    def growth_mb(mode):
+        run = subprocess.run([sys.executable, "-c", _ROW_COUNTS_SCRIPT, mode], env=environment,
+                             capture_output=True, text=True, timeout=300, check=True)
+        return float(run.stdout.split()[-1])
+
+    unbounded, bounded = growth_mb("default"), growth_mb("bounded")
+    # 120 row counts x 4 shapes: ~250 MB kept by default; 128 operators in each cache, ~60 MB
+    assert bounded < 100 and bounded < unbounded / 2, (bounded, unbounded)
