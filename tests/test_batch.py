@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from djl_stream.generation import kv_cache
 from djl_stream.generation.batch import CausalLMBatch, generate_token
 from djl_stream.generation.engines.accelerate import build_sequences, encode_prompts
@@ -66,6 +68,29 @@ def test_filter_keeps_the_named_rows_only(tiny_model, smollm2_tokenizer):
 
 def keys_of(batch):
     return kv_cache.layers(batch.past_key_values)[0].keys
+
+
+def test_a_leaving_row_s_place_goes_to_the_last_row_and_no_other_row_moves(
+        tiny_model, smollm2_tokenizer):
+    prompts = PROMPTS + ["Blue", "Once upon a time"]
+    sequences, batch = new_batch(tiny_model, smollm2_tokenizer, prompts, list("abcde"), 10)
+    for _ in range(3):
+        _, batch = generate_token(tiny_model, batch)
+    before = keys_of(batch).clone()
+    kept = batch.filter(["a", "c", "d", "e"])  # "b" leaves
+    assert kept.request_ids == ["a", "e", "c", "d"]
+    after = keys_of(kept)
+    # rows a, c and d are where they were; e's cache is in b's old place (the leading
+    # columns that were padding for every row left are compared from the end)
+    width = after.shape[2]
+    for new_row, old_row in ((0, 0), (1, 4), (2, 2), (3, 3)):
+        assert torch.equal(after[new_row], before[old_row][:, -width:])
+    batch = kept
+    while batch is not None:
+        _, batch = generate_token(tiny_model, batch)
+    for seq, prompt in zip(sequences, prompts):
+        if seq.request_id != "b":
+            assert seq.generated_ids == alone(tiny_model, smollm2_tokenizer, prompt, 10)
 
 
 def test_decode_steps_write_the_cache_in_place(tiny_model, smollm2_tokenizer):

@@ -119,17 +119,20 @@ class CausalLMBatch:
         )
 
     def filter(self, request_ids: Iterable[Hashable]) -> Optional["CausalLMBatch"]:
-        """This batch restricted to ``request_ids`` (in their current order), or None.
+        """This batch restricted to ``request_ids``, or None.
 
         Freed rows leave the KV cache at once, and so do the leading columns that were
-        padding for every row that stays.
+        padding for every row that stays. A row that stays keeps its place, except that
+        the last rows move into the places of those that left (:func:`_fill_holes`): a
+        leaving row costs the copy of at most one other row's cache, not of every row
+        behind it.
         """
         rows = self._rows_of(request_ids)
         if not rows:
             return None
         if len(rows) == len(self.sequences):
             return self
-        return self._with_rows(rows, self.past_key_values, select_in_cache=True)
+        return self._with_rows(_fill_holes(rows), self.past_key_values, select_in_cache=True)
 
     def split(self, groups: Sequence[Iterable[Hashable]]) -> List["CausalLMBatch"]:
         """One batch per group of request ids, each with a copy of its rows of the cache,
@@ -217,6 +220,22 @@ class CausalLMBatch:
             position_ids=torch.cat([b.position_ids for b in batches], dim=0),
             past_key_values=host.past_key_values,
         )
+
+
+def _fill_holes(kept: Sequence[int]) -> List[int]:
+    """Which old row each new row of a batch keeping rows ``kept`` (ascending) is: a kept
+    row below the new row count stays where it is, the kept rows beyond it fill the
+    places left free, in order.
+
+    >>> _fill_holes([0, 2, 3, 4])   # row 1 left: the last row takes its place
+    [0, 4, 2, 3]
+    >>> _fill_holes([1, 2])         # row 0 and the last left
+    [2, 1]
+    """
+    count = len(kept)
+    staying = set(kept)
+    movers = iter(row for row in kept if row >= count)
+    return [row if row in staying else next(movers) for row in range(count)]
 
 
 def _leading_unused_columns(attention_mask: torch.Tensor) -> int:
