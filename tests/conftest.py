@@ -65,6 +65,21 @@ def build_tiny_llama(vocab_size: int, seed: int = 0):
     return LlamaForCausalLM(config).eval()
 
 
+def greedy_in_one_batch(model, tokenizer, prompts, new_tokens: int = 12):
+    """Each prompt's greedy tokens (end-of-sequence ignored), the prompts decoding in one
+    left-padded batch through ``generate_token``."""
+    from djl_stream.generation.batch import CausalLMBatch, generate_token
+    from djl_stream.generation.sequence import GenerationSequence
+
+    sequences = [GenerationSequence(i, tokenizer(p)["input_ids"], tokenizer,
+                                    max_new_tokens=new_tokens, eos_token_ids=set(),
+                                    ignore_eos=True) for i, p in enumerate(prompts)]
+    batch = CausalLMBatch.from_sequences(sequences, pad_token_id=2, device="cpu")
+    while batch is not None:
+        _, batch = generate_token(model, batch)
+    return [seq.generated_ids for seq in sequences]
+
+
 @pytest.fixture(scope="session")
 def tiny_model(smollm2_tokenizer):
     return build_tiny_llama(len(smollm2_tokenizer))

@@ -6,14 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import build_tiny_llama
-from djl_stream.generation.batch import CausalLMBatch, generate_token
+from conftest import build_tiny_llama, greedy_in_one_batch
 from djl_stream.generation.kv_memory import default_max_request_kv_tokens
 from djl_stream.generation.loading import load_model_and_tokenizer
 from djl_stream.generation import packed_linear
 from djl_stream.generation.packed_linear import (PackedLinear, bfloat16_native, pack_linear_layers,
                                                  packing_unavailable)
-from djl_stream.generation.sequence import GenerationSequence
 from djl_stream.serving.properties import ModelProperties
 
 pytestmark = pytest.mark.skipif(packing_unavailable() is not None,
@@ -21,17 +19,6 @@ pytestmark = pytest.mark.skipif(packing_unavailable() is not None,
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, there lived",
            "1, 2, 3,"]
-
-
-def greedy(model, tokenizer, new_tokens=12):
-    """Each prompt's greedy tokens, the three prompts decoding in one left-padded batch."""
-    sequences = [GenerationSequence(i, tokenizer(p)["input_ids"], tokenizer,
-                                    max_new_tokens=new_tokens, eos_token_ids=set(),
-                                    ignore_eos=True) for i, p in enumerate(PROMPTS)]
-    batch = CausalLMBatch.from_sequences(sequences, pad_token_id=2, device="cpu")
-    while batch is not None:
-        _, batch = generate_token(model, batch)
-    return [seq.generated_ids for seq in sequences]
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -51,7 +38,7 @@ def test_a_packed_layer_computes_what_nn_linear_computes(bias, leading):
 def test_every_linear_of_the_tiny_llama_is_packed_and_its_greedy_text_is_unchanged(
         smollm2_tokenizer):
     model = build_tiny_llama(len(smollm2_tokenizer), seed=3)
-    expected = greedy(model, smollm2_tokenizer)
+    expected = greedy_in_one_batch(model, smollm2_tokenizer, PROMPTS)
     kv_bound_before = default_max_request_kv_tokens(model, 64, 256)
     embedding_storage = model.get_input_embeddings().weight.data_ptr()
     linears = sum(type(m) is torch.nn.Linear for m in model.modules())
@@ -68,7 +55,7 @@ def test_every_linear_of_the_tiny_llama_is_packed_and_its_greedy_text_is_unchang
     # the weights left unpacked were copied out of what they shared (a file's mapping,
     # when loaded from safetensors), so that the mapping can go
     assert model.get_input_embeddings().weight.data_ptr() != embedding_storage
-    assert greedy(model, smollm2_tokenizer) == expected
+    assert greedy_in_one_batch(model, smollm2_tokenizer, PROMPTS) == expected
 
 
 def test_a_layer_whose_packed_output_differs_leaves_the_whole_model_unpacked(
