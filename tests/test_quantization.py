@@ -69,3 +69,15 @@ def test_a_missing_library_is_a_load_error_that_says_what_to_install(monkeypatch
     monkeypatch.setitem(sys.modules, "torchao.quantization", None)
     with pytest.raises(ModelLoadError, match="option.quantize=int8 needs torchao: pip install torchao"):
         load(tiny_model_dir, quantize="int8")
+
+
+def test_on_cuda_w8a8_hands_torchao_s_dynamic_int8_config_to_transformers():
+    # Contract only: no GPU here. On a CPU w8a8 is djl-stream's own layers (test_int8_linear).
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig
+    from transformers import TorchAoConfig
+
+    config = quantization_kwargs("w8a8", on_gpu=True)["quantization_config"]
+    assert isinstance(config, TorchAoConfig)
+    assert isinstance(config.quant_type, Int8DynamicActivationInt8WeightConfig)
+    assert quantization_kwargs("w8a8", on_gpu=False) == {}
