@@ -44,6 +44,7 @@ def test_an_int8_layer_multiplies_the_rounded_weight_by_the_rounded_rows(bias, l
         error = float((out - reference).abs().max() / reference.abs().max())
         assert 0 < error < 0.03
     assert quantized.weight.dtype == torch.int8 and quantized.weight.shape == (40, 96)
+    assert quantized(torch.randn(2, 0, 96)).shape == (2, 0, 40)  # no rows: no error
 
 
 def test_a_row_s_result_does_not_depend_on_its_batch_mates():

@@ -128,6 +128,8 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] == 0:  # no row to scale (amax of nothing is an error)
+            return x.new_zeros(*x.shape[:-1], self.out_features)
         quantized, scale = quantize_rows(rows)
         # (rows, out) int32 sums; ``weight.t()`` is a view that oneDNN reads in place
         sums = torch._int_mm(quantized, self.weight.t())
