@@ -168,19 +168,21 @@ def _ray_serve(model_dir: Path, files: Dict[str, Path], port: int) -> List[str]:
             "--port", str(port)]
 
 
+def _djl_stream_peer(name: str, **how) -> Peer:
+    """djl-stream's server on ``model/``, with ``how``'s ``weights`` and ``options``."""
+    return Peer(name, None, _djl_stream, "/ping", "/v1/completions",
+                lambda prompt, n, model: _greedy_openai(prompt, n, model, ignore_eos=True), **how)
+
+
 PEERS: Dict[str, Peer] = {peer.name: peer for peer in (
-    Peer("djl-stream", None, _djl_stream, "/ping", "/v1/completions",
-         lambda prompt, n, model: _greedy_openai(prompt, n, model, ignore_eos=True)),
-    Peer("djl-stream int8", None, _djl_stream, "/ping", "/v1/completions",
-         lambda prompt, n, model: _greedy_openai(prompt, n, model, ignore_eos=True),
-         weights="int8 weight-only (torchao), from model/", options=(("quantize", "int8"),)),
-    Peer("djl-stream w8a8", None, _djl_stream, "/ping", "/v1/completions",
-         lambda prompt, n, model: _greedy_openai(prompt, n, model, ignore_eos=True),
-         weights="int8 weights and per-token int8 activations, from model/",
-         options=(("quantize", "w8a8"),)),
-    Peer("djl-stream bf16", None, _djl_stream, "/ping", "/v1/completions",
-         lambda prompt, n, model: _greedy_openai(prompt, n, model, ignore_eos=True),
-         weights="bfloat16, from model/ (option.dtype=bf16)", options=(("dtype", "bf16"),)),
+    _djl_stream_peer("djl-stream"),
+    _djl_stream_peer("djl-stream int8", weights="int8 weight-only (torchao), from model/",
+                     options=(("quantize", "int8"),)),
+    _djl_stream_peer("djl-stream w8a8",
+                     weights="int8 weights and per-token int8 activations, from model/",
+                     options=(("quantize", "w8a8"),)),
+    _djl_stream_peer("djl-stream bf16", weights="bfloat16, from model/ (option.dtype=bf16)",
+                     options=(("dtype", "bf16"),)),
     Peer("llama.cpp F32", "llama-cpp", _llama_cpp("f32"), "/v1/models", "/v1/completions",
          lambda prompt, n, model: _greedy_openai(prompt, n, "model", min_tokens=n),
          one_at_a_time=True, weights="float32, converted from model/ to GGUF", model_file="f32"),

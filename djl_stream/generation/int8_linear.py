@@ -51,6 +51,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Optional
 
@@ -72,6 +73,13 @@ def int8_matmul_unavailable() -> Optional[str]:
     """
     if not hasattr(torch, "_int_mm"):
         return "this PyTorch has no torch._int_mm"
+    return _int_mm_fails_on_this_cpu()
+
+
+@functools.lru_cache(maxsize=None)
+def _int_mm_fails_on_this_cpu() -> Optional[str]:
+    """Why a tiny ``torch._int_mm`` raises here, or ``None``; tried once per process
+    (:func:`Int8Linear.from_linear` asks for every layer)."""
     try:
         probe = torch.ones(1, 8, dtype=torch.int8)
         torch._int_mm(probe, probe.t())
@@ -152,24 +160,12 @@ def quantize_linear_layers(model: torch.nn.Module) -> int:
     >>> quantize_linear_layers(model) in (0, 2)
     True
     """
-    from djl_stream.generation.packed_linear import own_the_other_weights
+    from djl_stream.generation.packed_linear import install_replacements, plain_linear_layers
 
     unavailable = int8_matmul_unavailable()
     if unavailable is not None:
         logger.warning("int8 linear layers unavailable: %s", unavailable)
         return 0
-    kept = {id(p) for module in model.modules() if type(module) is not torch.nn.Linear
-            for p in module.parameters(recurse=False)}
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:  # subclasses (LoRA, ...) keep their forward
-                quantized = Int8Linear.from_linear(child)
-                if quantized is None:
-                    continue
-                quantized.weight.duplicates_a_weight = id(child.weight) in kept
-                setattr(parent, name, quantized)
-                replaced += 1
-    if replaced:
-        own_the_other_weights(model)
-    return replaced
+    replacements = [(parent, name, Int8Linear.from_linear(child))
+                    for parent, name, child in plain_linear_layers(model)]
+    return install_replacements(model, [r for r in replacements if r[2] is not None])

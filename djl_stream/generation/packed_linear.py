@@ -160,22 +160,38 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
     if packing_unavailable() is not None:
         return 0
     replacements = []
-    for parent in model.modules():
-        for name, child in parent.named_children():
-            if type(child) is torch.nn.Linear:  # subclasses (quantized, LoRA) keep their forward
-                packed = PackedLinear.from_linear(child)
-                if packed is None:
-                    continue
-                if not _agrees(packed, child):
-                    logger.warning("oneDNN's packed %s differs from nn.Linear on a probe: "
-                                   "linear layers left unpacked", name)
-                    return 0
-                replacements.append((parent, name, packed))
+    for parent, name, child in plain_linear_layers(model):
+        packed = PackedLinear.from_linear(child)
+        if packed is None:
+            continue
+        if not _agrees(packed, child):
+            logger.warning("oneDNN's packed %s differs from nn.Linear on a probe: "
+                           "linear layers left unpacked", name)
+            return 0
+        replacements.append((parent, name, packed))
+    return install_replacements(model, replacements)
+
+
+def plain_linear_layers(model: torch.nn.Module):
+    """``(parent, name, layer)`` for every plain ``nn.Linear`` in ``model`` (subclasses,
+    quantized or LoRA layers, keep their own forward), listed before any is replaced."""
+    return [(parent, name, child) for parent in model.modules()
+            for name, child in parent.named_children() if type(child) is torch.nn.Linear]
+
+
+def install_replacements(model: torch.nn.Module, replacements) -> int:
+    """Put each ``(parent, name, layer)`` of ``replacements`` (layers whose ``weight`` is
+    derived from the ``nn.Linear`` they replace) in place, and return how many there were.
+
+    A replaced weight that another module still uses (a tied input embedding) is a copy
+    and says so: ``weight.duplicates_a_weight`` is ``True``, and a count of the model's own
+    weights skips it. The weights left as they were get memory of their own
+    (:func:`own_the_other_weights`)."""
     kept = {id(p) for module in model.modules() if type(module) is not torch.nn.Linear
             for p in module.parameters(recurse=False)}
-    for parent, name, packed in replacements:
-        packed.weight.duplicates_a_weight = id(getattr(parent, name).weight) in kept
-        setattr(parent, name, packed)
+    for parent, name, layer in replacements:
+        layer.weight.duplicates_a_weight = id(getattr(parent, name).weight) in kept
+        setattr(parent, name, layer)
     if replacements:
         own_the_other_weights(model)
     return len(replacements)

@@ -14,10 +14,10 @@ also kept within ``prefill_stall_steps`` of their decode steps, as timed
 while requests decode shares one forward pass with their decode step (a mixed pass,
 :func:`~djl_stream.generation.batch.mixed_pass`): the weights are read once for both, so
 the streams wait for that pass alone and a short prompt is read in one pass. Once its
-last chunk has chosen its first token, the request joins the running batch: at once when its cache is no longer than the running
-rows', else at the start of the next cycle, which reads no chunk: the joined batch is then
-heavier (its rows attend to the new prompt's columns), and a running stream should not wait
-for a prefill pass and that step at once. A finished, stopped or abandoned request leaves the
+last chunk has chosen its first token, the request joins the running batch: at once when
+its cache is no longer than the running rows', else at the start of the next cycle, which
+reads no chunk: the joined batch is then heavier (its rows attend to the new prompt's
+columns), and a running stream should not wait for a prefill pass and that step at once. A finished, stopped or abandoned request leaves the
 batch, and its KV-cache rows are freed, at the next step. Each request keeps its own
 sampling parameters, seed, stop strings and limits, so batching never changes what a
 request generates.
