@@ -160,3 +160,88 @@ def test_the_cache_grows_past_what_it_reserved_keeping_every_column():
     slab = cache._slabs[0]
     assert slab.column_capacity > COLUMN_GRANULE and slab.row_capacity == 3
     assert not slab.keys_buffer[2, :, :slab.end].any()  # the reserved row, zero
+
+
+def reserving_batch(model, tokenizer, prompts, request_ids, max_new_tokens, rows, left):
+    sequences = build_sequences(model, tokenizer, encode_prompts(tokenizer, prompts),
+                                request_ids=request_ids, max_new_tokens=max_new_tokens)
+    return sequences, CausalLMBatch.from_sequences(sequences, pad_token_id=2, device="cpu",
+                                                   room_for_rows=rows, room_on_left=left)
+
+
+def test_a_longer_newcomer_joins_a_running_batch_that_stays_where_it_is(tiny_model,
+                                                                       smollm2_tokenizer):
+    # The running batch reserved rows and columns on the left: a newcomer longer than its
+    # rows is copied into them, and nothing of the running rows moves or is reallocated.
+    running_seqs, running = reserving_batch(tiny_model, smollm2_tokenizer, [PROMPTS[0]], ["a"],
+                                            12, rows=3, left=32)
+    for _ in range(3):
+        _, running = generate_token(tiny_model, running)
+    slab = running.past_key_values._slabs[0]
+    storage, start, end = keys_of(running).untyped_storage().data_ptr(), slab.start, slab.end
+    before = slab.keys_buffer[0, :, start:end].clone()
+    late_seqs, newcomer = new_batch(tiny_model, smollm2_tokenizer, PROMPTS[1:], ["b", "c"], 12)
+    _, newcomer = generate_token(tiny_model, newcomer)
+    assert newcomer.cache_length > running.cache_length
+    batch = CausalLMBatch.concatenate([running, newcomer])
+    assert batch.past_key_values is running.past_key_values
+    assert keys_of(batch).untyped_storage().data_ptr() == storage  # nothing reallocated
+    assert torch.equal(slab.keys_buffer[0, :, start:end], before)  # nor moved
+    assert slab.start < start and slab.end == end  # the newcomer took columns on the left
+    assert batch.request_ids == ["a", "b", "c"]
+    # the running row reads zeros, masked, in the columns before its own
+    padding = batch.attention_mask[0] == 0
+    assert padding.sum() >= newcomer.cache_length - 4
+    assert not keys_of(batch)[0][:, padding[:-1]].any()
+    while batch is not None:
+        _, batch = generate_token(tiny_model, batch)
+    for seq, prompt in zip(running_seqs + late_seqs, PROMPTS):
+        assert seq.generated_ids == alone(tiny_model, smollm2_tokenizer, prompt, 12)
+
+
+def test_a_join_beyond_the_reserved_room_grows_the_running_cache_once(tiny_model,
+                                                                      smollm2_tokenizer):
+    running_seqs, running = reserving_batch(tiny_model, smollm2_tokenizer, [PROMPTS[0]], ["a"],
+                                            10, rows=1, left=0)
+    _, running = generate_token(tiny_model, running)
+    late_seqs, newcomer = new_batch(tiny_model, smollm2_tokenizer, PROMPTS[1:], ["b", "c"], 10)
+    _, newcomer = generate_token(tiny_model, newcomer)
+    # neither has room for three rows: the one with the most rows hosts, grown
+    batch = CausalLMBatch.concatenate([running, newcomer])
+    assert batch.past_key_values is newcomer.past_key_values
+    assert batch.request_ids == ["b", "c", "a"]
+    slab = batch.past_key_values._slabs[0]
+    assert slab.row_capacity >= 3 and slab.rows == 3
+    while batch is not None:
+        _, batch = generate_token(tiny_model, batch)
+    for seq, prompt in zip(running_seqs + late_seqs, PROMPTS):
+        assert seq.generated_ids == alone(tiny_model, smollm2_tokenizer, prompt, 10)
+
+
+def test_a_row_that_leaves_leaves_nothing_behind_for_the_next_in_its_place(tiny_model,
+                                                                            smollm2_tokenizer):
+    # The long row leaves: the leading columns it alone needed are trimmed, and what it
+    # wrote there must not stay under the row that takes its place (a later, longer
+    # newcomer would widen the columns in use over them again).
+    sequences, batch = reserving_batch(tiny_model, smollm2_tokenizer, PROMPTS, ["a", "b", "c"],
+                                       8, rows=2, left=32)
+    _, batch = generate_token(tiny_model, batch)
+    slab = batch.past_key_values._slabs[0]
+    old_start = slab.start
+    kept = batch.filter(["a", "c"])  # "b", the longest, leaves: "c" takes row 1
+    assert slab.start > old_start and slab.rows == 2
+    assert kept.request_ids == ["a", "c"]
+    assert not slab.keys_buffer[1, :, :slab.start].any()  # the leaver's columns, zeroed
+    assert not slab.keys_buffer[2:].any() and not slab.values_buffer[2:].any()  # free rows
+    late_seqs, newcomer = new_batch(tiny_model, smollm2_tokenizer,
+                                    ["A much longer prompt than any of the running ones, by far"],
+                                    ["d"], 8)
+    _, newcomer = generate_token(tiny_model, newcomer)
+    batch = CausalLMBatch.concatenate([kept, newcomer])
+    assert batch.past_key_values is kept.past_key_values
+    while batch is not None:
+        _, batch = generate_token(tiny_model, batch)
+    assert late_seqs[0].generated_ids == alone(
+        tiny_model, smollm2_tokenizer, "A much longer prompt than any of the running ones, by far", 8)
+    for seq, prompt in zip([sequences[0], sequences[2]], [PROMPTS[0], PROMPTS[2]]):
+        assert seq.generated_ids == alone(tiny_model, smollm2_tokenizer, prompt, 8)

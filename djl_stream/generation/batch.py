@@ -12,7 +12,8 @@ so every row computes what it would compute alone.
 columns no remaining row needs; :meth:`CausalLMBatch.concatenate` merges batches, which is
 how a newly prefilled request joins a running batch (continuous batching). The KV cache is
 a :class:`~djl_stream.generation.kv_cache.PreallocatedCache`, written in place: a decode
-step writes one column, a merge copies the shorter batch's rows into the longer one's.
+step writes one column, a merge copies the joining batch's rows into the running one's free
+rows.
 
 A long prompt need not be prefilled in one forward pass: :func:`prefill_chunk` feeds the
 leading columns of a batch's prompts through the model and keeps the rest for later, so
@@ -86,12 +87,14 @@ class CausalLMBatch:
         pad_token_id: int,
         device: torch.device | str,
         room_for_rows: int = 0,
+        room_on_left: int = 0,
     ) -> "CausalLMBatch":
         """A batch ready for prefill: prompts left-padded to the longest one.
 
         Its KV cache reserves columns for the longest prompt plus the most new tokens any
-        row may generate, and ``room_for_rows`` more rows: a running batch this one will
-        host when it joins (see :meth:`concatenate`).
+        row may generate, ``room_for_rows`` more rows and ``room_on_left`` more columns
+        before its own: for batches that may join this one (see :meth:`concatenate`),
+        as long as ``room_on_left`` more than these prompts.
         """
         if not sequences:
             raise ValueError("a batch needs at least one sequence")
@@ -109,7 +112,8 @@ class CausalLMBatch:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         cache = PreallocatedCache(
             reserve_rows=len(sequences) + room_for_rows,
-            reserve_columns=width + max(seq.max_new_tokens for seq in sequences))
+            reserve_columns=width + max(seq.max_new_tokens for seq in sequences),
+            room_on_left=room_on_left)
         return cls(
             sequences=list(sequences),
             input_ids=input_ids.to(device),
@@ -196,23 +200,28 @@ class CausalLMBatch:
     def concatenate(cls, batches: Sequence["CausalLMBatch"]) -> "CausalLMBatch":
         """One batch holding every row of ``batches`` (all prefilled).
 
-        The batch whose cache is the longest hosts the others: its rows come first and
-        keep their place, the others' rows follow in order, copied into the host's cache
-        (into rows it reserved, when it did) and left-padded to its length, which their
-        masks hide. Nothing of the host is copied or padded, so a long prompt that joins a
-        running batch costs a copy of the running rows only.
+        One batch's cache hosts the others: the first whose cache has the rows and the
+        columns on the left they need (the running batch, when it reserved them), else the
+        one with the most rows. Its rows come first and stay where they are; the others'
+        rows follow in order, copied into its free rows, all ending at one column
+        (:meth:`~djl_stream.generation.kv_cache.PreallocatedCache.absorb`); the masks hide
+        the columns before a row's own. So a newcomer costs the copy of its own rows, be
+        it shorter or longer than the running ones.
         """
         batches = [b for b in batches if b is not None]
         if len(batches) == 1:
             return batches[0]
         if not all(b.prefilled and b.columns_to_feed == 1 for b in batches):
             raise ValueError("only prefilled batches can be concatenated")
-        host = max(batches, key=lambda b: b.cache_length)  # the first of the longest
+        rows = sum(len(b) for b in batches)
+        longest = max(b.cache_length for b in batches)
+        host = next((b for b in batches if b.past_key_values.has_room_for(rows, longest)),
+                    max(batches, key=len))  # (max: the first of the largest)
         batches = [host] + [b for b in batches if b is not host]
-        past = host.cache_length
-        host.past_key_values.absorb([b.past_key_values for b in batches[1:]])
-        masks = [torch.nn.functional.pad(b.attention_mask, (past - b.cache_length, 0), value=0)
+        # (before the join, which widens the host's cache to the longest)
+        masks = [torch.nn.functional.pad(b.attention_mask, (longest - b.cache_length, 0), value=0)
                  for b in batches]
+        host.past_key_values.absorb([b.past_key_values for b in batches[1:]])
         return cls(
             sequences=[seq for b in batches for seq in b.sequences],
             input_ids=torch.cat([b.input_ids for b in batches], dim=0),

@@ -9,19 +9,26 @@ faulting in memory the process had never touched (issue 9's long-prompt gap).
 
 :class:`PreallocatedCache` is a ``DynamicCache`` whose layers keep their keys and values
 in buffers with room to spare, shaped ``(row capacity, heads, column capacity,
-head_dim)``. Rows ``[0, rows)`` and columns ``[start, end)`` are in use; the model sees
-them as views, so a decode step writes one column in place, leading columns that became
-padding for every row are dropped by moving ``start``, and rows leave by moving the rows
-behind them up. Rows beyond ``rows`` are reserved: they are kept zero over the columns in
-use (a few more zeros per write), so a batch joining this one is copied into them without
-padding anything, and the memory they need is touched a column at a time rather than all
-at once at the join. :meth:`PreallocatedCache.absorb` is that join: the cache holding the
-longest rows hosts the others.
+head_dim)``: each row is a slot a request holds from its join to its leaving. Rows
+``[0, rows)`` and columns ``[start, end)`` are in use; the model sees them as views, so a
+decode step writes one column in place (the same column of every row: rows end together,
+left-padded), leading columns that became padding for every row are dropped by moving
+``start``, and a row that leaves is zeroed and its place taken by the last row.
+
+Buffers read as zeros until written (:func:`zeroed_buffer`: on a CPU, pages the kernel maps
+on first write), and free rows are kept zero. That is what lets a cache reserve generously
+and take in other batches without moving its own rows. :meth:`PreallocatedCache.absorb`,
+the join of a newly prefilled batch to a running one, copies the newcomer's rows into free
+rows, ending at the running rows' last column: a newcomer longer than the running rows lands
+in columns left free before theirs (``room_on_left``), where the running rows read zeros
+(masked out by their attention masks, and finite: a NaN there would still reach the
+attention output). Nothing of the running rows is copied or padded, and on a CPU reserved
+rows and columns cost address space, not resident memory, until a request writes them. Only
+a join that exceeds what was reserved reallocates (growing by half), copying the rows in use once.
 
 The buffers are written under ``torch.inference_mode`` (the forward pass allocates them
 there, and tensors made there can be changed only there), so every method that changes them
-runs in it. Buffers are allocated with ``torch.empty``: room that is never written costs address space,
-not resident memory, so a cache reserves the columns its requests may reach.
+runs in it.
 
 transformers 4.56 moved a ``DynamicCache``'s tensors from two lists (``key_cache``,
 ``value_cache``) into layer objects (``cache.layers[i].keys``); the djl-serving images
@@ -40,10 +47,19 @@ Example::
     >>> cache.absorb([other])              # 1 row of 3 positions joins 2 rows of 4
     >>> layers(cache)[0].keys[2, 0, :, 0].tolist()  # left-padded with zeros
     [0.0, 2.0, 2.0, 2.0]
+    >>> longer = PreallocatedCache()
+    >>> _ = longer.update(torch.full((1, 1, 6, 8), 3.0), torch.full((1, 1, 6, 8), 3.0), 0)
+    >>> roomy = PreallocatedCache(reserve_rows=2, room_on_left=8)
+    >>> _ = roomy.update(torch.ones(1, 1, 2, 8), torch.ones(1, 1, 2, 8), 0)
+    >>> roomy.absorb([longer])             # 6 positions join 2, which stay where they are
+    >>> layers(roomy)[0].keys[:, 0, :, 0].tolist()
+    [[0.0, 0.0, 0.0, 0.0, 1.0, 1.0], [3.0, 3.0, 3.0, 3.0, 3.0, 3.0]]
 """
 
 from __future__ import annotations
 
+import math
+import mmap
 from typing import List, Optional, Sequence
 
 import torch
@@ -111,24 +127,63 @@ def _round_up(columns: int) -> int:
     return -(-columns // COLUMN_GRANULE) * COLUMN_GRANULE
 
 
+def reserving_is_free(device) -> bool:
+    """Whether rows and columns a cache reserves on ``device`` cost address space only
+    (resident memory only once written): true on a CPU, where :func:`zeroed_buffer` maps
+    fresh pages; a GPU's memory is taken whole at allocation."""
+    return torch.device(device).type == "cpu"
+
+
+def zeroed_buffer(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``shape`` (``like``'s dtype and device) that reads as zeros.
+
+    On a CPU it lies on anonymous memory mapped for it: the kernel gives zero pages, and
+    a page becomes resident only once written, so rows and columns a cache reserves cost
+    nothing until a token is written there (``torch.zeros`` would write every page).
+    Transparent huge pages are refused for it: a 2 MB page would make a whole
+    ``(row, head)`` block resident for one written column. Elsewhere it is ``torch.zeros``.
+
+    >>> zeroed_buffer((2, 3), torch.ones(1)).tolist()
+    [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    """
+    size = math.prod(shape) * like.element_size()
+    if like.device.type != "cpu" or size == 0:
+        return torch.zeros(tuple(shape), dtype=like.dtype, device=like.device)
+    pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        try:
+            pages.madvise(mmap.MADV_NOHUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages
+            pass
+    # (the tensor holds the mapping: it is unmapped when the tensor is freed)
+    return torch.frombuffer(pages, dtype=like.dtype).view(tuple(shape))
+
+
 class _Slab:
     """One layer's keys and values in buffers of ``(row_capacity, heads, column_capacity,
-    head_dim)``; see the module docstring for the invariants."""
+    head_dim)``; see the module docstring for the invariants. ``first[r]`` is the lowest
+    column row ``r`` has written (its own padding included), which is what a row that
+    leaves zeroes."""
 
-    __slots__ = ("keys_buffer", "values_buffer", "rows", "start", "end")
+    __slots__ = ("keys_buffer", "values_buffer", "rows", "start", "end", "first",
+                 "room_on_left")
 
-    def __init__(self, keys_buffer: torch.Tensor, values_buffer: torch.Tensor, rows: int,
-                 start: int = 0, end: int = 0) -> None:
+    def __init__(self, keys_buffer: torch.Tensor, values_buffer: torch.Tensor,
+                 room_on_left: int = 0) -> None:
         self.keys_buffer, self.values_buffer = keys_buffer, values_buffer
-        self.rows, self.start, self.end = rows, start, end
+        self.room_on_left = room_on_left
+        self.rows, self.start, self.end = 0, room_on_left, room_on_left
+        self.first: List[int] = []
 
     @classmethod
     def allocate(cls, like: torch.Tensor, row_capacity: int, column_capacity: int,
-                 value_dim: Optional[int] = None) -> "_Slab":
+                 value_dim: Optional[int] = None, room_on_left: int = 0) -> "_Slab":
+        """Buffers reading as zeros (:func:`zeroed_buffer`), the first write to land at
+        column ``room_on_left``."""
         _, heads, _, dim = like.shape
-        keys = like.new_empty((row_capacity, heads, column_capacity, dim))
-        values = like.new_empty((row_capacity, heads, column_capacity, value_dim or dim))
-        return cls(keys, values, rows=0)
+        keys = zeroed_buffer((row_capacity, heads, column_capacity, dim), like)
+        values = zeroed_buffer((row_capacity, heads, column_capacity, value_dim or dim), like)
+        return cls(keys, values, room_on_left)
 
     @property
     def row_capacity(self) -> int:
@@ -150,50 +205,73 @@ class _Slab:
     def values(self) -> torch.Tensor:
         return self.values_buffer[:self.rows, :, self.start:self.end]
 
+    def begin(self, rows: int, columns: int) -> None:
+        """Start over empty with ``rows`` rows, room made for ``columns`` columns from
+        ``room_on_left`` (a first write; rows once held here were zeroed when they left)."""
+        self.zero_rows(range(self.rows))
+        self.rows, self.first = 0, []
+        self.start = self.end = self.room_on_left
+        if rows > self.row_capacity or self.start + columns > self.column_capacity:
+            self.reallocate(rows, columns)
+        self.rows, self.first = rows, [self.start] * rows
+
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write ``keys``/``values`` (one row each per row in use; all rows on the first
         write) after the columns in use."""
+        new = keys.shape[2]
         if self.length == 0:
-            self.rows, self.start, self.end = 0, 0, 0
-            if keys.shape[0] > self.row_capacity:
-                self.reallocate(keys.shape[0], keys.shape[2])
-            self.rows = keys.shape[0]
+            self.begin(keys.shape[0], new)
         elif keys.shape[0] != self.rows:
             raise ValueError(f"{keys.shape[0]} rows written into a cache of {self.rows}")
-        new = keys.shape[2]
         if self.end + new > self.column_capacity:
             self.reallocate(self.row_capacity, self.length + new)
         columns = slice(self.end, self.end + new)
         self.keys_buffer[:self.rows, :, columns] = keys
         self.values_buffer[:self.rows, :, columns] = values
-        self._zero_reserved(columns)
         self.end += new
 
-    def _zero_reserved(self, columns: slice) -> None:
-        if self.rows < self.row_capacity:
-            self.keys_buffer[self.rows:, :, columns].zero_()
-            self.values_buffer[self.rows:, :, columns].zero_()
-
-    def reallocate(self, row_capacity: int, columns_needed: int) -> None:
+    def reallocate(self, row_capacity: int, columns_needed: int,
+                   room_on_left: Optional[int] = None) -> None:
         """Move the rows and columns in use into new buffers of at least ``row_capacity``
-        rows and room for ``columns_needed`` columns (grown by :data:`GROWTH` at least
-        when they must grow), at column 0."""
+        rows with room for ``columns_needed`` columns after ``room_on_left`` (this slab's
+        own by default) free ones; either grows by :data:`GROWTH` at least when it must
+        grow. The rows in use keep the columns in use only (their own padding before
+        them is dropped)."""
+        if room_on_left is not None:
+            self.room_on_left = room_on_left
+        left = self.room_on_left
         columns = self.column_capacity
-        if columns_needed > columns:
-            columns = _round_up(max(columns_needed, int(columns * GROWTH)))
-        rows = max(row_capacity, self.rows)
+        if left + columns_needed > columns:
+            columns = _round_up(max(left + columns_needed, int(columns * GROWTH)))
+        rows = self.row_capacity
+        if row_capacity > rows:
+            rows = max(row_capacity, int(rows * GROWTH))
         in_use = (slice(0, self.rows), slice(None), slice(self.start, self.end))
-        self.keys_buffer = _moved(self.keys_buffer, rows, columns, in_use)
-        self.values_buffer = _moved(self.values_buffer, rows, columns, in_use)
-        self.start, self.end = 0, self.length
-        self._zero_reserved(slice(0, self.end))
+        self.keys_buffer = _moved(self.keys_buffer, rows, columns, in_use, left)
+        self.values_buffer = _moved(self.values_buffer, rows, columns, in_use, left)
+        self.start, self.end = left, left + self.length
+        self.first = [self.start] * self.rows
+
+    def zero_rows(self, rows: Sequence[int]) -> None:
+        """Zero what rows ``rows`` (indices of rows in use) have written: they are free."""
+        for row in rows:
+            written = slice(min(self.first[row], self.end), self.end)
+            self.keys_buffer[row, :, written].zero_()
+            self.values_buffer[row, :, written].zero_()
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Keep ``rows`` (indices of rows in use), in that order, as rows ``0..len-1``;
-        the rows freed are zeroed (they are reserved again)."""
+        the rows freed are zeroed (free rows read as zeros)."""
         columns = slice(self.start, self.end)
         moved = [(target, source) for target, source in enumerate(rows) if source != target]
         if moved:
+            # What a row that leaves wrote before the columns in use (its padding, trimmed
+            # away) would stay under the row that takes its place: zeroed first.
+            for target, _ in moved:
+                if target < self.rows and self.first[target] < self.start:
+                    stale = slice(self.first[target], self.start)
+                    self.keys_buffer[target, :, stale].zero_()
+                    self.values_buffer[target, :, stale].zero_()
             # Two operations a buffer (not one per row: a batch of 32 rows would run
             # thousands of small copies); the rows that move are read before any is written.
             device = self.keys_buffer.device
@@ -202,32 +280,36 @@ class _Slab:
             for buffer in (self.keys_buffer, self.values_buffer):
                 window = buffer[:, :, columns]
                 window.index_copy_(0, targets, window.index_select(0, sources))
-        freed = slice(len(rows), self.rows)
-        self.keys_buffer[freed, :, columns].zero_()
-        self.values_buffer[freed, :, columns].zero_()
-        self.rows = len(rows)
+        first = [self.first[row] if row == target else self.start
+                 for target, row in enumerate(rows)]
+        self.zero_rows(range(len(rows), self.rows))
+        self.rows, self.first = len(rows), first
 
     def take(self, other: "_Slab") -> None:
-        """Copy ``other``'s rows in after these, right-aligned with them (the columns
-        before theirs stay zero, as reserved rows are); ``other`` must not be longer."""
-        if other.length > self.length:
-            raise ValueError("a cache takes in rows no longer than its own")
+        """Copy ``other``'s rows in after these, ending at the same column; the columns in
+        use widen to the left when ``other`` is longer (the rows in use read zeros there).
+        Room must have been made (:meth:`PreallocatedCache.absorb` does)."""
         needed = self.rows + other.rows
-        if needed > self.row_capacity:
-            self.reallocate(max(needed, int(self.row_capacity * GROWTH)), self.length)
+        first_column = self.end - other.length
+        if needed > self.row_capacity or first_column < 0:
+            raise ValueError("no room made for the rows taken in")
         rows = slice(self.rows, needed)
-        columns = slice(self.end - other.length, self.end)
+        columns = slice(first_column, self.end)
         self.keys_buffer[rows, :, columns] = other.keys
         self.values_buffer[rows, :, columns] = other.values
+        self.first += [first_column + max(row_first - other.start, 0)
+                       for row_first in other.first]
+        self.start = min(self.start, first_column)
         self.rows = needed
 
 
-def _moved(buffer: torch.Tensor, rows: int, columns: int, in_use: tuple) -> torch.Tensor:
-    """A new ``(rows, heads, columns, dim)`` buffer holding ``buffer[in_use]`` at row 0,
-    column 0 (the rest unwritten)."""
-    moved = buffer.new_empty((rows, buffer.shape[1], columns, buffer.shape[3]))
+def _moved(buffer: torch.Tensor, rows: int, columns: int, in_use: tuple,
+           at_column: int) -> torch.Tensor:
+    """A new ``(rows, heads, columns, dim)`` buffer reading as zeros but for
+    ``buffer[in_use]``, at row 0 and column ``at_column``."""
+    moved = zeroed_buffer((rows, buffer.shape[1], columns, buffer.shape[3]), buffer)
     kept = buffer[in_use]
-    moved[:kept.shape[0], :, :kept.shape[2]] = kept
+    moved[:kept.shape[0], :, at_column:at_column + kept.shape[2]] = kept
     return moved
 
 
@@ -236,13 +318,16 @@ class PreallocatedCache(DynamicCache):
 
     ``reserve_rows`` and ``reserve_columns`` are what the first write reserves at least:
     rows for batches expected to join this one, columns for the tokens its requests may
-    still generate. Either grows when exceeded.
+    still generate; ``room_on_left`` columns are left free before the first write, for
+    longer rows to join without moving these. Each grows when exceeded.
     """
 
-    def __init__(self, reserve_rows: int = 0, reserve_columns: int = 0) -> None:
+    def __init__(self, reserve_rows: int = 0, reserve_columns: int = 0,
+                 room_on_left: int = 0) -> None:
         super().__init__()
         self.reserve_rows = reserve_rows
         self.reserve_columns = reserve_columns
+        self.room_on_left = room_on_left
         self._slabs: List[Optional[_Slab]] = []
 
     # -- what the model calls ---------------------------------------------------------
@@ -263,8 +348,10 @@ class PreallocatedCache(DynamicCache):
                   value_dim: Optional[int] = None) -> _Slab:
         """A layer's buffers for a first write of ``rows`` × ``columns``, with the rows and
         columns this cache reserves."""
-        return _Slab.allocate(like, max(self.reserve_rows, rows),
-                              _round_up(max(self.reserve_columns, columns)), value_dim=value_dim)
+        return _Slab.allocate(
+            like, max(self.reserve_rows, rows),
+            _round_up(self.room_on_left + max(self.reserve_columns, columns)),
+            value_dim=value_dim, room_on_left=self.room_on_left)
 
     def _publish(self, index: int):
         """Make layer ``index`` of the release's own layout show the slab's views, and
@@ -317,7 +404,7 @@ class PreallocatedCache(DynamicCache):
         if not slabs and layers and like is not None:
             slabs = self._slabs = [self._new_slab(like, rows, count) for _ in range(layers)]
             for slab in slabs:
-                slab.rows = rows
+                slab.begin(rows, count)
         if not slabs or any(slab is None for slab in slabs):
             raise ValueError("every layer must be written before a decode step")
         first = slabs[0]
@@ -326,11 +413,9 @@ class PreallocatedCache(DynamicCache):
             raise ValueError(f"a step of {rows} rows over a cache whose layers hold "
                              f"(rows, start, end) {[(x.rows, x.start, x.end) for x in slabs]}")
         if any(slab.end + count > slab.column_capacity for slab in slabs):
-            # every layer moves to column 0 together, so that they keep one start and end
+            # every layer moves together, so that they keep one start and end
             for slab in slabs:
                 slab.reallocate(slab.row_capacity, slab.length + count)
-        for slab in slabs:
-            slab._zero_reserved(slice(slab.end, slab.end + count))
         return ([slab.keys_buffer for slab in slabs], [slab.values_buffer for slab in slabs],
                 first.start, first.end)
 
@@ -368,14 +453,34 @@ class PreallocatedCache(DynamicCache):
                             layer_index)
         return copy
 
+    def has_room_for(self, rows: int, columns: int) -> bool:
+        """Whether :meth:`absorb` can take in rows up to ``rows`` in all, of up to
+        ``columns`` positions, without reallocating."""
+        return all(rows <= slab.row_capacity and columns <= slab.end for slab in self._written())
+
     @torch.inference_mode()
     def absorb(self, others: Sequence["PreallocatedCache"]) -> None:
-        """Take in the rows of ``others`` (no longer than this cache's), after this
-        cache's rows and right-aligned with them: the left padding a batch needs when
-        caches of different lengths are stacked."""
+        """Take in the rows of ``others``, after this cache's rows, each ending at the
+        column these end at (the left padding a batch needs when caches of different
+        lengths are stacked). The rows in use stay where they are: a longer cache's rows
+        land in columns before theirs, which they read as zeros, masked. Only where
+        the rows or the columns on the left reserved do not suffice are the buffers
+        reallocated (grown by :data:`GROWTH`), and the rows in use copied once."""
+        others = [other for other in others if other._written()]
+        if not others:
+            return
+        rows = num_rows(self) + sum(num_rows(other) for other in others)
+        longest = max(seq_length(other) for other in others)
+        slabs = self._written()
+        if not self.has_room_for(rows, longest):
+            for slab in slabs:
+                needed_on_left = longest - slab.length
+                room = (slab.start if slab.start >= needed_on_left
+                        else needed_on_left + int(longest * (GROWTH - 1)))
+                # (the columns on the right, for the tokens still to come, are kept)
+                slab.reallocate(rows, slab.length + slab.column_capacity - slab.end,
+                                room_on_left=room)
         for other in others:
-            if seq_length(other) > seq_length(self):
-                raise ValueError("the longest cache must host the others")
             for slab, theirs in zip(self._slabs, other._slabs):
                 if slab is not None and theirs is not None:
                     slab.take(theirs)

@@ -59,6 +59,7 @@ from typing import Deque, Dict, Iterator, List, Optional, Sequence
 from djl_stream.generation.batch import (CausalLMBatch, generate_token, mixed_pass,
                                          mixed_pass_possible, prefill_chunk)
 from djl_stream.generation.errors import GenerationFailed, QueueFullError
+from djl_stream.generation.kv_cache import reserving_is_free
 from djl_stream.generation.prefill_pacing import (DEFAULT_PREFILL_STALL_STEPS, PrefillPacer,
                                                   attention_parity_context, prefill_columns)
 from djl_stream.generation.sequence import GenerationSequence
@@ -68,6 +69,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BATCH_SIZE = 32
 DEFAULT_MAX_QUEUE = 1000
+#: The longest prompt a request may send by default (``option.max_input_length``'s default):
+#: the columns a cache leaves free on the left for a longer prompt to join (see
+#: :meth:`Scheduler._room_to_reserve`).
+DEFAULT_MAX_INPUT_LENGTH = 4096
 #: The prefill budget (tokens per forward pass) when none is set, by device type. On a
 #: CPU, prefill is compute-bound: the number keeps one chunk within a few decode steps of
 #: a small model, so that a running stream barely slows while a long prompt is read; the
@@ -301,6 +306,9 @@ class Scheduler:
     the bound off; see :mod:`djl_stream.generation.prefill_pacing`). ``pacer`` replaces the
     :class:`~djl_stream.generation.prefill_pacing.PrefillPacer` built from it (another
     clock, another policy).
+    ``max_input_length`` is the longest prompt a request may send
+    (``option.max_input_length``): where reserving is free, a running batch's cache keeps
+    room for one that long to join it without moving its rows.
     ``observers`` are told what happens (see :class:`SchedulerObserver`); by default, the
     process-wide ones of :func:`add_observer`.
     """
@@ -315,6 +323,7 @@ class Scheduler:
         max_queue: int = DEFAULT_MAX_QUEUE,
         max_batch_prefill_tokens: Optional[int] = None,
         max_idle_prefill_tokens: Optional[int] = None,
+        max_input_length: int = DEFAULT_MAX_INPUT_LENGTH,
         prefill_stall_steps: Optional[float] = DEFAULT_PREFILL_STALL_STEPS,
         pacer: Optional[PrefillPacer] = None,
         observers: Optional[Sequence[SchedulerObserver]] = None,
@@ -334,6 +343,7 @@ class Scheduler:
         self.device = device
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
+        self.max_input_length = max_input_length
         self.max_batch_prefill_tokens = max_batch_prefill_tokens
         self.max_idle_prefill_tokens = max(
             max_batch_prefill_tokens,
@@ -528,7 +538,7 @@ class Scheduler:
                 sequences = [seq for job in prefill.jobs for seq in job.sequences]
                 prefill.batch = CausalLMBatch.from_sequences(
                     sequences, pad_token_id=self.pad_token_id, device=self.device,
-                    room_for_rows=self._rows_to_host(sequences))
+                    **self._room_to_reserve(sequences))
             batch = prefill.batch
         except Exception as error:  # noqa: BLE001 - a prompt the model cannot take
             self._prefill_failed(error)
@@ -634,15 +644,17 @@ class Scheduler:
         """Whether anything besides the running batch is under way or waiting."""
         return bool(self._waiting or self._prefilling or self._joining is not None)
 
-    def _rows_to_host(self, sequences: List[GenerationSequence]) -> int:
-        """The running rows a new prefill's cache should reserve room for: all of them
-        when its prompts are longer than the running cache (its cache will host the
-        running rows when it joins, see ``CausalLMBatch.concatenate``), else none."""
-        running = self._running
-        if running is None:
-            return 0
-        longest = max(len(seq.prompt_ids) for seq in sequences)
-        return len(running) if longest > running.cache_length else 0
+    def _room_to_reserve(self, sequences: List[GenerationSequence]) -> Dict[str, int]:
+        """What a new prefill's cache reserves for batches that may join it (it becomes
+        the running batch when none runs by its end, and a running batch hosts those that
+        join it: ``CausalLMBatch.concatenate``): where reserving costs address space only
+        (a CPU), rows up to the batch size and columns on the left for the longest prompt
+        allowed; elsewhere nothing (a running cache grows by half when a join needs more,
+        copying its rows once)."""
+        if not reserving_is_free(self.device):
+            return {}
+        return {"room_for_rows": max(self.max_batch_size - len(sequences), 0),
+                "room_on_left": self.max_input_length}
 
     def _decode(self) -> None:
         batch = self._running

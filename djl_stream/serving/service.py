@@ -219,7 +219,8 @@ class StreamingService:
                 start_scheduler(model, tokenizer, max_batch_size=props.max_rolling_batch_size,
                                 max_queue=props.job_queue_size,
                                 max_batch_prefill_tokens=props.max_batch_prefill_tokens,
-                                prefill_stall_steps=props.prefill_stall_steps)
+                                prefill_stall_steps=props.prefill_stall_steps,
+                                max_input_length=props.max_input_length)
             if _in_djl_serving():
                 # No route can be added there: the scheduler's figures go to djl-serving's
                 # model_metric log as [METRICS] lines on the worker's stdout.

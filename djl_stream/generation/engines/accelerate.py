@@ -22,6 +22,7 @@ from djl_stream.generation.prefill_pacing import DEFAULT_PREFILL_STALL_STEPS
 from djl_stream.generation.sampling import TokenChooser
 from djl_stream.generation.scheduler import (
     DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_INPUT_LENGTH,
     DEFAULT_MAX_QUEUE,
     GenerationStream,
     Scheduler,
@@ -127,11 +128,12 @@ def start_scheduler(
     max_queue: int = DEFAULT_MAX_QUEUE,
     max_batch_prefill_tokens: Optional[int] = None,
     prefill_stall_steps: Optional[float] = DEFAULT_PREFILL_STALL_STEPS,
+    max_input_length: int = DEFAULT_MAX_INPUT_LENGTH,
 ) -> Scheduler:
     """The model's continuous-batching scheduler, created with these limits on first use
     (``option.max_rolling_batch_size``, ``job_queue_size``,
-    ``option.max_batch_prefill_tokens``, ``None`` for the device's default, and
-    ``option.prefill_stall_steps``)."""
+    ``option.max_batch_prefill_tokens``, ``None`` for the device's default,
+    ``option.prefill_stall_steps`` and ``option.max_input_length``)."""
     return scheduler_for(
         model,
         pad_token_id=pad_token_id(tokenizer, eos_token_ids(model, tokenizer)),
@@ -140,6 +142,7 @@ def start_scheduler(
         max_queue=max_queue,
         max_batch_prefill_tokens=max_batch_prefill_tokens,
         prefill_stall_steps=prefill_stall_steps,
+        max_input_length=max_input_length,
     )
 
 
