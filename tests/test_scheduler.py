@@ -319,3 +319,39 @@ def test_a_longer_prompt_joins_the_running_rows_in_their_own_cache(make_schedule
     solo = sequences(tiny_model, smollm2_tokenizer, [PROMPTS[1]], max_new_tokens=6)
     collect(make_scheduler().submit(solo))
     assert late[0].generated_ids == solo[0].generated_ids
+
+
+def test_a_prompt_arriving_as_the_only_running_request_is_cancelled_is_served(
+        make_scheduler, tiny_model, smollm2_tokenizer):
+    # The next cycle's prefill finds the running batch holding only a cancelled request:
+    # dropping it leaves no running batch, and the prefill must go on alone. With the
+    # Llama step (which may run a mixed pass) it failed with "'NoneType' object has no
+    # attribute 'past_key_values'": a 424 for the newcomer.
+    from djl_stream.generation import llama_decode
+
+    in_step, release = threading.Event(), threading.Event()
+
+    def hold_a_decode_step(module, args):
+        # the Llama step's LM head gets (rows, hidden); the model's forward (rows, 1, hidden)
+        if args[0].dim() == 2 and not release.is_set():
+            in_step.set()
+            assert release.wait(30)
+
+    assert llama_decode.attach(tiny_model, smollm2_tokenizer) is not None
+    scheduler = make_scheduler()
+    handle = tiny_model.lm_head.register_forward_pre_hook(hold_a_decode_step)
+    try:
+        running = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[0]],
+                                             max_new_tokens=100_000, ignore_eos=True))
+        assert in_step.wait(30)  # the loop is inside the running request's decode step
+        late = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[2]],
+                                          max_new_tokens=4))
+        running.close()
+        release.set()
+        texts, _ = collect(late)
+    finally:
+        release.set()
+        handle.remove()
+        llama_decode.detach(tiny_model)
+    assert texts is not None and late.sequences[0].finished
+    assert len(late.sequences[0].generated_ids) == 4

@@ -545,6 +545,7 @@ class Scheduler:
             return False
         if self._running is not None:
             self._drop_cancelled_running()  # they would take this step too
+        if self._running is not None:  # (unless every running request was cancelled)
             if (mixed_pass_possible(self.model, self._running, batch)
                     and self._mixed_step(prefill)):
                 return True
