@@ -396,8 +396,8 @@ class PreallocatedCache(DynamicCache):
         a decode step's column, a prompt chunk's ``count`` columns): each layer's whole key
         and value buffers, the first column in use and the first column the step writes
         (the same in every layer); they join the columns in use at
-        :meth:`next_columns_written`. Room is made for them first, and the reserved rows
-        are zeroed over them, as :meth:`update` does. A cache never written is allocated
+        :meth:`next_columns_written`. Room is made for them first, as :meth:`update`
+        makes it. A cache never written is allocated
         first: ``layers`` layers of buffers of ``like``'s dtype, device, heads and head
         size (``like`` is shaped ``(any, heads, any, head_dim)``)."""
         slabs = self._slabs
