@@ -245,3 +245,22 @@ def test_a_row_that_leaves_leaves_nothing_behind_for_the_next_in_its_place(tiny_
         tiny_model, smollm2_tokenizer, "A much longer prompt than any of the running ones, by far", 8)
     for seq, prompt in zip([sequences[0], sequences[2]], [PROMPTS[0], PROMPTS[2]]):
         assert seq.generated_ids == alone(tiny_model, smollm2_tokenizer, prompt, 8)
+
+
+def test_a_long_newcomer_hosts_a_short_running_row_where_that_copies_less(tiny_model,
+                                                                          smollm2_tokenizer):
+    # Both caches have room: the one holding more (rows × columns) hosts, so one short
+    # running row is copied into a long prompt's cache, not the long prompt into it.
+    running_seqs, running = reserving_batch(tiny_model, smollm2_tokenizer, [PROMPTS[0]], ["a"],
+                                            8, rows=3, left=32)
+    _, running = generate_token(tiny_model, running)
+    late_seqs, newcomer = reserving_batch(tiny_model, smollm2_tokenizer, PROMPTS[1:], ["b", "c"],
+                                          8, rows=3, left=32)
+    _, newcomer = generate_token(tiny_model, newcomer)
+    batch = CausalLMBatch.concatenate([running, newcomer])
+    assert batch.past_key_values is newcomer.past_key_values
+    assert batch.request_ids == ["b", "c", "a"]
+    while batch is not None:
+        _, batch = generate_token(tiny_model, batch)
+    for seq, prompt in zip(running_seqs + late_seqs, PROMPTS):
+        assert seq.generated_ids == alone(tiny_model, smollm2_tokenizer, prompt, 8)

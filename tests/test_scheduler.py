@@ -289,10 +289,11 @@ def test_a_finished_prefill_no_longer_than_the_running_rows_joins_at_once(
 
 def test_a_longer_prompt_joins_the_running_rows_in_their_own_cache(make_scheduler, tiny_model,
                                                                    smollm2_tokenizer):
-    # On a CPU the running batch's cache reserves free rows and columns on the left: the
-    # longer newcomer is copied into them, and the running rows stay in the cache they
-    # were decoding in (before, a longer newcomer's cache took them in: a copy of every
-    # running row's cache at every such join).
+    # On a CPU the running batch's cache reserves free rows and columns on the left: a
+    # newcomer longer than the running rows (but holding less cache than they do) is
+    # copied into them, and the running rows stay in the cache they were decoding in
+    # (before, a longer newcomer's cache took them in: a copy of every running row's
+    # cache at every such join).
     from djl_stream.generation.forward_kwargs import cache_in
 
     decode_caches = []
@@ -303,20 +304,21 @@ def test_a_longer_prompt_joins_the_running_rows_in_their_own_cache(make_schedule
 
     handle = tiny_model.register_forward_pre_hook(record, with_kwargs=True)
     scheduler = make_scheduler(max_batch_size=4)
+    long_prompt = PROMPTS[1] + " " + PROMPTS[1]
     try:
-        running = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[0]],
+        running = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, PROMPTS[1:],
                                              max_new_tokens=100_000, ignore_eos=True))
         next(running)
-        late = sequences(tiny_model, smollm2_tokenizer, [PROMPTS[1]], max_new_tokens=6)
-        assert len(late[0].prompt_ids) > 2
+        late = sequences(tiny_model, smollm2_tokenizer, [long_prompt], max_new_tokens=6)
         collect(scheduler.submit(late))
         running.close()
     finally:
         handle.remove()
-    alone = {cache for rows, cache in decode_caches if rows == 1}
-    together = {cache for rows, cache in decode_caches if rows == 2}
-    assert together and together <= alone  # the running stream's own cache, throughout
-    solo = sequences(tiny_model, smollm2_tokenizer, [PROMPTS[1]], max_new_tokens=6)
+    assert len(late[0].prompt_ids) > max(len(seq.prompt_ids) for seq in running.sequences) + 4
+    alone = {cache for rows, cache in decode_caches if rows == 3}
+    together = {cache for rows, cache in decode_caches if rows == 4}
+    assert together and together <= alone  # the running rows' own cache, throughout
+    solo = sequences(tiny_model, smollm2_tokenizer, [long_prompt], max_new_tokens=6)
     collect(make_scheduler().submit(solo))
     assert late[0].generated_ids == solo[0].generated_ids
 

@@ -200,13 +200,15 @@ class CausalLMBatch:
     def concatenate(cls, batches: Sequence["CausalLMBatch"]) -> "CausalLMBatch":
         """One batch holding every row of ``batches`` (all prefilled).
 
-        One batch's cache hosts the others: the first whose cache has the rows and the
-        columns on the left they need (the running batch, when it reserved them), else the
-        one with the most rows. Its rows come first and stay where they are; the others'
-        rows follow in order, copied into its free rows, all ending at one column
+        One batch's cache hosts the others: of those whose caches have the rows and the
+        columns on the left they need, the one holding the most (rows × columns), so that
+        the least is copied; where none has, the one with the most rows (its cache grows).
+        Its rows come first and stay where they are; the others' rows follow in order,
+        copied into its free rows, all ending at one column
         (:meth:`~djl_stream.generation.kv_cache.PreallocatedCache.absorb`); the masks hide
-        the columns before a row's own. So a newcomer costs the copy of its own rows, be
-        it shorter or longer than the running ones.
+        the columns before a row's own. So many running rows stay where they are when a
+        longer prompt joins them, and one short running row is copied into a long
+        prompt's cache rather than the other way round.
         """
         batches = [b for b in batches if b is not None]
         if len(batches) == 1:
@@ -215,8 +217,10 @@ class CausalLMBatch:
             raise ValueError("only prefilled batches can be concatenated")
         rows = sum(len(b) for b in batches)
         longest = max(b.cache_length for b in batches)
-        host = next((b for b in batches if b.past_key_values.has_room_for(rows, longest)),
-                    max(batches, key=len))  # (max: the first of the largest)
+        roomy = [b for b in batches if b.past_key_values.has_room_for(rows, longest)]
+        # (max: the first of the largest, the running batch on a tie)
+        host = (max(roomy, key=lambda b: len(b) * b.cache_length) if roomy
+                else max(batches, key=len))
         batches = [host] + [b for b in batches if b is not host]
         # (before the join, which widens the host's cache to the longest)
         masks = [torch.nn.functional.pad(b.attention_mask, (longest - b.cache_length, 0), value=0)
