@@ -45,3 +45,15 @@ def test_free_rows_read_zeros_after_rows_leave():
     slab = cache._slabs[0]
     assert slab.rows == 1
     assert not slab.keys_buffer[1:].any() and not slab.values_buffer[1:].any()
+
+
+def test_the_join_cost_benchmark_hosts_where_the_least_is_copied(embedded_model_dir):
+    from benchmarks.join_cost import one_join
+
+    many = one_join(str(embedded_model_dir), running_rows=4, running_columns=40,
+                    newcomer_columns=100, batch_size=8, max_input_length=256, new_tokens=16)
+    assert many["host"] == "running"  # 160 positions stay, the longer newcomer's 100 move
+    one = one_join(str(embedded_model_dir), running_rows=1, running_columns=40,
+                   newcomer_columns=100, batch_size=8, max_input_length=256, new_tokens=16)
+    assert one["host"] == "newcomer"
+    assert one["resident_growth_mib"] < 64 and one["join_ms"] >= 0

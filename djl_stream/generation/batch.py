@@ -215,12 +215,8 @@ class CausalLMBatch:
             return batches[0]
         if not all(b.prefilled and b.columns_to_feed == 1 for b in batches):
             raise ValueError("only prefilled batches can be concatenated")
-        rows = sum(len(b) for b in batches)
         longest = max(b.cache_length for b in batches)
-        roomy = [b for b in batches if b.past_key_values.has_room_for(rows, longest)]
-        # (max: the first of the largest, the running batch on a tie)
-        host = (max(roomy, key=lambda b: len(b) * b.cache_length) if roomy
-                else max(batches, key=len))
+        host = batches[kv_cache.choose_host([b.past_key_values for b in batches])]
         batches = [host] + [b for b in batches if b is not host]
         # (before the join, which widens the host's cache to the longest)
         masks = [torch.nn.functional.pad(b.attention_mask, (longest - b.cache_length, 0), value=0)

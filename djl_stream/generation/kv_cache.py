@@ -313,6 +313,26 @@ def _moved(buffer: torch.Tensor, rows: int, columns: int, in_use: tuple,
     return moved
 
 
+def choose_host(caches: Sequence["PreallocatedCache"]) -> int:
+    """Which of ``caches`` (written, to be joined into one) should take in the others:
+    of those with room for all their rows and their longest (:meth:`~PreallocatedCache.has_room_for`),
+    the one holding the most (rows × columns), so that the least is copied; where none
+    has room, the one with the most rows (it grows). The first wins a tie.
+
+    >>> small, big = PreallocatedCache(reserve_rows=4), PreallocatedCache(reserve_rows=4)
+    >>> _ = small.update(torch.ones(1, 1, 2, 8), torch.ones(1, 1, 2, 8), 0)
+    >>> _ = big.update(torch.ones(1, 1, 5, 8), torch.ones(1, 1, 5, 8), 0)
+    >>> choose_host([small, big])   # the longer one (no room on the left in the other)
+    1
+    """
+    rows = sum(num_rows(cache) for cache in caches)
+    longest = max(seq_length(cache) for cache in caches)
+    roomy = [i for i, cache in enumerate(caches) if cache.has_room_for(rows, longest)]
+    if roomy:
+        return max(roomy, key=lambda i: num_rows(caches[i]) * seq_length(caches[i]))
+    return max(range(len(caches)), key=lambda i: num_rows(caches[i]))
+
+
 class PreallocatedCache(DynamicCache):
     """A ``DynamicCache`` whose layers are written in place; see the module docstring.
 
