@@ -357,3 +357,29 @@ def test_a_prompt_arriving_as_the_only_running_request_is_cancelled_is_served(
         llama_decode.detach(tiny_model)
     assert texts is not None and late.sequences[0].finished
     assert len(late.sequences[0].generated_ids) == 4
+
+
+def test_what_a_prefill_reserves_on_a_cpu_and_elsewhere(tiny_model, smollm2_tokenizer):
+    # On a CPU, room costs address space only: every prefill reserves rows up to the
+    # batch size and columns on the left for the longest prompt allowed. Elsewhere
+    # (contract only: no GPU here; "cuda" names the device, nothing runs on it) a prompt
+    # reserves rows for the running ones only when it is longer than they are.
+    from djl_stream.generation.batch import CausalLMBatch, generate_token
+
+    from types import SimpleNamespace
+
+    short, longer = (sequences(tiny_model, smollm2_tokenizer, [p]) for p in PROMPTS[:2])
+
+    def room(device, prompt, running=None):  # the method, on a scheduler's settings alone
+        settings = SimpleNamespace(device=device, max_batch_size=8, max_input_length=300,
+                                   _running=running)
+        return Scheduler._room_to_reserve(settings, prompt)
+
+    assert room("cpu", short) == {"room_for_rows": 7, "room_on_left": 300}
+    assert room("cuda", longer) == {}  # nothing runs
+    _, running = generate_token(tiny_model, CausalLMBatch.from_sequences(
+        sequences(tiny_model, smollm2_tokenizer, PROMPTS[2:]), pad_token_id=2, device="cpu"))
+    assert len(longer[0].prompt_ids) > running.cache_length >= len(short[0].prompt_ids)
+    assert room("cuda", longer, running) == {"room_for_rows": 2}
+    assert room("cuda", short, running) == {}
+    assert room("cpu", longer, running) == {"room_for_rows": 7, "room_on_left": 300}

@@ -12,8 +12,8 @@ so every row computes what it would compute alone.
 columns no remaining row needs; :meth:`CausalLMBatch.concatenate` merges batches, which is
 how a newly prefilled request joins a running batch (continuous batching). The KV cache is
 a :class:`~djl_stream.generation.kv_cache.PreallocatedCache`, written in place: a decode
-step writes one column, a merge copies the joining batch's rows into the running one's free
-rows.
+step writes one column, a merge copies one batch's rows into the free rows of the other's
+cache.
 
 A long prompt need not be prefilled in one forward pass: :func:`prefill_chunk` feeds the
 leading columns of a batch's prompts through the model and keeps the rest for later, so
@@ -92,9 +92,9 @@ class CausalLMBatch:
         """A batch ready for prefill: prompts left-padded to the longest one.
 
         Its KV cache reserves columns for the longest prompt plus the most new tokens any
-        row may generate, ``room_for_rows`` more rows and ``room_on_left`` more columns
-        before its own: for batches that may join this one (see :meth:`concatenate`),
-        as long as ``room_on_left`` more than these prompts.
+        row may generate, ``room_for_rows`` more rows, and ``room_on_left`` columns before
+        its own, so that rows up to that much longer can join this batch without moving
+        its rows (see :meth:`concatenate`).
         """
         if not sequences:
             raise ValueError("a batch needs at least one sequence")

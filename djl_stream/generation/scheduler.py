@@ -646,16 +646,20 @@ class Scheduler:
         return bool(self._waiting or self._prefilling or self._joining is not None)
 
     def _room_to_reserve(self, sequences: List[GenerationSequence]) -> Dict[str, int]:
-        """What a new prefill's cache reserves for batches that may join it (it becomes
-        the running batch when none runs by its end, and a running batch hosts those that
-        join it: ``CausalLMBatch.concatenate``): where reserving costs address space only
-        (a CPU), rows up to the batch size and columns on the left for the longest prompt
-        allowed; elsewhere nothing (a running cache grows by half when a join needs more,
-        copying its rows once)."""
-        if not reserving_is_free(self.device):
+        """What a new prefill's cache reserves for rows that may join it (at a join, a
+        cache with room for it hosts the other: ``CausalLMBatch.concatenate``). Where
+        reserving costs address space only (a CPU): rows up to the batch size and columns
+        on the left for the longest prompt allowed, so that either cache can host.
+        Elsewhere (a GPU's memory is taken whole at allocation), as before slots: rows for
+        the running ones when these prompts are longer than the running rows, else none."""
+        if reserving_is_free(self.device):
+            return {"room_for_rows": max(self.max_batch_size - len(sequences), 0),
+                    "room_on_left": self.max_input_length}
+        running = self._running
+        longest = max(len(seq.prompt_ids) for seq in sequences)
+        if running is None or longest <= running.cache_length:
             return {}
-        return {"room_for_rows": max(self.max_batch_size - len(sequences), 0),
-                "room_on_left": self.max_input_length}
+        return {"room_for_rows": len(running)}
 
     def _decode(self) -> None:
         batch = self._running
