@@ -57,3 +57,12 @@ def test_the_join_cost_benchmark_hosts_where_the_least_is_copied(embedded_model_
                    newcomer_columns=100, batch_size=8, max_input_length=256, new_tokens=16)
     assert one["host"] == "newcomer"
     assert one["resident_growth_mib"] < 64 and one["join_ms"] >= 0
+
+
+def test_no_free_reserving_where_the_kernel_counts_address_space(monkeypatch):
+    from djl_stream.generation import kv_cache
+
+    monkeypatch.setattr(kv_cache, "_overcommit_mode", lambda: "2")
+    assert not kv_cache.reserving_is_free("cpu")
+    monkeypatch.setattr(kv_cache, "_overcommit_mode", lambda: "0")
+    assert kv_cache.reserving_is_free("cpu")

@@ -130,8 +130,17 @@ def _round_up(columns: int) -> int:
 def reserving_is_free(device) -> bool:
     """Whether rows and columns a cache reserves on ``device`` cost address space only
     (resident memory only once written): true on a CPU, where :func:`zeroed_buffer` maps
-    fresh pages; a GPU's memory is taken whole at allocation."""
-    return torch.device(device).type == "cpu"
+    fresh pages, unless the kernel counts every mapped page against a limit
+    (``vm.overcommit_memory=2``); a GPU's memory is taken whole at allocation."""
+    return torch.device(device).type == "cpu" and _overcommit_mode() != "2"
+
+
+def _overcommit_mode() -> str:
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as mode:
+            return mode.read().strip()
+    except OSError:  # not Linux: mapped pages are not counted up front there either
+        return "0"
 
 
 def zeroed_buffer(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
@@ -149,7 +158,10 @@ def zeroed_buffer(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     size = math.prod(shape) * like.element_size()
     if like.device.type != "cpu" or size == 0:
         return torch.zeros(tuple(shape), dtype=like.dtype, device=like.device)
-    pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, AttributeError):  # refused (a limit on address space), or no such flags
+        return torch.zeros(tuple(shape), dtype=like.dtype, device=like.device)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
         try:
             pages.madvise(mmap.MADV_NOHUGEPAGE)
