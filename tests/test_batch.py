@@ -24,6 +24,15 @@ def alone(model, tokenizer, prompt, max_new_tokens):
     return seq.generated_ids
 
 
+def assert_each_as_alone(model, tokenizer, batch, sequences, prompts, max_new_tokens):
+    """Run ``batch`` to its end: each sequence must have generated what its prompt
+    generates alone."""
+    while batch is not None:
+        _, batch = generate_token(model, batch)
+    for seq, prompt in zip(sequences, prompts):
+        assert seq.generated_ids == alone(model, tokenizer, prompt, max_new_tokens)
+
+
 def test_a_finished_row_leaves_and_the_padding_it_needed_is_trimmed(tiny_model, smollm2_tokenizer):
     # the long prompt finishes first; the short ones then need none of its columns
     sequences, batch = new_batch(tiny_model, smollm2_tokenizer, PROMPTS, ["a", "b", "c"], 6)
@@ -51,10 +60,7 @@ def test_a_request_prefilled_later_joins_the_running_batch(tiny_model, smollm2_t
     _, newcomer = generate_token(tiny_model, newcomer)  # its prefill, as a batch of its own
     batch = CausalLMBatch.concatenate([running, newcomer])
     assert batch.request_ids == ["a", "b", "c"]
-    while batch is not None:
-        _, batch = generate_token(tiny_model, batch)
-    for seq, prompt in zip(running_seqs + [late], PROMPTS):
-        assert seq.generated_ids == alone(tiny_model, smollm2_tokenizer, prompt, 12)
+    assert_each_as_alone(tiny_model, smollm2_tokenizer, batch, running_seqs + [late], PROMPTS, 12)
 
 
 def test_filter_keeps_the_named_rows_only(tiny_model, smollm2_tokenizer):
@@ -122,10 +128,7 @@ def test_a_longer_newcomer_hosts_the_running_rows_in_the_rows_it_reserved(tiny_m
     assert batch.request_ids == ["b", "c", "a"]  # the host's rows first
     padding = batch.attention_mask[2] == 0
     assert padding.sum() > 0 and not keys_of(batch)[2][:, padding[:-1]].any()
-    while batch is not None:
-        _, batch = generate_token(tiny_model, batch)
-    for seq, prompt in zip(running_seqs + late_seqs, PROMPTS):
-        assert seq.generated_ids == alone(tiny_model, smollm2_tokenizer, prompt, 12)
+    assert_each_as_alone(tiny_model, smollm2_tokenizer, batch, running_seqs + late_seqs, PROMPTS, 12)
 
 
 def test_rows_that_leave_are_zeroed_for_the_next_to_join(tiny_model, smollm2_tokenizer):
@@ -193,10 +196,7 @@ def test_a_longer_newcomer_joins_a_running_batch_that_stays_where_it_is(tiny_mod
     padding = batch.attention_mask[0] == 0
     assert padding.sum() >= newcomer.cache_length - 4
     assert not keys_of(batch)[0][:, padding[:-1]].any()
-    while batch is not None:
-        _, batch = generate_token(tiny_model, batch)
-    for seq, prompt in zip(running_seqs + late_seqs, PROMPTS):
-        assert seq.generated_ids == alone(tiny_model, smollm2_tokenizer, prompt, 12)
+    assert_each_as_alone(tiny_model, smollm2_tokenizer, batch, running_seqs + late_seqs, PROMPTS, 12)
 
 
 def test_a_join_beyond_the_reserved_room_grows_the_running_cache_once(tiny_model,
@@ -212,10 +212,7 @@ def test_a_join_beyond_the_reserved_room_grows_the_running_cache_once(tiny_model
     assert batch.request_ids == ["b", "c", "a"]
     slab = batch.past_key_values._slabs[0]
     assert slab.row_capacity >= 3 and slab.rows == 3
-    while batch is not None:
-        _, batch = generate_token(tiny_model, batch)
-    for seq, prompt in zip(running_seqs + late_seqs, PROMPTS):
-        assert seq.generated_ids == alone(tiny_model, smollm2_tokenizer, prompt, 10)
+    assert_each_as_alone(tiny_model, smollm2_tokenizer, batch, running_seqs + late_seqs, PROMPTS, 10)
 
 
 def test_a_row_that_leaves_leaves_nothing_behind_for_the_next_in_its_place(tiny_model,
@@ -233,18 +230,14 @@ def test_a_row_that_leaves_leaves_nothing_behind_for_the_next_in_its_place(tiny_
     assert kept.request_ids == ["a", "c"]
     assert not slab.keys_buffer[1, :, :slab.start].any()  # the leaver's columns, zeroed
     assert not slab.keys_buffer[2:].any() and not slab.values_buffer[2:].any()  # free rows
-    late_seqs, newcomer = new_batch(tiny_model, smollm2_tokenizer,
-                                    ["A much longer prompt than any of the running ones, by far"],
-                                    ["d"], 8)
+    long_prompt = "A much longer prompt than any of the running ones, by far"
+    late_seqs, newcomer = new_batch(tiny_model, smollm2_tokenizer, [long_prompt], ["d"], 8)
     _, newcomer = generate_token(tiny_model, newcomer)
     batch = CausalLMBatch.concatenate([kept, newcomer])
     assert batch.past_key_values is kept.past_key_values
-    while batch is not None:
-        _, batch = generate_token(tiny_model, batch)
-    assert late_seqs[0].generated_ids == alone(
-        tiny_model, smollm2_tokenizer, "A much longer prompt than any of the running ones, by far", 8)
-    for seq, prompt in zip([sequences[0], sequences[2]], [PROMPTS[0], PROMPTS[2]]):
-        assert seq.generated_ids == alone(tiny_model, smollm2_tokenizer, prompt, 8)
+    assert_each_as_alone(tiny_model, smollm2_tokenizer, batch,
+                         [sequences[0], sequences[2], late_seqs[0]],
+                         [PROMPTS[0], PROMPTS[2], long_prompt], 8)
 
 
 def test_a_long_newcomer_hosts_a_short_running_row_where_that_copies_less(tiny_model,
@@ -260,7 +253,4 @@ def test_a_long_newcomer_hosts_a_short_running_row_where_that_copies_less(tiny_m
     batch = CausalLMBatch.concatenate([running, newcomer])
     assert batch.past_key_values is newcomer.past_key_values
     assert batch.request_ids == ["b", "c", "a"]
-    while batch is not None:
-        _, batch = generate_token(tiny_model, batch)
-    for seq, prompt in zip(running_seqs + late_seqs, PROMPTS):
-        assert seq.generated_ids == alone(tiny_model, smollm2_tokenizer, prompt, 8)
+    assert_each_as_alone(tiny_model, smollm2_tokenizer, batch, running_seqs + late_seqs, PROMPTS, 8)

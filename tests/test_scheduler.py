@@ -242,6 +242,18 @@ def test_a_request_cancelled_behind_a_waiting_one_leaves_the_queue_at_once(make_
     assert collect(head)[1] == 2
 
 
+def beside_a_stream(scheduler, model, tokenizer, running_prompts, late_prompt):
+    """Run ``late_prompt`` (6 new tokens) to its end while a request of ``running_prompts``
+    decodes on; return the running request's stream (closed) and the late sequences."""
+    running = scheduler.submit(sequences(model, tokenizer, running_prompts,
+                                         max_new_tokens=100_000, ignore_eos=True))
+    next(running)
+    late = sequences(model, tokenizer, [late_prompt], max_new_tokens=6)
+    collect(scheduler.submit(late))
+    running.close()
+    return running, late
+
+
 def join_passes(make_scheduler, tiny_model, tokenizer, running_prompt, late_prompt):
     """(rows, columns) of every forward pass while ``late_prompt`` joins a stream of
     ``running_prompt``, from the late prompt's last prefill pass on; and whether the late
@@ -249,12 +261,8 @@ def join_passes(make_scheduler, tiny_model, tokenizer, running_prompt, late_prom
     scheduler = make_scheduler()
     forwards = BatchSizes(tiny_model)
     try:
-        running = scheduler.submit(sequences(tiny_model, tokenizer, [running_prompt],
-                                             max_new_tokens=100_000, ignore_eos=True))
-        next(running)
-        late_seqs = sequences(tiny_model, tokenizer, [late_prompt], max_new_tokens=6)
-        collect(scheduler.submit(late_seqs))
-        running.close()
+        late_seqs = beside_a_stream(scheduler, tiny_model, tokenizer, [running_prompt],
+                                    late_prompt)[1]
     finally:
         forwards.remove()
     passes = list(zip(forwards.sizes, forwards.widths))
@@ -306,12 +314,8 @@ def test_a_longer_prompt_joins_the_running_rows_in_their_own_cache(make_schedule
     scheduler = make_scheduler(max_batch_size=4)
     long_prompt = PROMPTS[1] + " " + PROMPTS[1]
     try:
-        running = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, PROMPTS[1:],
-                                             max_new_tokens=100_000, ignore_eos=True))
-        next(running)
-        late = sequences(tiny_model, smollm2_tokenizer, [long_prompt], max_new_tokens=6)
-        collect(scheduler.submit(late))
-        running.close()
+        running, late = beside_a_stream(scheduler, tiny_model, smollm2_tokenizer, PROMPTS[1:],
+                                        long_prompt)
     finally:
         handle.remove()
     assert len(late[0].prompt_ids) > max(len(seq.prompt_ids) for seq in running.sequences) + 4
