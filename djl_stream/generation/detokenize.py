@@ -302,8 +302,12 @@ class IncrementalDetokenizer:
         self._prompt = [int(t) for t in prompt_ids[-PROMPT_CONTEXT:]]
         self._ids: list[int] = []
         self._held: list[int] = []
-        # The ids last given to the window: the context a restarted window starts from.
+        # The context a restarted window starts from: the last ids given to the window up
+        # to the last one that released text, and every id given since (their text is not
+        # out yet: a byte of a character, skipped special tokens between, ...; cut to the
+        # last few, a restart lost the bytes they held).
         self._recent: deque[int] = deque(maxlen=PROMPT_CONTEXT)
+        self._unreleased: list[int] = []
         self._pieces: list[str] = []
         self._text: str | None = ""
         self._finished = False
@@ -394,10 +398,10 @@ class IncrementalDetokenizer:
             piece = self._window.feed(batch) or ""
         except Exception as error:  # DecodeStream: "Invalid prefix encountered"
             return self._restart(batch, error)  # feeds (and records) the batch again
-        if isinstance(batch, int):
-            self._recent.append(batch)
-        else:
-            self._recent.extend(batch)
+        self._unreleased.extend([batch] if isinstance(batch, int) else batch)
+        if piece:
+            self._recent.extend(self._unreleased)
+            self._unreleased = []
         return piece
 
     def _restart(self, batch: int | list[int], error: Exception) -> str:
@@ -406,12 +410,13 @@ class IncrementalDetokenizer:
             raise error
         logger.debug("restarting the decode window: %s", error)
         new = [batch] if isinstance(batch, int) else batch
-        context = list(self._recent)
+        context = list(self._recent) + self._unreleased
         self._restarting = True
         try:
             self._window.reset()
             self._held = []
             self._recent.clear()
+            self._unreleased = []
             # What the context leaves unfinished was not emitted yet either, so it is
             # not an echo: the fresh window emits it once it is final, as the old would.
             self._prime(context)
@@ -423,6 +428,7 @@ class IncrementalDetokenizer:
             self._window.reset()
             self._held = []
             self._recent.clear()
+            self._unreleased = []
             self._echo = ""
             return ""
         finally:
