@@ -398,10 +398,14 @@ class IncrementalDetokenizer:
             piece = self._window.feed(batch) or ""
         except Exception as error:  # DecodeStream: "Invalid prefix encountered"
             return self._restart(batch, error)  # feeds (and records) the batch again
-        self._unreleased.extend([batch] if isinstance(batch, int) else batch)
-        if piece:
+        if piece and self._unreleased:  # their text is out now, with this piece
             self._recent.extend(self._unreleased)
-            self._unreleased = []
+            self._unreleased.clear()
+        record = self._recent if piece else self._unreleased
+        if isinstance(batch, int):
+            record.append(batch)
+        else:
+            record.extend(batch)
         return piece
 
     def _restart(self, batch: int | list[int], error: Exception) -> str:
@@ -416,7 +420,7 @@ class IncrementalDetokenizer:
             self._window.reset()
             self._held = []
             self._recent.clear()
-            self._unreleased = []
+            self._unreleased.clear()
             # What the context leaves unfinished was not emitted yet either, so it is
             # not an echo: the fresh window emits it once it is final, as the old would.
             self._prime(context)
@@ -428,7 +432,7 @@ class IncrementalDetokenizer:
             self._window.reset()
             self._held = []
             self._recent.clear()
-            self._unreleased = []
+            self._unreleased.clear()
             self._echo = ""
             return ""
         finally:

@@ -58,6 +58,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 from typing import List, Optional, Sequence
@@ -135,7 +136,9 @@ def reserving_is_free(device) -> bool:
     return torch.device(device).type == "cpu" and _overcommit_mode() != "2"
 
 
+@functools.lru_cache(maxsize=None)
 def _overcommit_mode() -> str:
+    """``vm.overcommit_memory``, read once per process (asked at every prefill)."""
     try:
         with open("/proc/sys/vm/overcommit_memory") as mode:
             return mode.read().strip()
@@ -219,9 +222,9 @@ class _Slab:
 
     def begin(self, rows: int, columns: int) -> None:
         """Start over empty with ``rows`` rows, room made for ``columns`` columns from
-        ``room_on_left`` (a first write; rows once held here were zeroed when they left)."""
-        self.zero_rows(range(self.rows))
-        self.rows, self.first = 0, []
+        ``room_on_left`` (a first write, or the rewrite of a pass cut back to nothing: it
+        writes the same columns again)."""
+        self.rows, self.first = 0, []  # (so that a reallocation copies none)
         self.start = self.end = self.room_on_left
         if rows > self.row_capacity or self.start + columns > self.column_capacity:
             self.reallocate(rows, columns)

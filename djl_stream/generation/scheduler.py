@@ -545,10 +545,10 @@ class Scheduler:
             return False
         if self._running is not None:
             self._drop_cancelled_running()  # they would take this step too
-        if self._running is not None:  # (unless every running request was cancelled)
-            if (mixed_pass_possible(self.model, self._running, batch)
-                    and self._mixed_step(prefill)):
-                return True
+        # (none may be left: every running request was cancelled)
+        if (self._running is not None and mixed_pass_possible(self.model, self._running, batch)
+                and self._mixed_step(prefill)):
+            return True
         try:
             # With nothing decoding, nobody waits between tokens: a long prompt alone is
             # read in fewer, wider passes (its time to first token is shorter).
