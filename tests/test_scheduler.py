@@ -327,6 +327,48 @@ def test_a_longer_prompt_joins_the_running_rows_in_their_own_cache(make_schedule
     assert late[0].generated_ids == solo[0].generated_ids
 
 
+def test_a_failure_while_a_prefill_joins_fails_its_request_instead_of_losing_it(
+        make_scheduler, tiny_model, smollm2_tokenizer, monkeypatch):
+    # A bug raising at the join (the prefill has left the prefill queue, and is not in the
+    # running batch yet) reaches the loop's safety net, which failed the requests of the
+    # batches it knew: the newcomer waited forever. Every admitted request fails now,
+    # and the scheduler serves the next.
+    from djl_stream.generation import scheduler as scheduler_module
+
+    def broken_join(batches):
+        raise RuntimeError("a bug at the join")
+
+    scheduler = make_scheduler()
+    running = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[1]],
+                                         max_new_tokens=100_000, ignore_eos=True))
+    next(running)
+    monkeypatch.setattr(scheduler_module.CausalLMBatch, "concatenate", broken_join)
+    # (shorter than the running row: it joins in the cycle of its prefill)
+    late = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[2]],
+                                      max_new_tokens=4))
+    outcomes = {}
+
+    def drain(name, stream):
+        try:
+            collect(stream)
+            outcomes[name] = "finished"
+        except GenerationFailed as failure:
+            outcomes[name] = str(failure)
+
+    drains = [threading.Thread(target=drain, args=item, daemon=True)
+              for item in (("late", late), ("running", running))]
+    for thread in drains:
+        thread.start()
+    for thread in drains:
+        thread.join(120)  # (before the fix, the late request's stream never ended)
+    assert set(outcomes) == {"late", "running"}
+    assert all("a bug at the join" in outcome for outcome in outcomes.values())
+    monkeypatch.undo()
+    after = sequences(tiny_model, smollm2_tokenizer, [PROMPTS[0]], max_new_tokens=3)
+    collect(scheduler.submit(after))
+    assert len(after[0].generated_ids) == 3
+
+
 def test_a_prompt_arriving_as_the_only_running_request_is_cancelled_is_served(
         make_scheduler, tiny_model, smollm2_tokenizer):
     # The next cycle's prefill finds the running batch holding only a cancelled request:

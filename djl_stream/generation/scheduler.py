@@ -454,14 +454,15 @@ class Scheduler:
                     # The batch just emptied (the loop only gets here with work done).
                     release_cached_memory()
             except Exception as error:  # noqa: BLE001 - the loop must outlive any bug
-                # Whatever went wrong, no request may wait forever: fail everything
-                # in flight and start again with an empty batch.
-                batches = [b for b in (self._running, self._joining) if b is not None]
+                # Whatever went wrong, no request may wait forever: fail every request
+                # admitted (those in a batch, and any caught between two, a prefill
+                # that was joining the running batch say) and start again empty.
                 self._running = self._joining = None
-                in_flight = [job for b in batches for job in self._jobs_of(b.sequences)]
-                prefilling = [job for prefill in self._prefilling for job in prefill.jobs]
                 self._prefilling.clear()
-                self._fail(list({id(j): j for j in prefilling + in_flight}.values()), error)
+                with self._wakeup:
+                    queued = {id(job) for job in self._waiting}
+                    admitted = [job for job in self._jobs.values() if id(job) not in queued]
+                self._fail(admitted, error)
                 self._publish_running()
         self._running = self._joining = None
         self._prefilling.clear()
