@@ -3,9 +3,13 @@ the KV cache, with the model's KV shape and random keys and values.
 
 ``--running-rows`` rows of ``--running-columns`` positions are decoding; a newcomer of
 one row of ``--newcomer-columns`` positions has its cache written (its prefill's writes,
-without the model) and joins them, the host chosen as continuous batching chooses it
-(:func:`~djl_stream.generation.kv_cache.choose_host`), with the rows and columns a CPU
-server reserves (``--batch-size`` rows, ``--max-input-length`` columns on the left).
+without the model) and joins them, with the rows and columns a CPU server reserves
+(``--batch-size`` rows, ``--max-input-length`` columns on the left). ``--layout lent``
+(what the scheduler does where the running cache has the room): the newcomer is written
+into rows the running cache lends it (:meth:`~djl_stream.generation.kv_cache.PreallocatedCache.lease`)
+and its join takes them over; ``--layout own``: it is written into a cache of its own,
+and one cache takes in the other, the host chosen as continuous batching chooses it
+(:func:`~djl_stream.generation.kv_cache.choose_host`).
 Reported: the time of the newcomer's writes and of the join, and how much the process's
 resident size grew over both. Each scenario runs in a process of its own, so that one's
 freed memory does not hide the next one's growth.
@@ -45,7 +49,8 @@ def _fill(cache: PreallocatedCache, shape, rows: int, columns: int) -> None:
 
 
 def one_join(model_dir: str, running_rows: int, running_columns: int, newcomer_columns: int,
-             batch_size: int, max_input_length: int, new_tokens: int) -> dict:
+             batch_size: int, max_input_length: int, new_tokens: int,
+             layout: str = "own") -> dict:
     """One scenario, in this process; see the module docstring."""
     from transformers import AutoConfig
 
@@ -57,8 +62,12 @@ def one_join(model_dir: str, running_rows: int, running_columns: int, newcomer_c
 
     running = reserving(running_rows, running_columns)
     _fill(running, shape, running_rows, running_columns)
-    newcomer = reserving(1, newcomer_columns)
     before = _resident_mib()
+    newcomer = (running.lease(1, newcomer_columns) if layout == "lent"
+                else reserving(1, newcomer_columns))
+    if newcomer is None:
+        raise SystemExit("the running cache has no room to lend (--batch-size, "
+                         "--max-input-length)")
     started = time.perf_counter()
     _fill(newcomer, shape, 1, newcomer_columns)
     written = time.perf_counter()
@@ -66,7 +75,7 @@ def one_join(model_dir: str, running_rows: int, running_columns: int, newcomer_c
     host = caches[choose_host(caches)]
     host.absorb([cache for cache in caches if cache is not host])
     joined = time.perf_counter()
-    return {"running_rows": running_rows, "running_columns": running_columns,
+    return {"layout": layout, "running_rows": running_rows, "running_columns": running_columns,
             "newcomer_columns": newcomer_columns,
             "host": "running" if host is running else "newcomer",
             "newcomer_writes_ms": round(1000 * (written - started), 1),
@@ -85,18 +94,24 @@ def main(argv: List[str] | None = None) -> None:
     parser.add_argument("--max-input-length", type=int, default=4096)
     parser.add_argument("--new-tokens", type=int, default=256,
                         help="columns reserved on the right for new tokens")
+    parser.add_argument("--layout", choices=("lent", "own", "both"), default="both",
+                        help="where the newcomer is written (see above); both: side by side")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     settings = (args.model_dir, args.running_rows, args.running_columns, args.newcomer_columns,
                 args.batch_size, args.max_input_length, args.new_tokens)
     if args.in_process:
-        print(json.dumps(one_join(*settings)))
+        print(json.dumps(one_join(*settings, layout=args.layout)))
         return
-    command = [sys.executable, "-m", "benchmarks.join_cost", "--in-process"] + [
-        a for a in (argv if argv is not None else sys.argv[1:]) if a != "--in-process"]
+    given = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--in-process"]
+    layouts = ("lent", "own") if args.layout == "both" else (args.layout,)
     for _ in range(args.trials):
-        print(subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip())
+        for layout in layouts:  # alternated, so that both see the same machine
+            command = [sys.executable, "-m", "benchmarks.join_cost", "--in-process",
+                       *given, "--layout", layout]
+            print(subprocess.run(command, check=True, capture_output=True,
+                                 text=True).stdout.strip())
 
 
 if __name__ == "__main__":

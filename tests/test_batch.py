@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from djl_stream.generation import kv_cache
-from djl_stream.generation.batch import CausalLMBatch, generate_token
+from djl_stream.generation.batch import CausalLMBatch, generate_token, prefill_chunk
 from djl_stream.generation.engines.accelerate import build_sequences, encode_prompts
 
 PROMPTS = ["A", "One two three four five six seven eight nine ten", "Colours of the rainbow are"]
@@ -254,3 +254,100 @@ def test_a_long_newcomer_hosts_a_short_running_row_where_that_copies_less(tiny_m
     assert batch.past_key_values is newcomer.past_key_values
     assert batch.request_ids == ["b", "c", "a"]
     assert_each_as_alone(tiny_model, smollm2_tokenizer, batch, running_seqs + late_seqs, PROMPTS, 8)
+
+
+def leasing_batch(model, tokenizer, prompts, request_ids, max_new_tokens, running):
+    """A batch of ``prompts`` whose cache lends rows of ``running``'s (where it has room)."""
+    sequences = build_sequences(model, tokenizer, encode_prompts(tokenizer, prompts),
+                                request_ids=request_ids, max_new_tokens=max_new_tokens)
+    return sequences, CausalLMBatch.from_sequences(sequences, pad_token_id=2, device="cpu",
+                                                   host_cache=running.past_key_values)
+
+
+def refuse_copies(monkeypatch):
+    """Make any copy of rows into a cache at a join raise."""
+    def copying(*args):
+        raise AssertionError("a join copied rows")
+    monkeypatch.setattr(kv_cache._Slab, "take", copying)
+
+
+def test_a_newcomer_prefilled_in_rows_the_running_cache_lent_joins_without_a_copy(
+        tiny_model, smollm2_tokenizer, monkeypatch):
+    # Its prompt is written straight into free rows of the running cache, in chunks while
+    # the running row goes on decoding: its rows end a few columns before the running
+    # row's, and its join is bookkeeping (masks hide the columns in between).
+    running_seqs, running = reserving_batch(tiny_model, smollm2_tokenizer, [PROMPTS[0]], ["a"],
+                                            12, rows=3, left=32)
+    for _ in range(2):
+        _, running = generate_token(tiny_model, running)
+    slab = running.past_key_values._slabs[0]
+    late_seqs, newcomer = leasing_batch(tiny_model, smollm2_tokenizer, PROMPTS[1:], ["b", "c"],
+                                        12, running)
+    assert newcomer.past_key_values is not running.past_key_values
+    newcomer = prefill_chunk(tiny_model, newcomer, 3)
+    lent = kv_cache.layers(newcomer.past_key_values)[0].keys
+    assert lent.untyped_storage().data_ptr() == slab.keys_buffer.untyped_storage().data_ptr()
+    for _ in range(2):  # the running row decodes between the newcomer's passes
+        _, running = generate_token(tiny_model, running)
+    newcomer = prefill_chunk(tiny_model, newcomer, 2)
+    _, running = generate_token(tiny_model, running)
+    _, newcomer = generate_token(tiny_model, newcomer)  # the rest: its first tokens
+    before = slab.keys_buffer[:3, :, slab.start:slab.end].clone()
+    refuse_copies(monkeypatch)
+    batch = CausalLMBatch.concatenate([running, newcomer])
+    assert batch.request_ids == ["a", "b", "c"]
+    assert batch.past_key_values is running.past_key_values and slab.rows == 3
+    assert torch.equal(slab.keys_buffer[:3, :, slab.end - before.shape[2]:slab.end], before)
+    # three decode steps ran while the newcomer's prompts were read: three masked columns
+    # between their end and the token fed, zeros in the cache
+    assert batch.attention_mask[1:, -4:-1].eq(0).all() and batch.attention_mask[1:, -5].eq(1).all()
+    assert not keys_of(batch)[1:, :, -3:].any()
+    monkeypatch.undo()
+    assert_each_as_alone(tiny_model, smollm2_tokenizer, batch, running_seqs + late_seqs, PROMPTS, 12)
+
+
+def test_a_dropped_prefill_s_lent_rows_are_zeroed_and_lent_again(tiny_model, smollm2_tokenizer):
+    running_seqs, running = reserving_batch(tiny_model, smollm2_tokenizer, [PROMPTS[0]], ["a"],
+                                            8, rows=3, left=32)
+    _, running = generate_token(tiny_model, running)
+    _, newcomer = leasing_batch(tiny_model, smollm2_tokenizer, [PROMPTS[1]], ["b"], 8, running)
+    newcomer = prefill_chunk(tiny_model, newcomer, 4)
+    slab = running.past_key_values._slabs[0]
+    assert slab.keys_buffer[1].any()
+    del newcomer  # cancelled part-way through its prefill
+    late_seqs, again = leasing_batch(tiny_model, smollm2_tokenizer, [PROMPTS[2]], ["c"], 8,
+                                     running)
+    assert not slab.keys_buffer[1:].any() and not slab.values_buffer[1:].any()
+    assert running.past_key_values.tenant() is again.past_key_values
+    _, again = generate_token(tiny_model, again)
+    batch = CausalLMBatch.concatenate([running, again])
+    assert_each_as_alone(tiny_model, smollm2_tokenizer, batch, running_seqs + late_seqs,
+                         [PROMPTS[0], PROMPTS[2]], 8)
+
+
+def test_a_tenant_whose_place_moved_is_copied_in_and_its_lent_rows_zeroed(tiny_model,
+                                                                          smollm2_tokenizer):
+    # A running row leaves during the newcomer's prefill: the newcomer's rows no longer
+    # follow the running ones, so it joins by a copy, as a cache of its own would.
+    running_seqs, running = reserving_batch(tiny_model, smollm2_tokenizer, PROMPTS[:2],
+                                            ["a", "b"], 10, rows=3, left=32)
+    _, running = generate_token(tiny_model, running)
+    late_seqs, newcomer = leasing_batch(tiny_model, smollm2_tokenizer, [PROMPTS[2]], ["c"], 10,
+                                        running)
+    _, newcomer = generate_token(tiny_model, newcomer)
+    assert running.past_key_values.tenant() is newcomer.past_key_values
+    running = running.filter(["b"])
+    batch = CausalLMBatch.concatenate([running, newcomer])
+    slab = batch.past_key_values._slabs[0]
+    assert batch.request_ids == ["b", "c"] and slab.rows == 2
+    assert not slab.keys_buffer[2:].any()  # where the newcomer was written, zero again
+    assert_each_as_alone(tiny_model, smollm2_tokenizer, batch, [running_seqs[1]] + late_seqs,
+                         PROMPTS[1:], 10)
+
+
+def test_a_running_cache_without_room_lends_nothing(tiny_model, smollm2_tokenizer):
+    _, running = new_batch(tiny_model, smollm2_tokenizer, [PROMPTS[0]], ["a"], 8)  # no spare rows
+    _, running = generate_token(tiny_model, running)
+    _, newcomer = leasing_batch(tiny_model, smollm2_tokenizer, [PROMPTS[1]], ["b"], 8, running)
+    assert running.past_key_values.tenant() is None
+    assert newcomer.past_key_values.reserve_rows == 1  # a cache of its own

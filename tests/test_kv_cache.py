@@ -57,6 +57,10 @@ def test_the_join_cost_benchmark_hosts_where_the_least_is_copied(embedded_model_
                    newcomer_columns=100, batch_size=8, max_input_length=256, new_tokens=16)
     assert one["host"] == "newcomer"
     assert one["resident_growth_mib"] < 64 and one["join_ms"] >= 0
+    lent = one_join(str(embedded_model_dir), running_rows=1, running_columns=40,
+                    newcomer_columns=100, batch_size=8, max_input_length=256, new_tokens=16,
+                    layout="lent")
+    assert lent["host"] == "running" and lent["layout"] == "lent"  # written in its rows
 
 
 def test_no_free_reserving_where_the_kernel_counts_address_space(monkeypatch):
@@ -66,3 +70,55 @@ def test_no_free_reserving_where_the_kernel_counts_address_space(monkeypatch):
     assert not kv_cache.reserving_is_free("cpu")
     monkeypatch.setattr(kv_cache, "_overcommit_mode", lambda: "0")
     assert kv_cache.reserving_is_free("cpu")
+
+
+def written(rows: int, columns: int, value: float):
+    return torch.full((rows, 1, columns, 8), value), torch.full((rows, 1, columns, 8), -value)
+
+
+def test_a_cache_that_must_grow_gives_its_tenant_buffers_of_its_own():
+    # The running rows outgrow their columns on the right while rows lent to a prefill
+    # hold its prompt: the prefill gets its own copy, the lent rows are zeroed, and the
+    # prefill joins later by a copy.
+    running = PreallocatedCache(reserve_rows=4, room_on_left=8)
+    with torch.inference_mode():
+        running.update(*written(1, 4, 1.0), 0)
+        tenant = running.lease(rows=1, columns=6)
+        tenant.update(*written(1, 6, 3.0), 0)
+        lent = tenant._slabs[0].keys_buffer
+        slab = running._slabs[0]
+        for _ in range(slab.column_capacity - slab.end + 1):  # past the capacity: it grows
+            running.update(*written(1, 1, 1.0), 0)
+    assert running.tenant() is None
+    assert not lent.any()  # the lent row, zero again
+    assert tenant._slabs[0].keys_buffer.untyped_storage().data_ptr() != \
+        slab.keys_buffer.untyped_storage().data_ptr()
+    assert bool((tenant._slabs[0].keys == 3.0).all()) and tenant._slabs[0].keys.shape[2] == 6
+    gaps = running.absorb([tenant])
+    assert gaps == [0] and slab.rows == 2
+    assert torch.equal(slab.keys[1, :, -6:], torch.full((1, 6, 8), 3.0))
+
+
+def test_a_cache_lends_rows_to_one_prefill_at_a_time_and_only_with_room():
+    running = PreallocatedCache(reserve_rows=2, room_on_left=4)
+    with torch.inference_mode():
+        running.update(*written(1, 3, 1.0), 0)
+    assert running.lease(rows=2, columns=3) is None  # one free row only
+    assert running.lease(rows=1, columns=8) is None  # 7 columns end at most: no room left
+    tenant = running.lease(rows=1, columns=7)
+    assert tenant is not None and running.lease(rows=1, columns=2) is None
+
+
+def test_what_a_failed_pass_wrote_past_a_tenant_s_end_is_zeroed_at_its_join():
+    running = PreallocatedCache(reserve_rows=2, room_on_left=8)
+    with torch.inference_mode():
+        running.update(*written(1, 4, 1.0), 0)
+        tenant = running.lease(rows=1, columns=5)
+        tenant.update(*written(1, 5, 3.0), 0)
+        tenant.truncate(3)  # the pass that wrote its last 2 columns raised
+        for _ in range(2):
+            running.update(*written(1, 1, 1.0), 0)
+        assert running.absorb([tenant]) == [2 + 2]  # the columns cut, then the steps
+    slab = running._slabs[0]
+    assert slab.keys[1, 0, -4:].eq(0).all()  # masked, and zero
+    assert slab.keys[1, 0, -7:-4].eq(3.0).all()

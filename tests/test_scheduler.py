@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from djl_stream.generation import batch as batch_module
 from djl_stream.generation.engines.accelerate import build_sequences, encode_prompts
 from djl_stream.generation.errors import GenerationFailed, QueueFullError
 from djl_stream.generation.scheduler import Scheduler
@@ -298,10 +299,9 @@ def test_a_finished_prefill_no_longer_than_the_running_rows_joins_at_once(
 def test_a_longer_prompt_joins_the_running_rows_in_their_own_cache(make_scheduler, tiny_model,
                                                                    smollm2_tokenizer):
     # On a CPU the running batch's cache reserves free rows and columns on the left: a
-    # newcomer longer than the running rows (but holding less cache than they do) is
-    # copied into them, and the running rows stay in the cache they were decoding in
-    # (before, a longer newcomer's cache took them in: a copy of every running row's
-    # cache at every such join).
+    # newcomer longer than the running rows is prefilled into them, and the running rows
+    # stay in the cache they were decoding in (before slots, a longer newcomer's cache
+    # took them in: a copy of every running row's cache at every such join).
     from djl_stream.generation.forward_kwargs import cache_in
 
     decode_caches = []
@@ -322,6 +322,40 @@ def test_a_longer_prompt_joins_the_running_rows_in_their_own_cache(make_schedule
     alone = {cache for rows, cache in decode_caches if rows == 3}
     together = {cache for rows, cache in decode_caches if rows == 4}
     assert together and together <= alone  # the running rows' own cache, throughout
+    solo = sequences(tiny_model, smollm2_tokenizer, [long_prompt], max_new_tokens=6)
+    collect(make_scheduler().submit(solo))
+    assert late[0].generated_ids == solo[0].generated_ids
+
+
+def test_a_prompt_read_in_mixed_passes_takes_its_slot_on_admission(
+        make_scheduler, tiny_model, smollm2_tokenizer, monkeypatch):
+    # With the Llama step, a long prompt is read in chunks that share passes with the
+    # running rows' decode steps; its chunks are written into the running cache's free
+    # rows, and its join copies nothing (any copy of rows at a join raises here).
+    from djl_stream.generation import kv_cache, llama_decode
+    from djl_stream.generation import scheduler as scheduler_module
+
+    def copying(*args):
+        raise AssertionError("a join copied rows")
+
+    mixed = []
+
+    def counted_mixed_pass(*args):
+        mixed.append(args[3])
+        return batch_module.mixed_pass(*args)
+
+    assert llama_decode.attach(tiny_model, smollm2_tokenizer) is not None
+    monkeypatch.setattr(kv_cache._Slab, "take", copying)
+    monkeypatch.setattr(scheduler_module, "mixed_pass", counted_mixed_pass)
+    long_prompt = " ".join(PROMPTS * 3)
+    try:
+        scheduler = make_scheduler(max_batch_prefill_tokens=8, max_batch_size=4)
+        _, late = beside_a_stream(scheduler, tiny_model, smollm2_tokenizer, [PROMPTS[0]],
+                                  long_prompt)
+    finally:
+        monkeypatch.undo()
+        llama_decode.detach(tiny_model)
+    assert len(mixed) >= 3 and sum(mixed) == len(late[0].prompt_ids)  # all in mixed passes
     solo = sequences(tiny_model, smollm2_tokenizer, [long_prompt], max_new_tokens=6)
     collect(make_scheduler().submit(solo))
     assert late[0].generated_ids == solo[0].generated_ids

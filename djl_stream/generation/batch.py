@@ -88,13 +88,18 @@ class CausalLMBatch:
         device: torch.device | str,
         room_for_rows: int = 0,
         room_on_left: int = 0,
+        host_cache: Optional[PreallocatedCache] = None,
     ) -> "CausalLMBatch":
         """A batch ready for prefill: prompts left-padded to the longest one.
 
-        Its KV cache reserves columns for the longest prompt plus the most new tokens any
-        row may generate, ``room_for_rows`` more rows, and ``room_on_left`` columns before
-        its own, so that rows up to that much longer can join this batch without moving
-        its rows (see :meth:`concatenate`).
+        With ``host_cache`` (the running batch's), the prompts are written into free
+        rows of that cache where it has the room
+        (:meth:`~djl_stream.generation.kv_cache.PreallocatedCache.lease`): a request
+        takes its slot on admission, and its join copies nothing. Otherwise its KV cache
+        is its own and reserves columns for the longest prompt plus the most new tokens
+        any row may generate, ``room_for_rows`` more rows, and ``room_on_left`` columns
+        before its own, so that rows up to that much longer can join this batch without
+        moving its rows (see :meth:`concatenate`).
         """
         if not sequences:
             raise ValueError("a batch needs at least one sequence")
@@ -110,10 +115,12 @@ class CausalLMBatch:
         # Positions count real tokens only, so a padded row sees the positions it would
         # see alone; padding positions are clamped to 0 and masked out anyway.
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        cache = PreallocatedCache(
-            reserve_rows=len(sequences) + room_for_rows,
-            reserve_columns=width + max(seq.max_new_tokens for seq in sequences),
-            room_on_left=room_on_left)
+        cache = None if host_cache is None else host_cache.lease(len(sequences), width)
+        if cache is None:
+            cache = PreallocatedCache(
+                reserve_rows=len(sequences) + room_for_rows,
+                reserve_columns=width + max(seq.max_new_tokens for seq in sequences),
+                room_on_left=room_on_left)
         return cls(
             sequences=list(sequences),
             input_ids=input_ids.to(device),
@@ -208,27 +215,48 @@ class CausalLMBatch:
         (:meth:`~djl_stream.generation.kv_cache.PreallocatedCache.absorb`); the masks hide
         the columns before a row's own. So many running rows stay where they are when a
         longer prompt joins them, and one short running row is copied into a long
-        prompt's cache rather than the other way round.
+        prompt's cache rather than the other way round. A batch prefilled in rows its
+        host lent it (:meth:`from_sequences`' ``host_cache``) is not copied at all: its
+        rows join as they are, masked over the columns the host decoded meanwhile.
         """
         batches = [b for b in batches if b is not None]
         if len(batches) == 1:
             return batches[0]
         if not all(b.prefilled and b.columns_to_feed == 1 for b in batches):
             raise ValueError("only prefilled batches can be concatenated")
-        longest = max(b.cache_length for b in batches)
         host = batches[kv_cache.choose_host([b.past_key_values for b in batches])]
-        batches = [host] + [b for b in batches if b is not host]
-        # (before the join, which widens the host's cache to the longest)
-        masks = [torch.nn.functional.pad(b.attention_mask, (longest - b.cache_length, 0), value=0)
-                 for b in batches]
-        host.past_key_values.absorb([b.past_key_values for b in batches[1:]])
+        tenant = host.past_key_values.tenant()
+        # (the host's tenant, whose rows are in place after the host's, comes first)
+        others = sorted((b for b in batches if b is not host),
+                        key=lambda b: b.past_key_values is not tenant)
+        lengths = [b.cache_length for b in [host] + others]
+        gaps = [0] + host.past_key_values.absorb([b.past_key_values for b in others])
+        joined = host.cache_length
+        batches = [host] + others
         return cls(
             sequences=[seq for b in batches for seq in b.sequences],
             input_ids=torch.cat([b.input_ids for b in batches], dim=0),
-            attention_mask=torch.cat(masks, dim=0),
+            attention_mask=torch.cat(
+                [_placed_mask(b.attention_mask, joined - length - gap, gap)
+                 for b, length, gap in zip(batches, lengths, gaps)], dim=0),
             position_ids=torch.cat([b.position_ids for b in batches], dim=0),
             past_key_values=host.past_key_values,
         )
+
+
+def _placed_mask(mask: torch.Tensor, left: int, gap: int) -> torch.Tensor:
+    """The attention mask of a decoding batch (its cached columns, then the token fed)
+    once its rows sit in a joined cache: ``left`` masked columns before its own, ``gap``
+    between its own and the token fed.
+
+    >>> _placed_mask(torch.tensor([[1, 1, 1]]), left=2, gap=1).tolist()
+    [[0, 0, 1, 1, 0, 1]]
+    """
+    if not left and not gap:
+        return mask
+    rows = mask.shape[0]
+    return torch.cat([mask.new_zeros((rows, left)), mask[:, :-1], mask.new_zeros((rows, gap)),
+                      mask[:, -1:]], dim=1)
 
 
 def _fill_holes(kept: Sequence[int]) -> List[int]:

@@ -26,6 +26,15 @@ attention output). Nothing of the running rows is copied or padded, and on a CPU
 rows and columns cost address space, not resident memory, until a request writes them. Only
 a join that exceeds what was reserved reallocates (growing by half), copying the rows in use once.
 
+A request can take its slot on admission instead: :meth:`PreallocatedCache.lease` lends free
+rows of the running cache to a prefill's cache, whose layers are views of those rows, so its
+prompt is written in place, ending at most at the running rows' last column (they go on
+decoding meanwhile: the prompt's rows then end a few columns before theirs, zeros in
+between, masked). Its join takes the rows over as they are, copying nothing. A prefill that
+is dropped frees its rows (zeroed when the cache next needs them); one whose rows no longer
+follow the running ones (a running row left), or whose host must move its buffers first,
+gets buffers of its own and joins by a copy, as above.
+
 The buffers are written under ``torch.inference_mode`` (the forward pass allocates them
 there, and tensors made there can be changed only there), so every method that changes them
 runs in it.
@@ -45,6 +54,7 @@ Example::
     >>> other = PreallocatedCache()
     >>> _ = other.update(torch.full((1, 1, 3, 8), 2.0), torch.full((1, 1, 3, 8), 2.0), 0)
     >>> cache.absorb([other])              # 1 row of 3 positions joins 2 rows of 4
+    [0]
     >>> layers(cache)[0].keys[2, 0, :, 0].tolist()  # left-padded with zeros
     [0.0, 2.0, 2.0, 2.0]
     >>> longer = PreallocatedCache()
@@ -52,6 +62,7 @@ Example::
     >>> roomy = PreallocatedCache(reserve_rows=2, room_on_left=8)
     >>> _ = roomy.update(torch.ones(1, 1, 2, 8), torch.ones(1, 1, 2, 8), 0)
     >>> roomy.absorb([longer])             # 6 positions join 2, which stay where they are
+    [0]
     >>> layers(roomy)[0].keys[:, 0, :, 0].tolist()
     [[0.0, 0.0, 0.0, 0.0, 1.0, 1.0], [3.0, 3.0, 3.0, 3.0, 3.0, 3.0]]
 """
@@ -61,6 +72,7 @@ from __future__ import annotations
 import functools
 import math
 import mmap
+import weakref
 from typing import List, Optional, Sequence
 
 import torch
@@ -177,11 +189,12 @@ def zeroed_buffer(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
 class _Slab:
     """One layer's keys and values in buffers of ``(row_capacity, heads, column_capacity,
     head_dim)``; see the module docstring for the invariants. ``first[r]`` is the lowest
-    column row ``r`` has written (its own padding included), which is what a row that
-    leaves zeroes."""
+    column row ``r`` has written (its own padding included) and ``written_end`` one past
+    the highest column any row may have written (a pass that raised half-way included):
+    between them is what a row that leaves zeroes."""
 
     __slots__ = ("keys_buffer", "values_buffer", "rows", "start", "end", "first",
-                 "room_on_left")
+                 "room_on_left", "written_end")
 
     def __init__(self, keys_buffer: torch.Tensor, values_buffer: torch.Tensor,
                  room_on_left: int = 0) -> None:
@@ -189,6 +202,7 @@ class _Slab:
         self.room_on_left = room_on_left
         self.rows, self.start, self.end = 0, room_on_left, room_on_left
         self.first: List[int] = []
+        self.written_end = room_on_left
 
     @classmethod
     def allocate(cls, like: torch.Tensor, row_capacity: int, column_capacity: int,
@@ -241,6 +255,7 @@ class _Slab:
         if self.end + new > self.column_capacity:
             self.reallocate(self.row_capacity, self.length + new)
         columns = slice(self.end, self.end + new)
+        self.written_end = max(self.written_end, columns.stop)
         self.keys_buffer[:self.rows, :, columns] = keys
         self.values_buffer[:self.rows, :, columns] = values
         self.end += new
@@ -266,11 +281,12 @@ class _Slab:
         self.values_buffer = _moved(self.values_buffer, rows, columns, in_use, left)
         self.start, self.end = left, left + self.length
         self.first = [self.start] * self.rows
+        self.written_end = self.end
 
     def zero_rows(self, rows: Sequence[int]) -> None:
         """Zero what rows ``rows`` (indices of rows in use) have written: they are free."""
         for row in rows:
-            written = slice(min(self.first[row], self.end), self.end)
+            written = slice(min(self.first[row], self.written_end), self.written_end)
             self.keys_buffer[row, :, written].zero_()
             self.values_buffer[row, :, written].zero_()
 
@@ -317,6 +333,50 @@ class _Slab:
         self.start = min(self.start, first_column)
         self.rows = needed
 
+    def written_columns(self) -> slice:
+        """The columns any row in use may have written (an empty slice if none)."""
+        if not self.rows:
+            return slice(self.start, self.start)
+        return slice(min(min(self.first), self.written_end), self.written_end)
+
+
+class _Lease:
+    """Rows ``[first_row, first_row + rows)`` of a cache's buffers lent to the cache of a
+    prefill (the tenant, held weakly: a prefill that is dropped ends its lease), which
+    writes its prompts there in place (:meth:`PreallocatedCache.lease`). ``slabs`` are the
+    tenant's, one per layer, over ``views`` of the lender's buffers; ``columns`` is the
+    span the tenant may write."""
+
+    __slots__ = ("tenant", "first_row", "slabs", "views", "columns")
+
+    def __init__(self, tenant: "PreallocatedCache", first_row: int, slabs: List[_Slab],
+                 columns: slice) -> None:
+        self.tenant = weakref.ref(tenant)
+        self.first_row = first_row
+        self.slabs = slabs
+        self.views = [(slab.keys_buffer, slab.values_buffer) for slab in slabs]
+        self.columns = columns
+
+    def in_place(self) -> bool:
+        """Whether every tenant layer still writes into the lent rows (it would have
+        moved out only by growing, which a lease's rows and columns are sized to avoid)."""
+        return all(slab.keys_buffer is keys and slab.values_buffer is values
+                   for slab, (keys, values) in zip(self.slabs, self.views))
+
+    def clear(self, *, keep_for_tenant: bool) -> None:
+        """Zero what the tenant wrote in the lent rows (they are free again); with
+        ``keep_for_tenant``, first give the tenant buffers of its own holding it (it goes
+        on as a cache of its own, joined later by a copy)."""
+        in_place = self.in_place()
+        for slab, views in zip(self.slabs, self.views):
+            written = slab.written_columns() if in_place else self.columns
+            for name, view in zip(("keys_buffer", "values_buffer"), views):
+                if keep_for_tenant and in_place:
+                    own = zeroed_buffer(view.shape, view)
+                    own[:, :, written] = view[:, :, written]
+                    setattr(slab, name, own)
+                view[:, :, written].zero_()
+
 
 def _moved(buffer: torch.Tensor, rows: int, columns: int, in_use: tuple,
            at_column: int) -> torch.Tensor:
@@ -330,7 +390,8 @@ def _moved(buffer: torch.Tensor, rows: int, columns: int, in_use: tuple,
 
 def choose_host(caches: Sequence["PreallocatedCache"]) -> int:
     """Which of ``caches`` (written, to be joined into one) should take in the others:
-    of those with room for all their rows and their longest (:meth:`~PreallocatedCache.has_room_for`),
+    one that lent rows to another of them (:meth:`~PreallocatedCache.lease`: its tenant's
+    rows are in place already); else, of those with room for all their rows and their longest (:meth:`~PreallocatedCache.has_room_for`),
     the one holding the most (rows × columns), so that the least is copied; where none
     has room, the one with the most rows (it grows). The first wins a tie.
 
@@ -340,6 +401,9 @@ def choose_host(caches: Sequence["PreallocatedCache"]) -> int:
     >>> choose_host([small, big])   # the longer one (no room on the left in the other)
     1
     """
+    for index, cache in enumerate(caches):
+        if any(other is cache.tenant() for other in caches):
+            return index
     rows = sum(num_rows(cache) for cache in caches)
     longest = max(seq_length(cache) for cache in caches)
     roomy = [i for i, cache in enumerate(caches) if cache.has_room_for(rows, longest)]
@@ -364,6 +428,7 @@ class PreallocatedCache(DynamicCache):
         self.reserve_columns = reserve_columns
         self.room_on_left = room_on_left
         self._slabs: List[Optional[_Slab]] = []
+        self._lease: Optional[_Lease] = None
 
     # -- what the model calls ---------------------------------------------------------
 
@@ -376,6 +441,8 @@ class PreallocatedCache(DynamicCache):
             slab = self._slabs[layer_idx] = self._new_slab(
                 key_states, key_states.shape[0], key_states.shape[2],
                 value_dim=value_states.shape[3])
+        elif slab.length == 0 or slab.end + key_states.shape[2] > slab.column_capacity:
+            self._end_lease()  # the buffers are about to be replaced
         slab.append(key_states, value_states)
         return self._publish(layer_idx)
 
@@ -438,19 +505,23 @@ class PreallocatedCache(DynamicCache):
         slabs = self._slabs
         if not slabs and layers and like is not None:
             slabs = self._slabs = [self._new_slab(like, rows, count) for _ in range(layers)]
-            for slab in slabs:
-                slab.begin(rows, count)
         if not slabs or any(slab is None for slab in slabs):
             raise ValueError("every layer must be written before a decode step")
+        if all(slab.length == 0 for slab in slabs):
+            for slab in slabs:  # a first write (or a rewrite after a cut back to nothing)
+                slab.begin(rows, count)
         first = slabs[0]
         if any((slab.rows, slab.start, slab.end) != (rows, first.start, first.end)
                for slab in slabs):
             raise ValueError(f"a step of {rows} rows over a cache whose layers hold "
                              f"(rows, start, end) {[(x.rows, x.start, x.end) for x in slabs]}")
         if any(slab.end + count > slab.column_capacity for slab in slabs):
+            self._end_lease()
             # every layer moves together, so that they keep one start and end
             for slab in slabs:
                 slab.reallocate(slab.row_capacity, slab.length + count)
+        for slab in slabs:
+            slab.written_end = max(slab.written_end, slab.end + count)
         return ([slab.keys_buffer for slab in slabs], [slab.values_buffer for slab in slabs],
                 first.start, first.end)
 
@@ -493,19 +564,117 @@ class PreallocatedCache(DynamicCache):
         ``columns`` positions, without reallocating."""
         return all(rows <= slab.row_capacity and columns <= slab.end for slab in self._written())
 
+    # -- lending rows to a prefill --------------------------------------------------------
+
+    def tenant(self) -> Optional["PreallocatedCache"]:
+        """The cache this one lent rows to (:meth:`lease`), while it lives."""
+        return self._lease.tenant() if self._lease is not None else None
+
     @torch.inference_mode()
-    def absorb(self, others: Sequence["PreallocatedCache"]) -> None:
+    def lease(self, rows: int, columns: int) -> Optional["PreallocatedCache"]:
+        """A cache for a prefill of ``rows`` rows of up to ``columns`` positions whose
+        buffers are free rows of this one, or ``None`` where this cache has not the room
+        (or lent rows already).
+
+        The prefill writes its prompts in place, ending at most at the column these rows
+        end at now (this cache's rows go on decoding meanwhile, so the prompts may end a
+        few columns before theirs): its join (:meth:`absorb`) is then bookkeeping, not a
+        copy, and the columns between the prompts' end and this cache's (zeros) are
+        masked (``absorb`` says how many). A prefill that is dropped frees its rows
+        (zeroed when this cache next needs them); where this cache must move its buffers
+        or take in another batch first, the prefill is given buffers of its own (one
+        copy, as any join costs) and joins by a copy.
+
+        >>> running = PreallocatedCache(reserve_rows=4, room_on_left=8)
+        >>> _ = running.update(torch.ones(1, 1, 2, 8), torch.ones(1, 1, 2, 8), 0)
+        >>> prefill = running.lease(rows=1, columns=5)
+        >>> _ = prefill.update(torch.full((1, 1, 5, 8), 3.0), torch.full((1, 1, 5, 8), 3.0), 0)
+        >>> _ = running.update(torch.ones(1, 1, 1, 8), torch.ones(1, 1, 1, 8), 0)  # a step
+        >>> running.absorb([prefill])      # no copy: 1 column between its end and theirs
+        [1]
+        >>> layers(running)[0].keys[:, 0, :, 0].tolist()
+        [[0.0, 0.0, 0.0, 1.0, 1.0, 1.0], [3.0, 3.0, 3.0, 3.0, 3.0, 0.0]]
+        """
+        self._reclaim_lease()
+        slabs = self._written()
+        if (self._lease is not None or not slabs or len(slabs) != len(self._slabs)
+                or not self.has_room_for(num_rows(self) + rows, columns)):
+            return None
+        first_row, end = slabs[0].rows, slabs[0].end
+        tenant = PreallocatedCache()
+        tenant._slabs = [
+            _Slab(slab.keys_buffer[first_row:first_row + rows],
+                  slab.values_buffer[first_row:first_row + rows], room_on_left=end - columns)
+            for slab in slabs]
+        self._lease = _Lease(tenant, first_row, list(tenant._slabs), slice(end - columns, end))
+        return tenant
+
+    def _reclaim_lease(self) -> None:
+        """End the lease of a tenant that was dropped: its rows are zeroed."""
+        if self._lease is not None and self._lease.tenant() is None:
+            self._lease.clear(keep_for_tenant=False)
+            self._lease = None
+
+    def _end_lease(self) -> None:
+        """End any lease before this cache moves its buffers or fills its free rows: a
+        living tenant gets buffers of its own (a copy of what it wrote)."""
+        if self._lease is not None:
+            self._lease.clear(keep_for_tenant=self._lease.tenant() is not None)
+            self._lease = None
+
+    def _settle_tenant(self, tenant: "PreallocatedCache") -> Optional[int]:
+        """Make the tenant's rows, written in place right after these, rows of this
+        cache; return how many columns its rows end before these (or ``None``, leaving
+        everything as it was, where they are not in place)."""
+        lease = self._lease
+        mine, theirs = self._written(), tenant._written()
+        if (not lease.in_place() or lease.first_row != mine[0].rows
+                or len(theirs) != len(mine) or not theirs[0].rows
+                or any(t.end > m.end for m, t in zip(mine, theirs))):
+            return None
+        gap = mine[0].end - theirs[0].end
+        for slab, lent in zip(mine, theirs):
+            # A pass that raised may have written past the tenant's end: the masked
+            # columns between its end and these rows' end must read as zeros.
+            leftover = slice(lent.end, max(lent.written_end, lent.end))
+            lent.keys_buffer[:, :, leftover].zero_()
+            lent.values_buffer[:, :, leftover].zero_()
+            slab.first += lent.first
+            slab.start = min(slab.start, lent.start)
+            slab.rows += lent.rows
+        tenant._slabs = []  # (its rows are this cache's now)
+        self._lease = None
+        return gap
+
+    # -- joins ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def absorb(self, others: Sequence["PreallocatedCache"]) -> List[int]:
         """Take in the rows of ``others``, after this cache's rows, each ending at the
         column these end at (the left padding a batch needs when caches of different
-        lengths are stacked). The rows in use stay where they are: a longer cache's rows
-        land in columns before theirs, which they read as zeros, masked. Only where
-        the rows or the columns on the left reserved do not suffice are the buffers
-        reallocated (grown by :data:`GROWTH`), and the rows in use copied once."""
-        others = [other for other in others if other._written()]
-        if not others:
-            return
-        rows = num_rows(self) + sum(num_rows(other) for other in others)
-        longest = max(seq_length(other) for other in others)
+        lengths are stacked), and return, for each of ``others``, how many columns its
+        rows end before these (masked: not 0 only for rows written in place through
+        :meth:`lease`, the first of ``others``).
+
+        The rows in use stay where they are: a longer cache's rows land in columns before
+        theirs, which they read as zeros, masked. Rows lent to the first of ``others``
+        are taken over as they are. Others are copied; only where the rows or the columns
+        on the left reserved do not suffice are the buffers reallocated (grown by
+        :data:`GROWTH`), and the rows in use copied once."""
+        self._reclaim_lease()
+        gaps = [0] * len(others)
+        others = list(others)
+        if others and self._lease is not None and others[0] is self.tenant():
+            gap = self._settle_tenant(others[0])
+            if gap is not None:
+                gaps[0], others[0] = gap, None
+        written = [other for other in others if other is not None and other._written()]
+        if not written:
+            self._publish_all()
+            return gaps
+        self._end_lease()  # (a tenant not taken in above must not be overwritten)
+        rows = num_rows(self) + sum(num_rows(other) for other in written)
+        longest = max(seq_length(other) for other in written)
         slabs = self._written()
         if not self.has_room_for(rows, longest):
             for slab in slabs:
@@ -515,8 +684,9 @@ class PreallocatedCache(DynamicCache):
                 # (the columns on the right, for the tokens still to come, are kept)
                 slab.reallocate(rows, slab.length + slab.column_capacity - slab.end,
                                 room_on_left=room)
-        for other in others:
+        for other in written:
             for slab, theirs in zip(self._slabs, other._slabs):
                 if slab is not None and theirs is not None:
                     slab.take(theirs)
         self._publish_all()
+        return gaps

@@ -537,9 +537,12 @@ class Scheduler:
         try:
             if prefill.batch is None:
                 sequences = [seq for job in prefill.jobs for seq in job.sequences]
+                # Its prompts go straight into free rows of the running batch's cache
+                # where it has them (no copy at the join), else into a cache of its own.
+                host = self._running.past_key_values if self._running is not None else None
                 prefill.batch = CausalLMBatch.from_sequences(
                     sequences, pad_token_id=self.pad_token_id, device=self.device,
-                    **self._room_to_reserve(sequences))
+                    host_cache=host, **self._room_to_reserve(sequences))
             batch = prefill.batch
         except Exception as error:  # noqa: BLE001 - a prompt the model cannot take
             self._prefill_failed(error)
