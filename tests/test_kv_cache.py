@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from djl_stream.generation import kv_cache
 from djl_stream.generation.kv_cache import PreallocatedCache, reserving_is_free, zeroed_buffer
 
 
@@ -64,8 +65,6 @@ def test_the_join_cost_benchmark_hosts_where_the_least_is_copied(embedded_model_
 
 
 def test_no_free_reserving_where_the_kernel_counts_address_space(monkeypatch):
-    from djl_stream.generation import kv_cache
-
     monkeypatch.setattr(kv_cache, "_overcommit_mode", lambda: "2")
     assert not kv_cache.reserving_is_free("cpu")
     monkeypatch.setattr(kv_cache, "_overcommit_mode", lambda: "0")
@@ -76,16 +75,24 @@ def written(rows: int, columns: int, value: float):
     return torch.full((rows, 1, columns, 8), value), torch.full((rows, 1, columns, 8), -value)
 
 
+def lent_rows(running_columns: int, tenant_columns: int):
+    """A running cache of one row of ``running_columns`` (ones) and a prefill's cache
+    lent its next row, written over ``tenant_columns`` (threes)."""
+    running = PreallocatedCache(reserve_rows=4, room_on_left=8)
+    with torch.inference_mode():
+        running.update(*written(1, running_columns, 1.0), 0)
+        tenant = running.lease(rows=1, columns=tenant_columns)
+        tenant.update(*written(1, tenant_columns, 3.0), 0)
+    return running, tenant
+
+
 def test_a_cache_that_must_grow_gives_its_tenant_buffers_of_its_own():
     # The running rows outgrow their columns on the right while rows lent to a prefill
     # hold its prompt: the prefill gets its own copy, the lent rows are zeroed, and the
     # prefill joins later by a copy.
-    running = PreallocatedCache(reserve_rows=4, room_on_left=8)
+    running, tenant = lent_rows(4, 6)
+    lent = tenant._slabs[0].keys_buffer
     with torch.inference_mode():
-        running.update(*written(1, 4, 1.0), 0)
-        tenant = running.lease(rows=1, columns=6)
-        tenant.update(*written(1, 6, 3.0), 0)
-        lent = tenant._slabs[0].keys_buffer
         slab = running._slabs[0]
         for _ in range(slab.column_capacity - slab.end + 1):  # past the capacity: it grows
             running.update(*written(1, 1, 1.0), 0)
@@ -110,11 +117,8 @@ def test_a_cache_lends_rows_to_one_prefill_at_a_time_and_only_with_room():
 
 
 def test_what_a_failed_pass_wrote_past_a_tenant_s_end_is_zeroed_at_its_join():
-    running = PreallocatedCache(reserve_rows=2, room_on_left=8)
+    running, tenant = lent_rows(4, 5)
     with torch.inference_mode():
-        running.update(*written(1, 4, 1.0), 0)
-        tenant = running.lease(rows=1, columns=5)
-        tenant.update(*written(1, 5, 3.0), 0)
         tenant.truncate(3)  # the pass that wrote its last 2 columns raised
         for _ in range(2):
             running.update(*written(1, 1, 1.0), 0)
@@ -122,3 +126,30 @@ def test_what_a_failed_pass_wrote_past_a_tenant_s_end_is_zeroed_at_its_join():
     slab = running._slabs[0]
     assert slab.keys[1, 0, -4:].eq(0).all()  # masked, and zero
     assert slab.keys[1, 0, -7:-4].eq(3.0).all()
+
+
+def test_a_prefill_s_cache_taken_over_keeps_no_view_of_its_host_s_buffers():
+    # Whoever still holds the prefill's cache after its join must not keep the host's
+    # whole buffers alive once the host is gone (a 4,000-token prompt's row stayed
+    # resident into the next request's lifetime, 200 MB in benchmarks.prefill_gap).
+    running, tenant = lent_rows(4, 5)
+    with torch.inference_mode():
+        running.absorb([tenant])
+    assert kv_cache.layers(tenant) == [] and not tenant._slabs
+    storage = running._slabs[0].keys_buffer.untyped_storage().data_ptr()
+    for layer in kv_cache._all_layers(tenant):
+        assert layer.keys.untyped_storage().data_ptr() != storage
+
+
+def test_a_prefill_whose_lender_is_gone_moves_into_buffers_of_its_own():
+    # The running batch ended (or was split) while the prompt was read into its lent rows:
+    # at its next write the prefill copies what it holds into buffers of its own, so that
+    # it does not keep the gone cache's whole buffers resident (in benchmarks.prefill_gap
+    # a stream admitted as the last one was being cancelled held a 4,000-token row: +200 MB).
+    running, tenant = lent_rows(4, 6)
+    storage = running._slabs[0].keys_buffer.untyped_storage().data_ptr()
+    del running
+    with torch.inference_mode():
+        keys, _ = tenant.update(*written(1, 1, 5.0), 0)
+    assert keys.untyped_storage().data_ptr() != storage
+    assert keys[0, 0, :6].eq(3.0).all() and keys[0, 0, 6].eq(5.0).all()

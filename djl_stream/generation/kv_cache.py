@@ -333,6 +333,16 @@ class _Slab:
         self.start = min(self.start, first_column)
         self.rows = needed
 
+    def copy_to_own_buffers(self) -> None:
+        """Give this slab buffers of its own, of the same shape, holding what its rows
+        wrote (its buffers were views of another cache's rows)."""
+        written = self.written_columns()
+        for name in ("keys_buffer", "values_buffer"):
+            view = getattr(self, name)
+            own = zeroed_buffer(view.shape, view)
+            own[:, :, written] = view[:, :, written]
+            setattr(self, name, own)
+
     def written_columns(self) -> slice:
         """The columns any row in use may have written (an empty slice if none)."""
         if not self.rows:
@@ -370,12 +380,13 @@ class _Lease:
         in_place = self.in_place()
         for slab, views in zip(self.slabs, self.views):
             written = slab.written_columns() if in_place else self.columns
-            for name, view in zip(("keys_buffer", "values_buffer"), views):
-                if keep_for_tenant and in_place:
-                    own = zeroed_buffer(view.shape, view)
-                    own[:, :, written] = view[:, :, written]
-                    setattr(slab, name, own)
+            if keep_for_tenant and in_place:
+                slab.copy_to_own_buffers()
+            for view in views:
                 view[:, :, written].zero_()
+        tenant = self.tenant()
+        if tenant is not None:
+            tenant._lender = None
 
 
 def _moved(buffer: torch.Tensor, rows: int, columns: int, in_use: tuple,
@@ -429,11 +440,15 @@ class PreallocatedCache(DynamicCache):
         self.room_on_left = room_on_left
         self._slabs: List[Optional[_Slab]] = []
         self._lease: Optional[_Lease] = None
+        #: The cache whose rows this one's buffers are (:meth:`lease`), held weakly.
+        self._lender: Optional[weakref.ReferenceType] = None
 
     # -- what the model calls ---------------------------------------------------------
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs):
+        if self._lender is not None:
+            self._leave_a_gone_lender()
         while len(self._slabs) <= layer_idx:
             self._slabs.append(None)
         slab = self._slabs[layer_idx]
@@ -502,6 +517,8 @@ class PreallocatedCache(DynamicCache):
         makes it. A cache never written is allocated
         first: ``layers`` layers of buffers of ``like``'s dtype, device, heads and head
         size (``like`` is shaped ``(any, heads, any, head_dim)``)."""
+        if self._lender is not None:
+            self._leave_a_gone_lender()
         slabs = self._slabs
         if not slabs and layers and like is not None:
             slabs = self._slabs = [self._new_slab(like, rows, count) for _ in range(layers)]
@@ -595,6 +612,8 @@ class PreallocatedCache(DynamicCache):
         >>> layers(running)[0].keys[:, 0, :, 0].tolist()
         [[0.0, 0.0, 0.0, 1.0, 1.0, 1.0], [3.0, 3.0, 3.0, 3.0, 3.0, 0.0]]
         """
+        if self._lender is not None:
+            self._leave_a_gone_lender()
         self._reclaim_lease()
         slabs = self._written()
         if (self._lease is not None or not slabs or len(slabs) != len(self._slabs)
@@ -607,7 +626,17 @@ class PreallocatedCache(DynamicCache):
                   slab.values_buffer[first_row:first_row + rows], room_on_left=end - columns)
             for slab in slabs]
         self._lease = _Lease(tenant, first_row, list(tenant._slabs), slice(end - columns, end))
+        tenant._lender = weakref.ref(self)
         return tenant
+
+    def _leave_a_gone_lender(self) -> None:
+        """Where the cache that lent this one its rows is gone (its batch ended or was
+        split while this prefill was under way), copy what this cache holds into buffers
+        of its own: its views would keep the lender's whole buffers resident."""
+        if self._lender() is None:
+            self._lender = None
+            for slab in self._written():
+                slab.copy_to_own_buffers()
 
     def _reclaim_lease(self) -> None:
         """End the lease of a tenant that was dropped: its rows are zeroed."""
@@ -642,9 +671,16 @@ class PreallocatedCache(DynamicCache):
             slab.first += lent.first
             slab.start = min(slab.start, lent.start)
             slab.rows += lent.rows
-        tenant._slabs = []  # (its rows are this cache's now)
+        tenant._forget_buffers()  # (its rows are this cache's now)
         self._lease = None
         return gap
+
+    def _forget_buffers(self) -> None:
+        """Drop every view of the buffers: whoever still holds this cache must not keep
+        them (a lender's whole buffers, once its rows were taken over) alive."""
+        self._slabs, self._lender = [], None
+        for layer in _all_layers(self):
+            layer.keys = layer.values = torch.empty(0)
 
     # -- joins ---------------------------------------------------------------------------
 
@@ -661,6 +697,8 @@ class PreallocatedCache(DynamicCache):
         are taken over as they are. Others are copied; only where the rows or the columns
         on the left reserved do not suffice are the buffers reallocated (grown by
         :data:`GROWTH`), and the rows in use copied once."""
+        if self._lender is not None:
+            self._leave_a_gone_lender()
         self._reclaim_lease()
         gaps = [0] * len(others)
         others = list(others)
