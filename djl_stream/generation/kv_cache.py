@@ -402,9 +402,10 @@ def _moved(buffer: torch.Tensor, rows: int, columns: int, in_use: tuple,
 def choose_host(caches: Sequence["PreallocatedCache"]) -> int:
     """Which of ``caches`` (written, to be joined into one) should take in the others:
     one that lent rows to another of them (:meth:`~PreallocatedCache.lease`: its tenant's
-    rows are in place already); else, of those with room for all their rows and their longest (:meth:`~PreallocatedCache.has_room_for`),
-    the one holding the most (rows × columns), so that the least is copied; where none
-    has room, the one with the most rows (it grows). The first wins a tie.
+    rows are in place already); else, of those with room for all their rows and their
+    longest (:meth:`~PreallocatedCache.has_room_for`), the one holding the most (rows ×
+    columns), so that the least is copied; where none has room, the one with the most
+    rows (it grows). The first wins a tie.
 
     >>> small, big = PreallocatedCache(reserve_rows=4), PreallocatedCache(reserve_rows=4)
     >>> _ = small.update(torch.ones(1, 1, 2, 8), torch.ones(1, 1, 2, 8), 0)
