@@ -361,6 +361,49 @@ def test_a_prompt_read_in_mixed_passes_takes_its_slot_on_admission(
     assert late[0].generated_ids == solo[0].generated_ids
 
 
+def test_a_prompt_whose_lender_ends_during_its_prefill_moves_out_and_is_served(
+        make_scheduler, tiny_model, smollm2_tokenizer, monkeypatch):
+    # The running request is cancelled after the first mixed pass of a long prompt
+    # written into its cache's lent rows: the prompt goes on alone, copying what it holds
+    # into buffers of its own (the gone cache's buffers are not kept), and generates its
+    # solo text.
+    from djl_stream.generation import kv_cache, llama_decode
+    from djl_stream.generation import scheduler as scheduler_module
+
+    moved, passes = [], []
+    copy_to_own_buffers = kv_cache._Slab.copy_to_own_buffers
+
+    def counted_copy(slab):
+        moved.append(slab)
+        copy_to_own_buffers(slab)
+
+    def mixed_pass_then_cancel(*args):
+        result = batch_module.mixed_pass(*args)
+        passes.append(args[3])
+        if len(passes) == 1:
+            running.close()
+        return result
+
+    assert llama_decode.attach(tiny_model, smollm2_tokenizer) is not None
+    monkeypatch.setattr(kv_cache._Slab, "copy_to_own_buffers", counted_copy)
+    monkeypatch.setattr(scheduler_module, "mixed_pass", mixed_pass_then_cancel)
+    long_prompt = " ".join(PROMPTS * 3)
+    try:
+        scheduler = make_scheduler(max_batch_prefill_tokens=8, max_batch_size=4)
+        running = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[0]],
+                                             max_new_tokens=100_000, ignore_eos=True))
+        next(running)
+        late = sequences(tiny_model, smollm2_tokenizer, [long_prompt], max_new_tokens=6)
+        collect(scheduler.submit(late))
+    finally:
+        monkeypatch.undo()
+        llama_decode.detach(tiny_model)
+    assert len(passes) == 1 and moved  # one mixed pass, then alone in its own buffers
+    solo = sequences(tiny_model, smollm2_tokenizer, [long_prompt], max_new_tokens=6)
+    collect(make_scheduler().submit(solo))
+    assert late[0].generated_ids == solo[0].generated_ids
+
+
 def test_a_failure_while_a_prefill_joins_fails_its_request_instead_of_losing_it(
         make_scheduler, tiny_model, smollm2_tokenizer, monkeypatch):
     # A bug raising at the join (the prefill has left the prefill queue, and is not in the
