@@ -351,3 +351,43 @@ def test_a_running_cache_without_room_lends_nothing(tiny_model, smollm2_tokenize
     _, newcomer = leasing_batch(tiny_model, smollm2_tokenizer, [PROMPTS[1]], ["b"], 8, running)
     assert running.past_key_values.tenant() is None
     assert newcomer.past_key_values.reserve_rows == 1  # a cache of its own
+
+
+def test_a_prefill_that_loses_a_request_part_way_keeps_its_lent_rows_clean(
+        tiny_model, smollm2_tokenizer):
+    # Two prompts read into two lent rows; one is cancelled after the first chunk: the
+    # prefill's own filter frees (zeroes) that row, and the other joins in place.
+    running_seqs, running = reserving_batch(tiny_model, smollm2_tokenizer, [PROMPTS[0]], ["a"],
+                                            8, rows=3, left=32)
+    _, running = generate_token(tiny_model, running)
+    late_seqs, newcomer = leasing_batch(tiny_model, smollm2_tokenizer, PROMPTS[1:], ["b", "c"],
+                                        8, running)
+    newcomer = prefill_chunk(tiny_model, newcomer, 3)
+    newcomer = newcomer.filter(["c"])
+    _, running = generate_token(tiny_model, running)
+    _, newcomer = generate_token(tiny_model, newcomer)
+    batch = CausalLMBatch.concatenate([running, newcomer])
+    slab = batch.past_key_values._slabs[0]
+    assert batch.past_key_values is running.past_key_values and slab.rows == 2
+    assert not slab.keys_buffer[2:].any() and not slab.values_buffer[2:].any()
+    assert_each_as_alone(tiny_model, smollm2_tokenizer, batch, [running_seqs[0], late_seqs[1]],
+                         [PROMPTS[0], PROMPTS[2]], 8)
+
+
+def test_newcomers_take_lent_rows_one_after_another(tiny_model, smollm2_tokenizer, monkeypatch):
+    running_seqs, running = reserving_batch(tiny_model, smollm2_tokenizer, [PROMPTS[0]], ["a"],
+                                            8, rows=3, left=32)
+    _, running = generate_token(tiny_model, running)
+    refuse_copies(monkeypatch)
+    joined = []
+    for prompt, request_id in zip(PROMPTS[1:], ["b", "c"]):
+        seqs, newcomer = leasing_batch(tiny_model, smollm2_tokenizer, [prompt], [request_id], 8,
+                                       running)
+        assert running.past_key_values.tenant() is newcomer.past_key_values
+        _, newcomer = generate_token(tiny_model, newcomer)
+        running = CausalLMBatch.concatenate([running, newcomer])
+        _, running = generate_token(tiny_model, running)
+        joined += seqs
+    monkeypatch.undo()
+    assert running.request_ids == ["a", "b", "c"]
+    assert_each_as_alone(tiny_model, smollm2_tokenizer, running, running_seqs + joined, PROMPTS, 8)
