@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -327,38 +328,55 @@ def test_a_longer_prompt_joins_the_running_rows_in_their_own_cache(make_schedule
     assert late[0].generated_ids == solo[0].generated_ids
 
 
+LONG_PROMPT = " ".join(PROMPTS * 3)
+
+
+@contextlib.contextmanager
+def reading_in_mixed_passes(make_scheduler, model, tokenizer, monkeypatch, mixed_pass,
+                            **slab_methods):
+    """A scheduler whose model runs djl-stream's Llama step, with prefill chunks of 8
+    tokens (a long prompt beside a stream is read in mixed passes, each through
+    ``mixed_pass``) and ``slab_methods`` replacing the KV-cache slab's; all undone after."""
+    from djl_stream.generation import kv_cache, llama_decode
+    from djl_stream.generation import scheduler as scheduler_module
+
+    assert llama_decode.attach(model, tokenizer) is not None
+    for name, method in slab_methods.items():
+        monkeypatch.setattr(kv_cache._Slab, name, method)
+    monkeypatch.setattr(scheduler_module, "mixed_pass", mixed_pass)
+    try:
+        yield make_scheduler(max_batch_prefill_tokens=8, max_batch_size=4)
+    finally:
+        monkeypatch.undo()
+        llama_decode.detach(model)
+
+
+def assert_solo_text(make_scheduler, model, tokenizer, prompt, served):
+    solo = sequences(model, tokenizer, [prompt], max_new_tokens=6)
+    collect(make_scheduler().submit(solo))
+    assert served[0].generated_ids == solo[0].generated_ids
+
+
 def test_a_prompt_read_in_mixed_passes_takes_its_slot_on_admission(
         make_scheduler, tiny_model, smollm2_tokenizer, monkeypatch):
     # With the Llama step, a long prompt is read in chunks that share passes with the
     # running rows' decode steps; its chunks are written into the running cache's free
     # rows, and its join copies nothing (any copy of rows at a join raises here).
-    from djl_stream.generation import kv_cache, llama_decode
-    from djl_stream.generation import scheduler as scheduler_module
+    mixed = []
 
     def copying(*args):
         raise AssertionError("a join copied rows")
-
-    mixed = []
 
     def counted_mixed_pass(*args):
         mixed.append(args[3])
         return batch_module.mixed_pass(*args)
 
-    assert llama_decode.attach(tiny_model, smollm2_tokenizer) is not None
-    monkeypatch.setattr(kv_cache._Slab, "take", copying)
-    monkeypatch.setattr(scheduler_module, "mixed_pass", counted_mixed_pass)
-    long_prompt = " ".join(PROMPTS * 3)
-    try:
-        scheduler = make_scheduler(max_batch_prefill_tokens=8, max_batch_size=4)
+    with reading_in_mixed_passes(make_scheduler, tiny_model, smollm2_tokenizer, monkeypatch,
+                                 counted_mixed_pass, take=copying) as scheduler:
         _, late = beside_a_stream(scheduler, tiny_model, smollm2_tokenizer, [PROMPTS[0]],
-                                  long_prompt)
-    finally:
-        monkeypatch.undo()
-        llama_decode.detach(tiny_model)
+                                  LONG_PROMPT)
     assert len(mixed) >= 3 and sum(mixed) == len(late[0].prompt_ids)  # all in mixed passes
-    solo = sequences(tiny_model, smollm2_tokenizer, [long_prompt], max_new_tokens=6)
-    collect(make_scheduler().submit(solo))
-    assert late[0].generated_ids == solo[0].generated_ids
+    assert_solo_text(make_scheduler, tiny_model, smollm2_tokenizer, LONG_PROMPT, late)
 
 
 def test_a_prompt_whose_lender_ends_during_its_prefill_moves_out_and_is_served(
@@ -367,8 +385,7 @@ def test_a_prompt_whose_lender_ends_during_its_prefill_moves_out_and_is_served(
     # written into its cache's lent rows: the prompt goes on alone, copying what it holds
     # into buffers of its own (the gone cache's buffers are not kept), and generates its
     # solo text.
-    from djl_stream.generation import kv_cache, llama_decode
-    from djl_stream.generation import scheduler as scheduler_module
+    from djl_stream.generation import kv_cache
 
     moved, passes = [], []
     copy_to_own_buffers = kv_cache._Slab.copy_to_own_buffers
@@ -384,24 +401,16 @@ def test_a_prompt_whose_lender_ends_during_its_prefill_moves_out_and_is_served(
             running.close()
         return result
 
-    assert llama_decode.attach(tiny_model, smollm2_tokenizer) is not None
-    monkeypatch.setattr(kv_cache._Slab, "copy_to_own_buffers", counted_copy)
-    monkeypatch.setattr(scheduler_module, "mixed_pass", mixed_pass_then_cancel)
-    long_prompt = " ".join(PROMPTS * 3)
-    try:
-        scheduler = make_scheduler(max_batch_prefill_tokens=8, max_batch_size=4)
+    with reading_in_mixed_passes(make_scheduler, tiny_model, smollm2_tokenizer, monkeypatch,
+                                 mixed_pass_then_cancel,
+                                 copy_to_own_buffers=counted_copy) as scheduler:
         running = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[0]],
                                              max_new_tokens=100_000, ignore_eos=True))
         next(running)
-        late = sequences(tiny_model, smollm2_tokenizer, [long_prompt], max_new_tokens=6)
+        late = sequences(tiny_model, smollm2_tokenizer, [LONG_PROMPT], max_new_tokens=6)
         collect(scheduler.submit(late))
-    finally:
-        monkeypatch.undo()
-        llama_decode.detach(tiny_model)
     assert len(passes) == 1 and moved  # one mixed pass, then alone in its own buffers
-    solo = sequences(tiny_model, smollm2_tokenizer, [long_prompt], max_new_tokens=6)
-    collect(make_scheduler().submit(solo))
-    assert late[0].generated_ids == solo[0].generated_ids
+    assert_solo_text(make_scheduler, tiny_model, smollm2_tokenizer, LONG_PROMPT, late)
 
 
 def test_a_failure_while_a_prefill_joins_fails_its_request_instead_of_losing_it(
