@@ -153,3 +153,24 @@ def test_a_prefill_whose_lender_is_gone_moves_into_buffers_of_its_own():
         keys, _ = tenant.update(*written(1, 1, 5.0), 0)
     assert keys.untyped_storage().data_ptr() != storage
     assert keys[0, 0, :6].eq(3.0).all() and keys[0, 0, 6].eq(5.0).all()
+
+
+def test_a_prefill_lent_rows_by_a_cache_that_moves_out_keeps_what_it_writes():
+    # A prefill whose own lender was gone went on as the running batch and lent a row to
+    # the next prefill; when it moved into buffers of its own, the next prefill's later
+    # chunks still went to the old buffers and its join (taken as in place) lost them.
+    grand = PreallocatedCache(reserve_rows=4, room_on_left=8)
+    with torch.inference_mode():
+        grand.update(*written(1, 4, 1.0), 0)
+        orphan = grand.lease(rows=2, columns=4)
+        orphan.update(*written(2, 4, 2.0), 0)
+        orphan.keep_rows([0])  # one of its two requests left: a row to lend
+        tenant = orphan.lease(rows=1, columns=3)
+        tenant.update(*written(1, 1, 3.0), 0)  # its first chunk
+        del grand
+        orphan.update(*written(1, 1, 2.0), 0)  # a decode step: it moves out
+        tenant.update(*written(1, 2, 4.0), 0)  # the rest of the prompt
+        assert orphan.absorb([tenant]) == [0]
+    slab = orphan._slabs[0]
+    assert slab.keys[1, 0, -3:, 0].tolist() == [3.0, 4.0, 4.0]
+    assert not slab.keys[1, 0, :-3].any()  # and nothing before its own columns

@@ -334,13 +334,14 @@ class _Slab:
         self.rows = needed
 
     def copy_to_own_buffers(self) -> None:
-        """Give this slab buffers of its own, of the same shape, holding what its rows
-        wrote (its buffers were views of another cache's rows)."""
+        """Give this slab buffers of its own, of the same shape, holding what its rows in
+        use wrote (its buffers were views of another cache's rows; free rows, whatever a
+        prefill they lent them to wrote there, start zero)."""
         written = self.written_columns()
         for name in ("keys_buffer", "values_buffer"):
             view = getattr(self, name)
             own = zeroed_buffer(view.shape, view)
-            own[:, :, written] = view[:, :, written]
+            own[:self.rows, :, written] = view[:self.rows, :, written]
             setattr(self, name, own)
 
     def written_columns(self) -> slice:
@@ -354,30 +355,40 @@ class _Lease:
     """Rows ``[first_row, first_row + rows)`` of a cache's buffers lent to the cache of a
     prefill (the tenant, held weakly: a prefill that is dropped ends its lease), which
     writes its prompts there in place (:meth:`PreallocatedCache.lease`). ``slabs`` are the
-    tenant's, one per layer, over ``views`` of the lender's buffers; ``columns`` is the
-    span the tenant may write."""
+    tenant's, one per layer, over ``views`` of the ``lent`` buffers (the lender's at the
+    time); ``columns`` is the span the tenant may write."""
 
-    __slots__ = ("tenant", "first_row", "slabs", "views", "columns")
+    __slots__ = ("tenant", "first_row", "slabs", "views", "lent", "columns")
 
     def __init__(self, tenant: "PreallocatedCache", first_row: int, slabs: List[_Slab],
-                 columns: slice) -> None:
+                 lent: List[_Slab], columns: slice) -> None:
         self.tenant = weakref.ref(tenant)
         self.first_row = first_row
         self.slabs = slabs
         self.views = [(slab.keys_buffer, slab.values_buffer) for slab in slabs]
+        self.lent = [(slab.keys_buffer, slab.values_buffer) for slab in lent]
         self.columns = columns
 
-    def in_place(self) -> bool:
-        """Whether every tenant layer still writes into the lent rows (it would have
-        moved out only by growing, which a lease's rows and columns are sized to avoid)."""
+    def tenant_in_place(self) -> bool:
+        """Whether every tenant layer still writes into the views it was lent (it would
+        have moved out only by growing, which a lease's rows and columns are sized to
+        avoid)."""
         return all(slab.keys_buffer is keys and slab.values_buffer is values
                    for slab, (keys, values) in zip(self.slabs, self.views))
+
+    def in_place(self, lender: Sequence[_Slab]) -> bool:
+        """Whether the tenant's rows are in ``lender``'s (the lender's slabs') buffers:
+        the tenant writes where it was lent, and the lender's buffers are the ones lent
+        (a lender that moved its buffers, however, left the tenant's rows behind)."""
+        return self.tenant_in_place() and all(
+            slab.keys_buffer is keys and slab.values_buffer is values
+            for slab, (keys, values) in zip(lender, self.lent))
 
     def clear(self, *, keep_for_tenant: bool) -> None:
         """Zero what the tenant wrote in the lent rows (they are free again); with
         ``keep_for_tenant``, first give the tenant buffers of its own holding it (it goes
         on as a cache of its own, joined later by a copy)."""
-        in_place = self.in_place()
+        in_place = self.tenant_in_place()
         for slab, views in zip(self.slabs, self.views):
             written = slab.written_columns() if in_place else self.columns
             if keep_for_tenant and in_place:
@@ -626,7 +637,8 @@ class PreallocatedCache(DynamicCache):
             _Slab(slab.keys_buffer[first_row:first_row + rows],
                   slab.values_buffer[first_row:first_row + rows], room_on_left=end - columns)
             for slab in slabs]
-        self._lease = _Lease(tenant, first_row, list(tenant._slabs), slice(end - columns, end))
+        self._lease = _Lease(tenant, first_row, list(tenant._slabs), slabs,
+                             slice(end - columns, end))
         tenant._lender = weakref.ref(self)
         return tenant
 
@@ -636,6 +648,7 @@ class PreallocatedCache(DynamicCache):
         of its own: its views would keep the lender's whole buffers resident."""
         if self._lender() is None:
             self._lender = None
+            self._end_lease()  # (a prefill it lent rows to moves out too)
             for slab in self._written():
                 slab.copy_to_own_buffers()
 
@@ -658,7 +671,7 @@ class PreallocatedCache(DynamicCache):
         everything as it was, where they are not in place)."""
         lease = self._lease
         mine, theirs = self._written(), tenant._written()
-        if (not lease.in_place() or lease.first_row != mine[0].rows
+        if (not lease.in_place(mine) or lease.first_row != mine[0].rows
                 or len(theirs) != len(mine) or not theirs[0].rows
                 or any(t.end > m.end for m, t in zip(mine, theirs))):
             return None
