@@ -338,11 +338,10 @@ class _Slab:
         use wrote (its buffers were views of another cache's rows; free rows, whatever a
         prefill they lent them to wrote there, start zero)."""
         written = self.written_columns()
-        for name in ("keys_buffer", "values_buffer"):
-            view = getattr(self, name)
-            own = zeroed_buffer(view.shape, view)
-            own[:self.rows, :, written] = view[:self.rows, :, written]
-            setattr(self, name, own)
+        in_use = (slice(0, self.rows), slice(None), written)
+        rows, columns = self.row_capacity, self.column_capacity
+        self.keys_buffer = _moved(self.keys_buffer, rows, columns, in_use, written.start)
+        self.values_buffer = _moved(self.values_buffer, rows, columns, in_use, written.start)
 
     def written_columns(self) -> slice:
         """The columns any row in use may have written (an empty slice if none)."""
@@ -536,7 +535,7 @@ class PreallocatedCache(DynamicCache):
             slabs = self._slabs = [self._new_slab(like, rows, count) for _ in range(layers)]
         if not slabs or any(slab is None for slab in slabs):
             raise ValueError("every layer must be written before a decode step")
-        if all(slab.length == 0 for slab in slabs):
+        if slabs[0].length == 0 and all(slab.length == 0 for slab in slabs):
             for slab in slabs:  # a first write (or a rewrite after a cut back to nothing)
                 slab.begin(rows, count)
         first = slabs[0]
