@@ -60,27 +60,30 @@ def main(argv: List[str] | None = None) -> None:
     reason = llama_decode.unsupported_reason(loaded.model)
     if reason:
         raise SystemExit(f"djl-stream's Llama decode step cannot run this model: {reason}")
-    ways: Dict[str, object] = {"model's forward": None}
+    ways: Dict[str, tuple] = {"model's forward": (loaded, None)}
     llama_decode.detach(loaded.model)
-    ways["djl-stream's step"] = llama_decode.LlamaDecodeStep(loaded.model)
+    ways["djl-stream's step"] = (loaded, llama_decode.LlamaDecodeStep(loaded.model))
     if args.compiled:
+        # the one-row graph is built from the plain weights, before packing: a model of its
+        # own, loaded as the server loads it with option.decode_step=compiled
         started = time.perf_counter()
-        compiled = llama_decode.attach(loaded.model, loaded.tokenizer, compile=True)
-        if compiled is None:
-            raise SystemExit("compiling the step failed (see the log)")
-        print(f"compiled at load in {time.perf_counter() - started:.0f} s")
-        ways["djl-stream's step, compiled"] = compiled
+        compiled = LoadedModel.load(args.model_dir, device="cpu", decode_step="compiled")
+        step = llama_decode.step_of(compiled.model)
+        if step is None or not step.compiled:
+            raise SystemExit("compiling the one-row step failed (see the log)")
+        print(f"loaded and compiled in {time.perf_counter() - started:.0f} s")
+        ways["djl-stream's step, compiled"] = (compiled, step)
     rows_list = [int(r) for r in args.rows.split(",")]
     medians: Dict[tuple, List[float]] = {}
     tokens: Dict[tuple, list] = {}
     for _ in range(args.repetitions):
         for rows in rows_list:
-            for name, step in ways.items():
-                llama_decode.detach(loaded.model)
+            for name, (way, step) in ways.items():
+                llama_decode.detach(way.model)
                 if step is not None:
-                    llama_decode.install(loaded.model, step)
-                prompts = [loaded.prompt(PROMPTS[i % len(PROMPTS)]).ids for i in range(rows)]
-                seconds, ids = decode_steps(loaded.model, loaded.tokenizer, prompts, args.steps)
+                    llama_decode.install(way.model, step)
+                prompts = [way.prompt(PROMPTS[i % len(PROMPTS)]).ids for i in range(rows)]
+                seconds, ids = decode_steps(way.model, way.tokenizer, prompts, args.steps)
                 medians.setdefault((name, rows), []).append(seconds)
                 tokens[(name, rows)] = ids
     print(f"\n{args.model_dir}: decode step (median of {args.repetitions} medians of "

@@ -37,7 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Text
 
 from djl_stream import StreamingUtils
 from djl_stream.generation.forward_kwargs import cache_kwarg, last_logits_only
-from djl_stream.generation.loading import attach_decode_step, prepack_for_cpu, torch_dtype
+from djl_stream.generation.loading import prepare_for_decoding, torch_dtype
 from djl_stream.serving.properties import ModelProperties, djl_init_properties
 
 from .measure import StreamTiming
@@ -75,10 +75,15 @@ class LoadedModel:
     properties: ModelProperties
 
     @classmethod
-    def load(cls, model_dir: str, device: str = "auto", dtype: str = "auto") -> "LoadedModel":
+    def load(cls, model_dir: str, device: str = "auto", dtype: str = "auto",
+             decode_step: str = "") -> "LoadedModel":
+        """``decode_step``, where given, overrides the model directory's
+        ``option.decode_step``."""
         init = djl_init_properties(model_dir)
         if dtype != "auto":
             init["dtype"] = dtype
+        if decode_step:
+            init["decode_step"] = decode_step
         props = ModelProperties.from_init_properties(init)
         target = resolve_device(device)
         location = props.weights_location()
@@ -89,9 +94,7 @@ class LoadedModel:
             trust_remote_code=props.trust_remote_code,
         )
         model = model.to(target).eval()
-        if target.type == "cpu":
-            prepack_for_cpu(model, props)
-        attach_decode_step(model, tokenizer, props)
+        prepare_for_decoding(model, tokenizer, props, on_gpu=target.type == "cuda")
         return cls(model, tokenizer, target, props)
 
     @property

@@ -86,12 +86,14 @@ _NO_PACKING = pytest.mark.skipif(packing_unavailable() is not None,
 def test_the_step_gives_the_forward_s_tokens_logits_and_cache_through_leaves_and_joins(
         smollm2_tokenizer, monkeypatch, packed, compiled):
     model = build_tiny_llama(len(smollm2_tokenizer), seed=3)
+    # the one-row graph takes the plain layers before they are packed, as at load
+    one_row = llama_decode.one_row_graph(model) if compiled else None
     if packed:
         assert pack_linear_layers(model) > 0
     forward_logits = []
     expected_tokens, expected_keys = run_continuous_batch(model, smollm2_tokenizer, forward_logits)
 
-    step = llama_decode.attach(model, smollm2_tokenizer, compile=compiled)
+    step = llama_decode.attach(model, smollm2_tokenizer, compile=compiled, one_row=one_row)
     assert step is not None and step.compiled is compiled
     step_logits = StepLogits(model, monkeypatch)
     prefill_logits = []
@@ -150,7 +152,7 @@ def test_a_step_that_disagrees_with_the_forward_is_not_attached(smollm2_tokenize
                                                                 caplog):
     model = build_tiny_llama(len(smollm2_tokenizer), seed=5)
     # a step that forgot its RMSNorms
-    monkeypatch.setattr(llama_decode.LlamaDecodeStep, "_norm", lambda self, x, weight: x)
+    monkeypatch.setattr(llama_decode, "_norm", lambda x, weight, eps: x)
     assert llama_decode.attach(model, smollm2_tokenizer) is None
     assert llama_decode.step_of(model) is None
     assert "differs from the model's forward" in caplog.text
@@ -248,3 +250,110 @@ def test_the_step_grows_a_cache_whose_leading_columns_were_trimmed(smollm2_token
     tokens, first_capacity = run(model)
     assert len(tokens) == 90 and first_capacity < len(tokens)  # it had to grow
     assert tokens == expected
+
+
+# -- the compiled one-row step (option.decode_step=compiled) ----------------------------
+
+def decode_alone(model, tokenizer, new_tokens, room_on_left=0):
+    """One prompt decoded alone (one row) from buffers of the smallest size, so that the
+    steps grow them, ``room_on_left`` columns left free before it; its tokens and the
+    column capacities its cache went through."""
+    (seq,) = sequences(tokenizer, PROMPTS[1:2], new_tokens)
+    batch = CausalLMBatch.from_sequences([seq], pad_token_id=2, device="cpu")
+    batch.past_key_values.reserve_columns = 1
+    batch.past_key_values.room_on_left = room_on_left
+    capacities = set()
+    while batch is not None:
+        _, batch = generate_token(model, batch)
+        if batch is not None:
+            capacities.add(batch.past_key_values._slabs[0].column_capacity)
+    return seq.generated_ids, capacities
+
+
+def compiled_one_row_step(model, tokenizer, monkeypatch):
+    """``model``'s step with its one-row graph, built from the plain layers before they
+    are packed (as at load); and a list that counts the graph's calls."""
+    one_row = llama_decode.one_row_graph(model)
+    assert pack_linear_layers(model) > 0
+    step = llama_decode.attach(model, tokenizer, compile=True, one_row=one_row)
+    assert step is not None and step.compiled
+    calls = []
+    run = one_row.run
+
+    def counting(*inputs):
+        calls.append(inputs[0].shape[0])
+        return run(*inputs)
+
+    monkeypatch.setattr(one_row, "run", counting)
+    return step, calls
+
+
+@_NO_PACKING
+@pytest.mark.parametrize("room_on_left", [0, 7])
+def test_the_compiled_one_row_step_gives_the_forward_s_tokens_and_logits_as_its_buffers_grow(
+        smollm2_tokenizer, monkeypatch, caplog, room_on_left):
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=8)
+    forward_logits = []
+    hook = model.register_forward_hook(
+        lambda module, args, kwargs, output: forward_logits.append(output.logits[:, -1].clone()),
+        with_kwargs=True)
+    expected, _ = decode_alone(model, smollm2_tokenizer, 80, room_on_left)
+    hook.remove()
+
+    caplog.set_level("INFO", logger=llama_decode.__name__)
+    step, calls = compiled_one_row_step(model, smollm2_tokenizer, monkeypatch)
+    # Inductor froze (and packed) every projection and the LM head: the graph no longer
+    # reads the plain weights, which were given back
+    frozen = [p for p in step.one_row.projections.parameters()] + [step.one_row.lm_head.weight]
+    assert step.one_row.released_bytes >= sum(p.numel() * p.element_size() for p in frozen)
+    assert "plain weights given back" in caplog.text
+    step_logits = StepLogits(model, monkeypatch)
+    fills = step._fills
+    filled, starts = [], set()
+    monkeypatch.setattr(step, "_fills", lambda keys, start, column: starts.add(start) or (
+        fills(keys, start, column) and not filled.append(column)))
+    tokens, capacities = decode_alone(model, smollm2_tokenizer, 80, room_on_left)
+
+    assert tokens == expected
+    assert len(capacities) > 1  # the buffers grew: other shapes, the same graph
+    # every decode step but those that wrote their buffers' last column (one per growth:
+    # a view of the whole buffers, run eagerly), and none fell back for good
+    assert calls == [1] * (79 - len(filled)) and len(filled) < len(capacities)
+    assert step.compiled
+    # the first column attended over: 0 (the steps that fill their buffers are among
+    # them) or, with room on the left, past that room (no step fills its buffers then)
+    assert min(starts) == room_on_left and bool(filled) is (room_on_left == 0)
+    assert len(step_logits.seen) == len(forward_logits) - 1  # the prefill ran the forward
+    for theirs, ours in zip(forward_logits[1:], step_logits.seen):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+@_NO_PACKING
+def test_a_compiled_one_row_step_that_fails_gives_way_to_the_eager_step(
+        smollm2_tokenizer, monkeypatch, caplog):
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=9)
+    expected, _ = decode_alone(model, smollm2_tokenizer, 12)
+    step, calls = compiled_one_row_step(model, smollm2_tokenizer, monkeypatch)
+
+    def failing(*inputs):
+        raise RuntimeError("a guard failed")
+
+    monkeypatch.setattr(step.one_row, "_compiled", failing)
+    tokens, _ = decode_alone(model, smollm2_tokenizer, 12)
+    assert tokens == expected
+    assert calls == [1] and not step.compiled  # tried once, then the eager step
+    assert "run the eager step from now on" in caplog.text
+
+
+@_NO_PACKING
+def test_option_decode_step_compiled_builds_the_one_row_graph_before_packing(tiny_model_dir):
+    from djl_stream.generation.loading import load_model_and_tokenizer
+    from djl_stream.generation.packed_linear import PackedLinear
+
+    props = ModelProperties.from_init_properties(
+        {"model_dir": str(tiny_model_dir), "decode_step": "compiled"})
+    model, _ = load_model_and_tokenizer(props)
+    step = llama_decode.step_of(model)
+    assert step is not None and step.compiled
+    assert isinstance(model.model.layers[0].self_attn.q_proj, PackedLinear)
+    assert not step.one_row.shares_weights_with(model)

@@ -25,11 +25,21 @@ It knows one architecture, ``LlamaForCausalLM`` (Llama 2 and 3, SmolLM2, TinyLla
 others) without biases, on a CPU; :func:`unsupported_reason` says why another model keeps
 its forward. On a GPU the model's forward runs, as before: this step has not run on one.
 
-``compile=True`` (``option.decode_step=compiled``) hands the step to ``torch.compile``
-(dynamic shapes, one graph, ``cpp_wrapper``), with the oneDNN-packed weights behind a
-custom operator (``djl_stream::packed_linear``: an opaque packed tensor cannot enter a
-graph). Measured: 32.0 ms with one row, 30.3 with four, 50.9 with sixteen, for 152 s of
-compiling at load (one row and several are two graphs): an option, not the default.
+``compile=True`` (``option.decode_step=compiled``) adds :class:`OneRowGraph`: the decode
+step of a batch of one row, compiled at load by TorchInductor with the projection weights
+frozen into the graph and its C++ matrix-product template chosen for every product
+(``freezing``, ``max_autotune`` with the ``CPP`` backend, ``cpp_wrapper``). Inductor
+packs each weight into the blocked layout its generated kernel reads, and the whole step
+(norms, rotary embedding, attention, MLP) runs as one C++ function. Measured on the
+2-core CPU (``python -m benchmarks.decode_step --compiled``), a one-row step of
+SmolLM2-135M takes 22 ms against 36 ms eager with oneDNN-packed weights, the same greedy
+tokens. It costs a compile of about 100 s at every load: Inductor's cache skips a graph
+holding oneDNN-packed constants (they cannot be pickled), so nothing is kept across
+restarts. It also costs the weights' size again in memory (Inductor's packed copy; the
+plain weights it was built from are given back once it no longer reads them: a
+process's resident memory after load was 1.83 GB against 1.10 eager). Batches of several
+rows and mixed passes run the eager step: a graph per row count would compile as long
+and hold one more copy of the weights each.
 
 Example::
 
@@ -38,13 +48,14 @@ Example::
     ...                                      num_hidden_layers=1, num_attention_heads=2))
     >>> unsupported_reason(model) is None
     True
-    >>> step = LlamaDecodeStep(model, compile=False)
+    >>> step = LlamaDecodeStep(model)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
+import mmap
 import time
 from typing import List, Optional
 
@@ -62,42 +73,6 @@ _ATTRIBUTE = "_djl_stream_decode_step"
 #: order: ~1e-6 seen in float32; in bfloat16 every layer's output is rounded to 8 bits of
 #: mantissa, and 30 layers of it part by about 1e-2).
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}
-
-
-# -- packed weights behind an operator a compiled graph can call ----------------------
-
-#: (packed weight, bias or None, out features) by handle; compiled steps only (they live
-#: as long as the process, as the model they serve does)
-_PACKED: List[tuple] = []
-
-
-@torch.library.custom_op("djl_stream::packed_linear", mutates_args=())
-def _packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
-    weight, bias, _ = _PACKED[handle]
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-@_packed_linear.register_fake
-def _(x: torch.Tensor, handle: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], _PACKED[handle][2])
-
-
-def _linear(module: torch.nn.Module, compile: bool):
-    """A function ``x (rows, in) -> (rows, out)`` doing what ``module`` does (the module
-    itself, run eagerly), in a form a graph can hold when ``compile``."""
-    from djl_stream.generation.int8_linear import Int8Linear
-    from djl_stream.generation.packed_linear import PackedLinear
-
-    if not compile or isinstance(module, Int8Linear):  # plain tensors and operators: traceable
-        return module
-    if isinstance(module, PackedLinear):
-        _PACKED.append((module.weight, module.bias, module.out_features))
-        handle = len(_PACKED) - 1
-        return lambda x: _packed_linear(x, handle)
-    if type(module) is torch.nn.Linear:
-        weight, bias = module.weight, module.bias
-        return lambda x: F.linear(x, weight, bias)
-    raise TypeError(f"no graph form for {type(module).__name__}")
 
 
 # -- which models ----------------------------------------------------------------------
@@ -135,94 +110,286 @@ def unsupported_reason(model) -> Optional[str]:
     return None
 
 
+# -- the layers, shared by the eager step and the one-row graph -------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """What the step's arithmetic needs of a model's config: plain numbers, so that a
+    compiled graph holds them as constants."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    scaling: float
+
+    @classmethod
+    def of(cls, config) -> "Geometry":
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                   head_dim=head_dim, eps=config.rms_norm_eps, scaling=head_dim ** -0.5)
+
+    @property
+    def grouped(self) -> bool:
+        return self.kv_heads != self.heads
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # as LlamaRMSNorm: in float32, then back to the weight's dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(weight.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _mlp(layer: dict, hidden: torch.Tensor, eps: float) -> torch.Tensor:
+    """``hidden`` after ``layer``'s gated MLP (with its norm and residual)."""
+    x = _norm(hidden, layer["mlp_norm"], eps)
+    return hidden + layer["down"](F.silu(layer["gate"](x)) * layer["up"](x))
+
+
+def _decode_logits(geometry: Geometry, layers: List[dict], final_norm: torch.Tensor, lm_head,
+                   hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   mask: torch.Tensor, keys: List[torch.Tensor], values: List[torch.Tensor],
+                   column: torch.Tensor, start: int) -> torch.Tensor:
+    """Logits ``(rows, vocab)`` of a decode step from the embedded tokens ``hidden``
+    ``(rows, hidden)``, their rotary ``cos``/``sin`` ``(rows, 1, 1, head_dim)`` and the
+    additive ``mask`` ``(rows, 1, 1, columns)``. ``keys[i]``/``values[i]`` are layer
+    ``i``'s cache buffers ``(row capacity, kv heads, column capacity, head_dim)``; the
+    step writes buffer column ``column`` (a 1-element index tensor) of the first ``rows``
+    rows and attends over the ``columns`` columns from ``start``.
+
+    The buffers themselves are a graph's inputs, not views of them: a mutated view of an
+    input would be copied back whole after every step."""
+    rows, columns = hidden.shape[0], mask.shape[3]
+    g = geometry
+    # (enable_gqa only where heads are grouped: PyTorch < 2.5 has no such argument, and a
+    # model without grouped heads runs there too)
+    gqa = {"enable_gqa": True} if g.grouped else {}
+    for layer, layer_keys, layer_values in zip(layers, keys, values):
+        x = _norm(hidden, layer["attention_norm"], g.eps)
+        q = layer["q"](x).view(rows, g.heads, 1, g.head_dim)
+        k = layer["k"](x).view(rows, g.kv_heads, 1, g.head_dim)
+        v = layer["v"](x).view(rows, g.kv_heads, 1, g.head_dim)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        layer_keys[:rows].index_copy_(2, column, k)
+        layer_values[:rows].index_copy_(2, column, v)
+        attended = F.scaled_dot_product_attention(
+            q, layer_keys[:rows].narrow(2, start, columns),
+            layer_values[:rows].narrow(2, start, columns), attn_mask=mask, scale=g.scaling, **gqa)
+        hidden = hidden + layer["o"](attended.reshape(rows, g.heads * g.head_dim))
+        hidden = _mlp(layer, hidden, g.eps)
+    return lm_head(_norm(hidden, final_norm, g.eps))
+
+
+_PROJECTIONS = (("q", "self_attn", "q_proj"), ("k", "self_attn", "k_proj"),
+                ("v", "self_attn", "v_proj"), ("o", "self_attn", "o_proj"),
+                ("gate", "mlp", "gate_proj"), ("up", "mlp", "up_proj"),
+                ("down", "mlp", "down_proj"))
+
+
+def _layer_dicts(decoder, projections) -> List[dict]:
+    """Per layer of ``decoder``, its projections (``projections(layer_index, name)``)
+    and norm weights by the names :func:`_decode_logits` reads."""
+    return [dict({name: projections(index, name) for name, _, _ in _PROJECTIONS},
+                 attention_norm=layer.input_layernorm.weight,
+                 mlp_norm=layer.post_attention_layernorm.weight)
+            for index, layer in enumerate(decoder.layers)]
+
+
+# -- the one-row graph ------------------------------------------------------------------
+
+class OneRowGraph(torch.nn.Module):
+    """The decode step of one row as a module whose parameters are the model's plain
+    projection weights (and copies of its norms and LM head), for TorchInductor to freeze
+    and compile (:meth:`compile`; see the module docstring).
+
+    Built from the model *before* its linear layers are packed
+    (:func:`~djl_stream.generation.loading.prepare_for_decoding` does it in that order),
+    it holds the plain ``nn.Linear`` modules the packing replaces in the model; compiling
+    then frees their weights (Inductor keeps its own packed copy). Where the model still
+    uses them (nothing packed), they are shared and kept.
+
+    Example::
+
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16,
+        ...     intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+        >>> OneRowGraph.unsupported_reason(model) is None
+        True
+        >>> graph = OneRowGraph(model)   # then graph.compile(), at load
+    """
+
+    #: Inductor's settings for the graph (see the module docstring)
+    INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True,
+                        "max_autotune_gemm_backends": "CPP,ATEN", "cpp_wrapper": True}
+
+    def __init__(self, model):
+        super().__init__()
+        reason = self.unsupported_reason(model)
+        if reason:
+            raise ValueError(reason)
+        decoder = model.model
+        self.geometry = Geometry.of(model.config)
+        self.projections = torch.nn.ModuleList(
+            torch.nn.ModuleDict({name: getattr(getattr(layer, part), attribute)
+                                 for name, part, attribute in _PROJECTIONS})
+            for layer in decoder.layers)
+        # copies: the norms and the (often tied) LM head stay in use by the model itself,
+        # and a compiled graph may free what it freezes
+        self.norms = torch.nn.ParameterList(
+            torch.nn.Parameter(weight.detach().clone(), requires_grad=False)
+            for layer in decoder.layers
+            for weight in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight))
+        self.final_norm = torch.nn.Parameter(decoder.norm.weight.detach().clone(),
+                                             requires_grad=False)
+        head = model.lm_head.weight
+        self.lm_head = torch.nn.Linear(head.shape[1], head.shape[0], bias=False)
+        self.lm_head.weight = torch.nn.Parameter(head.detach().clone(), requires_grad=False)
+        self._layers = [dict({name: self.projections[index][name] for name, _, _ in _PROJECTIONS},
+                             attention_norm=self.norms[2 * index],
+                             mlp_norm=self.norms[2 * index + 1])
+                        for index in range(len(decoder.layers))]
+        self._compiled = None
+        self._traced = False
+        #: bytes of weights :meth:`release_weights` gave back
+        self.released_bytes = 0
+
+    @staticmethod
+    def unsupported_reason(model) -> Optional[str]:
+        """Why the graph cannot be built from ``model`` now, or ``None``: the model must be
+        one :class:`LlamaDecodeStep` runs, with plain float32 linear layers (not yet packed
+        or quantized) and no tied weight elsewhere than the LM head."""
+        reason = unsupported_reason(model)
+        if reason:
+            return reason
+        for layer in model.model.layers:
+            for _, part, attribute in _PROJECTIONS:
+                linear = getattr(getattr(layer, part), attribute)
+                if type(linear) is not torch.nn.Linear or linear.weight.dtype != torch.float32:
+                    return (f"{type(linear).__name__} layers of {linear.weight.dtype}: the "
+                            "graph is built from plain float32 weights, before packing")
+        return None
+
+    def forward(self, hidden, cos, sin, mask, keys, values, column, start: int):
+        return _decode_logits(self.geometry, self._layers, self.final_norm, self.lm_head,
+                              hidden, cos, sin, mask, keys, values, column, start)
+
+    def compile(self) -> None:
+        """Hand the graph to TorchInductor; it compiles at its first call (:meth:`run`)."""
+        # kept outside the module's children: the compiled module wraps this one, and as a
+        # child it would make the graph its own descendant
+        object.__setattr__(self, "_compiled", torch.compile(
+            self, dynamic=True, fullgraph=True, options=self.INDUCTOR_OPTIONS))
+
+    def shares_weights_with(self, model) -> bool:
+        """Whether ``model`` itself still uses the projection weights the graph was built
+        from (its layers were not packed)."""
+        in_model = {id(p) for p in model.parameters()}
+        return any(id(p) in in_model for p in self.projections.parameters())
+
+    def release_weights(self, *inputs) -> int:
+        """After compiling: give back the memory of the weights the compiled graph no
+        longer reads (Inductor packed its own copy of them); returns the bytes given back.
+        ``inputs``: a step's inputs (:func:`_decode_logits`) to tell them by.
+
+        Inductor's C++ matrix-product kernels read a packed copy of their weight; a
+        weight an operator reads as it is (a norm's, or one multiplied by another kernel)
+        is read through the module. So each weight in turn is swapped for a tensor of the
+        same shape over anonymous memory that is never written (it takes no physical
+        memory, and dynamo's guards on the weight, its shape, strides and dtype, still
+        hold): where the graph's logits on ``inputs`` change, the weight is put back.
+        :func:`attach` checks the graph against the model's forward again afterwards."""
+        with torch.inference_mode():
+            expected = self.run(*inputs)
+        released = 0
+        for parameter in self.parameters():
+            size = parameter.numel() * parameter.element_size()
+            kept = parameter.data
+            # made outside inference mode, as the weight was: dynamo guards on that too
+            parameter.data = torch.frombuffer(mmap.mmap(-1, size),
+                                              dtype=parameter.dtype).view(parameter.shape)
+            try:
+                with torch.inference_mode():
+                    unchanged = torch.equal(self.run(*inputs), expected)
+            except Exception:  # noqa: BLE001 - a guard failed: the graph reads it
+                unchanged = False
+            if unchanged:
+                released += size
+            else:
+                parameter.data = kept
+        self.released_bytes += released
+        return released
+
+    def run(self, *inputs):
+        """The compiled step's logits (see :func:`_decode_logits` for the inputs).
+
+        Traced without duck shaping: a cache's column capacity may equal the head size,
+        and would otherwise be taken for it and fixed. Once traced, a call that would trace
+        again (a guard failed: tensors of another kind than at the first call) raises
+        instead of compiling for minutes in the middle of serving."""
+        from torch.fx.experimental import _config as shapes_config
+
+        from torch._inductor import config as inductor_config
+
+        stance = "fail_on_recompile" if self._traced else "default"
+        # freezing set globally while tracing, not only in the compile's options: dynamo
+        # reads it from the global config to hand the parameters over as parameters (with
+        # the option alone, Inductor froze nothing and the graph read every weight)
+        with torch.compiler.set_stance(stance), shapes_config.patch(use_duck_shape=False), \
+                inductor_config.patch(freezing=True):
+            logits = self._compiled(*inputs)
+        self._traced = True
+        return logits
+
+
 # -- the step --------------------------------------------------------------------------
 
 class LlamaDecodeStep:
     """One decode step of a Llama-architecture model over a
     :class:`~djl_stream.generation.kv_cache.PreallocatedCache`: see the module docstring.
 
-    ``compile=True`` hands the step to ``torch.compile`` (see the module docstring).
+    ``one_row`` (a compiled :class:`OneRowGraph`) runs the steps of one-row batches; if it
+    ever fails, it is dropped (logged) and the eager step runs them.
     """
 
-    def __init__(self, model, *, compile: bool = False):
+    def __init__(self, model, *, one_row: Optional[OneRowGraph] = None):
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(reason)
-        config = model.config
-        self.heads = config.num_attention_heads
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
-        self.head_dim = (getattr(config, "head_dim", None)
-                         or config.hidden_size // config.num_attention_heads)
-        self.eps = config.rms_norm_eps
-        self.scaling = self.head_dim ** -0.5
-        # a plain bool: computed in the graph from the int attributes, it would be symbolic
-        self.grouped = bool(self.kv_heads != self.heads)
+        self.geometry = Geometry.of(model.config)
         decoder = model.model
         self.embedding = decoder.embed_tokens.weight
         self.rotary = decoder.rotary_emb
         self.final_norm = decoder.norm.weight
-        self.layers = [dict(q=_linear(layer.self_attn.q_proj, compile),
-                            k=_linear(layer.self_attn.k_proj, compile),
-                            v=_linear(layer.self_attn.v_proj, compile),
-                            o=_linear(layer.self_attn.o_proj, compile),
-                            gate=_linear(layer.mlp.gate_proj, compile),
-                            up=_linear(layer.mlp.up_proj, compile),
-                            down=_linear(layer.mlp.down_proj, compile),
-                            attention_norm=layer.input_layernorm.weight,
-                            mlp_norm=layer.post_attention_layernorm.weight)
-                       for layer in decoder.layers]
-        self.lm_head = _linear(model.lm_head, compile)
-        self.compiled = compile
-        # fullgraph: a graph break would leave parts to eager Python silently (slower than
-        # the model's own forward); it fails here instead, and attach() says why
-        self._step = (torch.compile(self._logits, dynamic=True, fullgraph=True,
-                                    options={"cpp_wrapper": True}) if compile else self._logits)
+        self.layers = _layer_dicts(
+            decoder, lambda index, name: self._projection(decoder.layers[index], name))
+        self.lm_head = model.lm_head
+        self.one_row = one_row
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # as LlamaRMSNorm: in float32, then back to the weight's dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * x32.to(weight.dtype)
+    @staticmethod
+    def _projection(layer, name: str):
+        part, attribute = next((p, a) for n, p, a in _PROJECTIONS if n == name)
+        return getattr(getattr(layer, part), attribute)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    @property
+    def compiled(self) -> bool:
+        """Whether one-row steps run the compiled graph."""
+        return self.one_row is not None
 
-    def _logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor, keys: List[torch.Tensor],
-                values: List[torch.Tensor], column: torch.Tensor, start: int) -> torch.Tensor:
-        """Logits ``(rows, vocab)`` of one step. ``keys[i]``/``values[i]`` are layer
-        ``i``'s whole cache buffers ``(row capacity, kv heads, column capacity,
-        head_dim)``; the step writes buffer column ``column`` (a 0-d index tensor) of the
-        first ``rows`` rows and attends over the ``attention_mask.shape[1]`` columns from
-        ``start``, which ``attention_mask`` ``(rows, columns)`` says each row sees.
-
-        The buffers themselves are the graph's inputs, not views of them: a mutated view
-        of an input would be copied back whole after every step."""
+    def _inputs(self, input_ids, position_ids, attention_mask):
+        """The embedded tokens, their rotary cos/sin and the padding mask of a step."""
         rows = input_ids.shape[0]
         hidden = F.embedding(input_ids.view(rows), self.embedding)
         cos, sin = self.rotary(hidden, position_ids.view(rows, 1))
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (rows, 1, 1, head_dim)
-        columns = attention_mask.shape[1]
         mask = self._padding_mask(attention_mask, hidden.dtype)
-        for layer, layer_keys, layer_values in zip(self.layers, keys, values):
-            x = self._norm(hidden, layer["attention_norm"])
-            q = layer["q"](x).view(rows, self.heads, 1, self.head_dim)
-            k = layer["k"](x).view(rows, self.kv_heads, 1, self.head_dim)
-            v = layer["v"](x).view(rows, self.kv_heads, 1, self.head_dim)
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            layer_keys[:rows].index_copy_(2, column, k)
-            layer_values[:rows].index_copy_(2, column, v)
-            # (enable_gqa only where heads are grouped: PyTorch < 2.5 has no such argument,
-            # and a model without grouped heads runs there too)
-            attended = F.scaled_dot_product_attention(
-                q, layer_keys[:rows].narrow(2, start, columns),
-                layer_values[:rows].narrow(2, start, columns), attn_mask=mask, scale=self.scaling,
-                **({"enable_gqa": True} if self.grouped else {}))
-            hidden = hidden + layer["o"](attended.reshape(rows, self.heads * self.head_dim))
-            hidden = self._mlp(layer, hidden)
-        return self.lm_head(self._norm(hidden, self.final_norm))
+        return hidden, cos.unsqueeze(1), sin.unsqueeze(1), mask  # cos, sin: (rows, 1, 1, dim)
 
     def _padding_mask(self, attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The additive mask ``(rows, 1, 1, columns)`` of a decode step, made once a step:
@@ -231,11 +398,6 @@ class LlamaDecodeStep:
         rows, columns = attention_mask.shape
         mask = torch.zeros((rows, 1, 1, columns), dtype=dtype, device=attention_mask.device)
         return mask.masked_fill_(attention_mask.view(rows, 1, 1, columns) == 0, float("-inf"))
-
-    def _mlp(self, layer: dict, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` after layer ``layer``'s gated MLP (with its norm and residual)."""
-        x = self._norm(hidden, layer["mlp_norm"])
-        return hidden + layer["down"](F.silu(layer["gate"](x)) * layer["up"](x))
 
     def _prompt_mask(self, attention_mask: torch.Tensor, cached: int, columns: int,
                      dtype: torch.dtype) -> torch.Tensor:
@@ -279,43 +441,44 @@ class LlamaDecodeStep:
         d_mask = self._padding_mask(decode.attention_mask, hidden.dtype)
         p_mask = self._prompt_mask(prefill.attention_mask, cached, columns, hidden.dtype)
         d_write = torch.tensor([d_column])
-        gqa = {"enable_gqa": True} if self.grouped else {}
-        width = self.heads * self.head_dim
+        g = self.geometry
+        gqa = {"enable_gqa": True} if g.grouped else {}
+        width = g.heads * g.head_dim
 
         def heads_first(t, heads):  # the chunk's tokens of t, as (prompts, heads, columns, dim)
-            return t[rows:].view(prompts, columns, heads, self.head_dim).transpose(1, 2)
+            return t[rows:].view(prompts, columns, heads, g.head_dim).transpose(1, 2)
 
         for index, layer in enumerate(self.layers):
-            x = self._norm(hidden, layer["attention_norm"])
+            x = _norm(hidden, layer["attention_norm"], g.eps)
             q, k, v = layer["q"](x), layer["k"](x), layer["v"](x)
             # this step's column of the running rows
-            qd = self._rotate(q[:rows].view(rows, self.heads, 1, self.head_dim), d_cos, d_sin)
-            kd = self._rotate(k[:rows].view(rows, self.kv_heads, 1, self.head_dim), d_cos, d_sin)
+            qd = _rotate(q[:rows].view(rows, g.heads, 1, g.head_dim), d_cos, d_sin)
+            kd = _rotate(k[:rows].view(rows, g.kv_heads, 1, g.head_dim), d_cos, d_sin)
             d_keys[index][:rows].index_copy_(2, d_write, kd)
-            d_values[index][:rows].index_copy_(2, d_write, v[:rows].view(rows, self.kv_heads, 1, -1))
+            d_values[index][:rows].index_copy_(2, d_write, v[:rows].view(rows, g.kv_heads, 1, -1))
             d_out = F.scaled_dot_product_attention(
                 qd, d_keys[index][:rows].narrow(2, d_start, d_mask.shape[3]),
                 d_values[index][:rows].narrow(2, d_start, d_mask.shape[3]),
-                attn_mask=d_mask, scale=self.scaling, **gqa)
+                attn_mask=d_mask, scale=g.scaling, **gqa)
             # the prompt chunk's columns
-            qp = self._rotate(heads_first(q, self.heads), p_cos, p_sin)
-            kp = self._rotate(heads_first(k, self.kv_heads), p_cos, p_sin)
+            qp = _rotate(heads_first(q, g.heads), p_cos, p_sin)
+            kp = _rotate(heads_first(k, g.kv_heads), p_cos, p_sin)
             written = slice(p_column, p_column + columns)
             p_keys[index][:prompts, :, written] = kp
-            p_values[index][:prompts, :, written] = heads_first(v, self.kv_heads)
+            p_values[index][:prompts, :, written] = heads_first(v, g.kv_heads)
             p_out = F.scaled_dot_product_attention(
                 qp, p_keys[index][:prompts].narrow(2, p_start, seen),
                 p_values[index][:prompts].narrow(2, p_start, seen),
-                attn_mask=p_mask, scale=self.scaling, **gqa)
+                attn_mask=p_mask, scale=g.scaling, **gqa)
             attended = torch.cat([d_out.reshape(rows, width),
                                   p_out.transpose(1, 2).reshape(tokens, width)])
-            hidden = self._mlp(layer, hidden + layer["o"](attended))
+            hidden = _mlp(layer, hidden + layer["o"](attended), g.eps)
         decode_cache.next_columns_written()
         prompt_cache.next_columns_written(columns)
         last = hidden[:rows]
         if finishing:
             last = torch.cat([last, hidden[rows:].view(prompts, columns, -1)[:, -1]])
-        logits = self.lm_head(self._norm(last, self.final_norm))
+        logits = self.lm_head(_norm(last, self.final_norm, self.geometry.eps))
         return logits[:rows], (logits[rows:] if finishing else None)
 
     def mixed_logits(self, decode, prefill, columns: int):
@@ -343,10 +506,40 @@ class LlamaDecodeStep:
         ``(rows, vocab)`` of the next token come back."""
         keys, values, start, column = self._decode_buffers(batch)
         with torch.inference_mode():
-            logits = self._step(batch.input_ids, batch.position_ids, batch.attention_mask,
-                                keys, values, torch.tensor([column]), start)
+            inputs = self._inputs(batch.input_ids, batch.position_ids, batch.attention_mask)
+            logits = None
+            if self.one_row is not None and len(batch) == 1 and not self._fills(keys, start,
+                                                                              column):
+                logits = self._one_row_logits(inputs, keys, values, column, start)
+            if logits is None:
+                logits = _decode_logits(self.geometry, self.layers, self.final_norm, self.lm_head,
+                                        *inputs, keys, values, torch.tensor([column]), start)
         batch.past_key_values.next_columns_written()
         return logits
+
+    def _one_row_logits(self, inputs, keys, values, column: int, start: int):
+        """The compiled graph's logits of a one-row step, or ``None`` where it failed (it
+        is dropped then: the eager step writes the same column again)."""
+        try:
+            # each buffer's first row, so that the graph sees one row capacity (1) whatever
+            # the cache holds: another would need another graph
+            return self.one_row.run(*inputs, [k[:1] for k in keys], [v[:1] for v in values],
+                                    torch.tensor([column]), start)
+        except Exception as error:  # noqa: BLE001 - the eager step serves instead
+            logger.warning("the compiled one-row decode step failed (%s: %s); one-row steps "
+                           "run the eager step from now on", type(error).__name__,
+                           str(error).splitlines()[0] if str(error) else "")
+            self.one_row = None
+            return None
+
+    @staticmethod
+    def _fills(keys, start: int, column: int) -> bool:
+        """Whether the columns a step attends over are the whole of its buffers: the
+        compiled graph was traced on a strict part of them (a view that is not
+        contiguous), and a contiguous one fails its guards. It happens at most once per
+        growth of the buffers (the step that writes their last column), and that step
+        runs eagerly."""
+        return start == 0 and column + 1 == keys[0].shape[2]
 
     @staticmethod
     def _decode_buffers(batch):
@@ -364,14 +557,19 @@ def step_of(model) -> Optional[LlamaDecodeStep]:
     return getattr(model, _ATTRIBUTE, None)
 
 
-def attach(model, tokenizer, *, compile: bool = False) -> Optional[LlamaDecodeStep]:
-    """Build ``model``'s :class:`LlamaDecodeStep` (and compile it, for one row and for
-    several, with ``compile``), check it against the model's forward on probe batches of
-    1 and 3 rows, and attach it, so that :func:`~djl_stream.generation.batch.generate_token`
-    uses it for decode steps.
+def attach(model, tokenizer, *, compile: bool = False,
+           one_row: Optional[OneRowGraph] = None) -> Optional[LlamaDecodeStep]:
+    """Build ``model``'s :class:`LlamaDecodeStep`, check it against the model's forward on
+    probe batches of 1 and 3 rows and on a mixed pass, and attach it, so that
+    :func:`~djl_stream.generation.batch.generate_token` uses it for decode steps.
 
-    Returns the step, or ``None`` (logged) where the model is not supported, compiling
-    failed, or the step's logits differ from the forward's.
+    With ``compile``, one-row steps run ``one_row`` (built before the model's layers were
+    packed: see :class:`OneRowGraph`), or a graph built from the model's own plain layers,
+    compiled here by the one-row probe; where that fails or differs from the forward, the
+    eager step runs them (logged).
+
+    Returns the step, or ``None`` (logged) where the model is not supported or the step's
+    logits differ from the forward's.
     """
     reason = unsupported_reason(model)
     if reason:
@@ -379,29 +577,59 @@ def attach(model, tokenizer, *, compile: bool = False) -> Optional[LlamaDecodeSt
         return None
     started = time.perf_counter()
     try:
-        step = LlamaDecodeStep(model, compile=compile)
-        for rows in (1, 3):
-            if not _agrees(step, model, tokenizer, rows):
-                logger.warning("the Llama decode step differs from the model's forward on "
-                               "a probe of %d rows; decode steps run the model's forward", rows)
-                return None
+        step = LlamaDecodeStep(model, one_row=_compiled_graph(model, one_row) if compile else None)
+        compiling = step.compiled
+        if step.compiled and not _agrees(step, model, tokenizer, 1):  # compiles it
+            logger.warning("the compiled one-row decode step differs from the model's forward "
+                           "on a probe; one-row steps run the eager step")
+            step.one_row = None
+        if step.compiled and not step.one_row.shares_weights_with(model):
+            released = step.one_row.release_weights(*_one_row_inputs(step, model, tokenizer))
+            if _agrees(step, model, tokenizer, 1):
+                logger.info("the compiled one-row step froze its own copy of the weights: "
+                            "%.0f MB of plain weights given back", released / 1e6)
+            else:
+                logger.warning("the compiled one-row decode step still reads the weights it "
+                               "froze; one-row steps run the eager step")
+                step.one_row = None
+        if not all(_agrees(step, model, tokenizer, rows) for rows in (1, 3)):
+            logger.warning("the Llama decode step differs from the model's forward on a "
+                           "probe; decode steps run the model's forward")
+            return None
         if not _mixed_agrees(step, model, tokenizer):
             logger.warning("the Llama decode step's mixed pass differs from the model's "
                            "forward on a probe; decode steps run the model's forward")
             return None
     except Exception as error:  # noqa: BLE001 - serving goes on without the step
-        logger.warning("%s the Llama decode step failed (%s: %s); decode steps run the "
-                       "model's forward", "compiling" if compile else "building",
-                       type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+        logger.warning("building the Llama decode step failed (%s: %s); decode steps run the "
+                       "model's forward", type(error).__name__,
+                       str(error).splitlines()[0] if str(error) else "")
         return None
     install(model, step)
-    if compile:
-        logger.info("decode step compiled in %.0f s (Inductor's cache: %s)",
-                    time.perf_counter() - started,
-                    os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default"))
+    if step.compiled:
+        logger.info("one-row decode steps compiled in %.0f s; other steps run djl-stream's "
+                    "Llama decode step", time.perf_counter() - started)
     else:
-        logger.info("decode steps run djl-stream's Llama decode step")
+        logger.info("decode steps run djl-stream's Llama decode step%s",
+                    " (compiling the one-row step failed)" if compiling else "")
     return step
+
+
+def one_row_graph(model) -> Optional[OneRowGraph]:
+    """A :class:`OneRowGraph` of ``model``'s plain layers, or ``None`` (logged) where it
+    cannot be built; take it before the layers are packed."""
+    reason = OneRowGraph.unsupported_reason(model)
+    if reason:
+        logger.warning("no compiled one-row decode step: %s", reason)
+        return None
+    return OneRowGraph(model)
+
+
+def _compiled_graph(model, graph: Optional[OneRowGraph]) -> Optional[OneRowGraph]:
+    graph = graph if graph is not None else one_row_graph(model)
+    if graph is not None:
+        graph.compile()
+    return graph
 
 
 def install(model, step: LlamaDecodeStep) -> None:
@@ -437,6 +665,16 @@ def _probe_batch(model, tokenizer, rows: int):
 
     _, batch = generate_token(model, _probe_prompts(model, tokenizer, rows))
     return batch
+
+
+def _one_row_inputs(step: LlamaDecodeStep, model, tokenizer) -> tuple:
+    """The inputs of :meth:`OneRowGraph.run` at a one-row probe's first decode step."""
+    batch = _probe_batch(model, tokenizer, 1)
+    keys, values, start, column = step._decode_buffers(batch)
+    with torch.inference_mode():  # as in a step: dynamo guards on tensors' kind
+        inputs = step._inputs(batch.input_ids, batch.position_ids, batch.attention_mask)
+        return (*inputs, [k[:1] for k in keys], [v[:1] for v in values],
+                torch.tensor([column]), start)
 
 
 def _close(ours: torch.Tensor, theirs: torch.Tensor) -> bool:

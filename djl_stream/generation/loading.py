@@ -205,21 +205,39 @@ def load_model_and_tokenizer(props: ModelProperties) -> Tuple[Any, Any]:
         quantize_after_load(model, props.quantize, on_gpu=on_gpu)
     except QuantizationUnavailable as error:
         raise ModelLoadError(str(error)) from error
-    if not on_gpu:
-        prepack_for_cpu(model, props)
-    attach_decode_step(model, tokenizer, props)
+    prepare_for_decoding(model, tokenizer, props, on_gpu=on_gpu)
     return model, tokenizer
 
 
-def attach_decode_step(model, tokenizer, props: ModelProperties):
+def prepare_for_decoding(model, tokenizer, props: ModelProperties, *, on_gpu: bool):
+    """What follows loading: on a CPU, prepack ``model``'s linear layers
+    (:func:`prepack_for_cpu`); then attach djl-stream's Llama decode step
+    (:func:`attach_decode_step`). With ``option.decode_step=compiled``, the one-row graph
+    takes the plain layers first (:class:`~djl_stream.generation.llama_decode.OneRowGraph`:
+    it freezes its own packed copy of them, and the plain ones are freed once the model's
+    layers are packed). Returns the step or ``None``."""
+    from djl_stream.generation import llama_decode
+
+    one_row = None
+    compiled = props.decode_step == "compiled"
+    if not on_gpu and compiled and llama_decode.unsupported_reason(model) is None:
+        one_row = llama_decode.one_row_graph(model)
+    if not on_gpu:
+        prepack_for_cpu(model, props)
+    return attach_decode_step(model, tokenizer, props, one_row=one_row)
+
+
+def attach_decode_step(model, tokenizer, props: ModelProperties, one_row=None):
     """Give ``model`` djl-stream's Llama decode step unless ``option.decode_step`` is
-    ``forward`` (or the model is not one it runs: then its forward runs, logged); compiled
-    here, at load, with ``compiled``. Returns the step or ``None``."""
+    ``forward`` (or the model is not one it runs: then its forward runs, logged); with
+    ``compiled``, its one-row steps are compiled here, at load (``one_row``: see
+    :func:`prepare_for_decoding`). Returns the step or ``None``."""
     from djl_stream.generation import llama_decode
 
     if props.decode_step == "forward":
         return None
-    return llama_decode.attach(model, tokenizer, compile=props.decode_step == "compiled")
+    return llama_decode.attach(model, tokenizer, compile=props.decode_step == "compiled",
+                               one_row=one_row)
 
 
 def prepack_for_cpu(model, props: ModelProperties) -> int:
