@@ -148,9 +148,14 @@ def _djl_stream(model_dir: Path, files: Dict[str, Path], port: int) -> List[str]
     return ["-m", "djl_stream", "serve", str(model_dir), "--port", str(port)]
 
 
-def _llama_cpp(key: str) -> Callable[[Path, Dict[str, Path], int], List[str]]:
+def _llama_cpp(key: str, repack: bool = True) -> Callable[[Path, Dict[str, Path], int], List[str]]:
+    """llama-cpp-python's server on the GGUF file ``key``; without ``repack``, with
+    llama.cpp's weight repacking off (:mod:`.llama_cpp_server` says why)."""
+    server = (["-m", "llama_cpp.server"] if repack
+              else [str(Path(__file__).with_name("llama_cpp_server.py"))])
+
     def command(model_dir: Path, files: Dict[str, Path], port: int) -> List[str]:
-        return ["-m", "llama_cpp.server", "--model", str(files[key]), "--host", "127.0.0.1",
+        return [*server, "--model", str(files[key]), "--host", "127.0.0.1",
                 "--port", str(port), "--n_ctx", str(LLAMA_CPP_CONTEXT),
                 "--n_threads", str(os.cpu_count() or 1), "--model_alias", "model"]
     return command
@@ -190,9 +195,11 @@ PEERS: Dict[str, Peer] = {peer.name: peer for peer in (
     Peer("llama.cpp F32", "llama-cpp", _llama_cpp("f32"), "/v1/models", "/v1/completions",
          lambda prompt, n, model: _greedy_openai(prompt, n, "model", min_tokens=n),
          one_at_a_time=True, weights="float32, converted from model/ to GGUF", model_file="f32"),
-    Peer("llama.cpp Q4_1", "llama-cpp", _llama_cpp("q4_1"), "/v1/models", "/v1/completions",
+    Peer("llama.cpp Q4_1", "llama-cpp", _llama_cpp("q4_1", repack=False), "/v1/models",
+         "/v1/completions",
          lambda prompt, n, model: _greedy_openai(prompt, n, "model", min_tokens=n),
-         one_at_a_time=True, weights="Q4_1, the original GGUF file", model_file="q4_1"),
+         one_at_a_time=True, weights="Q4_1, the original GGUF file (weights not repacked)",
+         model_file="q4_1"),
     Peer("transformers serve", "transformers-serve", _transformers_serve, "/health",
          "/v1/completions",
          lambda prompt, n, model: _greedy_openai(
