@@ -357,3 +357,31 @@ def test_option_decode_step_compiled_builds_the_one_row_graph_before_packing(tin
     assert step is not None and step.compiled
     assert isinstance(model.model.layers[0].self_attn.q_proj, PackedLinear)
     assert not step.one_row.shares_weights_with(model)
+
+
+@_NO_PACKING
+def test_the_scheduler_s_pacer_counts_eager_steps_only(smollm2_tokenizer, monkeypatch):
+    # A compiled one-row step is far faster than the eager pass that reads a prompt beside
+    # the stream: counted, it would make every such pass look like a stall.
+    import math
+
+    from djl_stream.generation.prefill_pacing import PrefillPacer
+    from djl_stream.generation.scheduler import Scheduler
+
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=10)
+    step, calls = compiled_one_row_step(model, smollm2_tokenizer, monkeypatch)
+    pacer = PrefillPacer(1.5, math.inf)
+    scheduler = Scheduler(model, pad_token_id=2, device="cpu", max_batch_size=4, pacer=pacer)
+    try:
+        alone = scheduler.submit(sequences(smollm2_tokenizer, PROMPTS[:1], 100_000))
+        for _ in range(6):
+            next(alone)
+        assert len(calls) >= 5 and pacer.step_seconds is None  # compiled: not counted
+        beside = sequences(smollm2_tokenizer, PROMPTS[1:2], 8, first_id=10)
+        for _ in scheduler.submit(beside):
+            pass
+        assert len(beside[0].generated_ids) == 8
+        assert pacer.step_seconds is not None  # two rows: the eager step, counted
+        alone.close()
+    finally:
+        scheduler.shutdown()

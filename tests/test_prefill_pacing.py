@@ -191,3 +191,19 @@ def test_a_mixed_pass_faster_than_the_average_step_leaves_the_budget():
     run_step(pacer, clock, 1.0)               # one slow step (a hiccup)
     run_mixed(pacer, clock, 1, 8, 0, step=0.0)   # the chunk's share reads as nothing
     assert pacer.columns(budget=32, rows=1, cached=0, beside_step=True) == 32
+
+
+def test_a_step_left_uncounted_is_not_the_running_batch_s_step():
+    clock = Clock()
+    pacer = PrefillPacer(1.5, math.inf, clock=clock)
+    with pacer.decode_step() as timing:     # a compiled one-row step: 20 ms
+        clock.now += 0.020
+        timing.counted = False
+    # nothing counted: no bound, the budget (the fast step does not make every mixed
+    # pass, which runs the eager step, look like a stall)
+    assert pacer.step_seconds is None and pacer.bound_seconds is None
+    run_mixed(pacer, clock, 1, 8, 0)
+    assert pacer.shared_cost.observed is False
+    assert pacer.columns(budget=64, rows=1, cached=0, beside_step=True) == 64
+    run_step(pacer, clock)                  # an eager step of the batch counts again
+    assert pacer.step_seconds == pytest.approx(STEP)

@@ -372,6 +372,8 @@ class LlamaDecodeStep:
             decoder, lambda index, name: self._projection(decoder.layers[index], name))
         self.lm_head = model.lm_head
         self.one_row = one_row
+        #: Whether the last decode step's logits came from the compiled graph.
+        self.last_step_compiled = False
 
     @staticmethod
     def _projection(layer, name: str):
@@ -511,6 +513,7 @@ class LlamaDecodeStep:
             if self.one_row is not None and len(batch) == 1 and not self._fills(keys, start,
                                                                               column):
                 logits = self._one_row_logits(inputs, keys, values, column, start)
+            self.last_step_compiled = logits is not None
             if logits is None:
                 logits = _decode_logits(self.geometry, self.layers, self.final_norm, self.lm_head,
                                         *inputs, keys, values, torch.tensor([column]), start)
@@ -555,6 +558,13 @@ class LlamaDecodeStep:
 def step_of(model) -> Optional[LlamaDecodeStep]:
     """The step :func:`attach` gave ``model``, or ``None``."""
     return getattr(model, _ATTRIBUTE, None)
+
+
+def last_step_compiled(model) -> bool:
+    """Whether ``model``'s last decode step ran its compiled one-row graph (a pass that
+    reads a prompt beside the running batch never does: it runs the eager step)."""
+    step = step_of(model)
+    return step is not None and step.last_step_compiled
 
 
 def attach(model, tokenizer, *, compile: bool = False,

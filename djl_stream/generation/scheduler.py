@@ -56,6 +56,7 @@ import threading
 import time
 from typing import Deque, Dict, Iterator, List, Optional, Sequence
 
+from djl_stream.generation import llama_decode
 from djl_stream.generation.batch import (CausalLMBatch, generate_token, mixed_pass,
                                          mixed_pass_possible, prefill_chunk)
 from djl_stream.generation.errors import GenerationFailed, QueueFullError
@@ -669,8 +670,9 @@ class Scheduler:
         batch = self._running
         cached = batch.cache_length
         try:
-            with self._pacer.decode_step():
+            with self._pacer.decode_step() as timing:
                 generations, self._running = generate_token(self.model, batch)
+                timing.counted = not llama_decode.last_step_compiled(self.model)
         except Exception as error:  # noqa: BLE001 - find who caused it, keep serving
             self._running = None
             self._decode_apart(batch, cached, error)
