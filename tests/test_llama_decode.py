@@ -385,3 +385,23 @@ def test_the_scheduler_s_pacer_counts_eager_steps_only(smollm2_tokenizer, monkey
         alone.close()
     finally:
         scheduler.shutdown()
+
+
+@_NO_PACKING
+def test_a_graph_that_cannot_be_compiled_leaves_the_eager_step_attached(smollm2_tokenizer,
+                                                                        monkeypatch, caplog):
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=11)
+    expected, _ = decode_alone(model, smollm2_tokenizer, 12)
+    one_row = llama_decode.one_row_graph(model)
+    assert pack_linear_layers(model) > 0
+
+    def no_compiler(*inputs):  # what Inductor raises on a machine without a C++ compiler
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(llama_decode.OneRowGraph, "compile",
+                        lambda graph: object.__setattr__(graph, "_compiled", no_compiler))
+    step = llama_decode.attach(model, smollm2_tokenizer, compile=True, one_row=one_row)
+    assert step is not None and llama_decode.step_of(model) is step and not step.compiled
+    assert "compiling the one-row decode step failed (RuntimeError: Failed to find C compiler)" \
+        in caplog.text
+    assert decode_alone(model, smollm2_tokenizer, 12)[0] == expected

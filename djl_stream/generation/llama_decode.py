@@ -587,21 +587,9 @@ def attach(model, tokenizer, *, compile: bool = False,
         return None
     started = time.perf_counter()
     try:
-        step = LlamaDecodeStep(model, one_row=_compiled_graph(model, one_row) if compile else None)
-        compiling = step.compiled
-        if step.compiled and not _agrees(step, model, tokenizer, 1):  # compiles it
-            logger.warning("the compiled one-row decode step differs from the model's forward "
-                           "on a probe; one-row steps run the eager step")
-            step.one_row = None
-        if step.compiled and not step.one_row.shares_weights_with(model):
-            released = step.one_row.release_weights(*_one_row_inputs(step, model, tokenizer))
-            if _agrees(step, model, tokenizer, 1):
-                logger.info("the compiled one-row step froze its own copy of the weights: "
-                            "%.0f MB of plain weights given back", released / 1e6)
-            else:
-                logger.warning("the compiled one-row decode step still reads the weights it "
-                               "froze; one-row steps run the eager step")
-                step.one_row = None
+        step = LlamaDecodeStep(model)
+        if compile:
+            step.one_row = _checked_graph(step, model, tokenizer, one_row)
         if not all(_agrees(step, model, tokenizer, rows) for rows in (1, 3)):
             logger.warning("the Llama decode step differs from the model's forward on a "
                            "probe; decode steps run the model's forward")
@@ -621,8 +609,43 @@ def attach(model, tokenizer, *, compile: bool = False,
                     "Llama decode step", time.perf_counter() - started)
     else:
         logger.info("decode steps run djl-stream's Llama decode step%s",
-                    " (compiling the one-row step failed)" if compiling else "")
+                    " (no compiled one-row step)" if compile else "")
     return step
+
+
+def _checked_graph(step: LlamaDecodeStep, model, tokenizer,
+                   graph: Optional[OneRowGraph]) -> Optional[OneRowGraph]:
+    """``graph`` (or one built from ``model``'s plain layers), compiled by a one-row probe,
+    checked against the model's forward, its plain weights given back; or ``None``
+    (logged) where any of that fails: the eager step then runs one-row steps too (a
+    machine without a C++ compiler, for one, cannot compile it)."""
+    graph = graph if graph is not None else one_row_graph(model)
+    if graph is None:
+        return None
+    try:
+        graph.compile()
+        step.one_row = graph
+        if not _agrees(step, model, tokenizer, 1):  # compiles it
+            logger.warning("the compiled one-row decode step differs from the model's forward "
+                           "on a probe; one-row steps run the eager step")
+            return None
+        if graph.shares_weights_with(model):
+            return graph
+        released = graph.release_weights(*_one_row_inputs(step, model, tokenizer))
+        if not _agrees(step, model, tokenizer, 1):
+            logger.warning("the compiled one-row decode step still reads the weights it "
+                           "froze; one-row steps run the eager step")
+            return None
+    except Exception as error:  # noqa: BLE001 - the eager step serves one-row steps then
+        logger.warning("compiling the one-row decode step failed (%s: %s); one-row steps run "
+                       "the eager step", type(error).__name__,
+                       str(error).splitlines()[0] if str(error) else "")
+        return None
+    finally:
+        step.one_row = None
+    logger.info("the compiled one-row step froze its own copy of the weights: %.0f MB of "
+                "plain weights given back", released / 1e6)
+    return graph
 
 
 def one_row_graph(model) -> Optional[OneRowGraph]:
@@ -633,13 +656,6 @@ def one_row_graph(model) -> Optional[OneRowGraph]:
         logger.warning("no compiled one-row decode step: %s", reason)
         return None
     return OneRowGraph(model)
-
-
-def _compiled_graph(model, graph: Optional[OneRowGraph]) -> Optional[OneRowGraph]:
-    graph = graph if graph is not None else one_row_graph(model)
-    if graph is not None:
-        graph.compile()
-    return graph
 
 
 def install(model, step: LlamaDecodeStep) -> None:

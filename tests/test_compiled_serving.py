@@ -1,0 +1,62 @@
+"""``option.decode_step=compiled`` through a real server: the one-row graph is compiled
+while the model loads (``/ping`` answers 503 until it is done), and a stream decoded by it
+has the text the eager step gives, token by token.
+
+The model is the tiny random Llama (its graph compiles in seconds); the embedded model's
+compiled step is measured by ``make bench-peers`` instead (about 100 s of compiling)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from server_process import ServerProcess
+
+from djl_stream.generation.packed_linear import packing_unavailable
+
+pytestmark = pytest.mark.skipif(packing_unavailable() is not None,
+                                reason=f"this PyTorch cannot prepack: {packing_unavailable()}")
+
+#: deadlines for a busy machine, not speed targets
+LOAD_TIMEOUT = 600.0
+PROMPT = "Once upon a time, in a land far away, there lived"
+
+
+def greedy_stream(server: ServerProcess) -> list:
+    """The tokens of one greedy stream of 40 new tokens, as streamed."""
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 40, "do_sample": False,
+                                             "ignore_eos": True}}
+    with server.http.stream("POST", "/invocations", json=body) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line]
+    return lines
+
+
+def test_the_compiled_step_is_built_while_ping_is_503_and_streams_the_eager_step_s_text(
+        tiny_model_dir):
+    compiled = ServerProcess(tiny_model_dir, env={"OPTION_DECODE_STEP": "compiled"})
+    try:
+        assert compiled.first_ping().status_code in (200, 503)
+        deadline = time.monotonic() + LOAD_TIMEOUT
+        while (ping := compiled.http.get("/ping")).status_code == 503:
+            assert ping.json()["modelStatus"] == "LOADING"
+            assert "one-row decode steps compiled" not in compiled.logs()
+            assert time.monotonic() < deadline, compiled.logs()
+            time.sleep(0.2)
+        assert ping.status_code == 200
+        # compiled at load, before the first 200 (the line is written before ready)
+        assert "one-row decode steps compiled in" in compiled.logs()
+        compiled_lines = greedy_stream(compiled)
+        logs = compiled.logs()
+    finally:
+        compiled.stop()
+    assert "run the eager step from now on" not in logs  # the graph served every step
+
+    eager = ServerProcess(tiny_model_dir, env={"OPTION_DECODE_STEP": "eager"})
+    try:
+        eager.wait_ready(timeout=LOAD_TIMEOUT)
+        eager_lines = greedy_stream(eager)
+    finally:
+        eager.stop()
+    assert len(compiled_lines) >= 30  # a line per decode iteration, bar bytes held back
+    assert compiled_lines == eager_lines
