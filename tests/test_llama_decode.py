@@ -93,7 +93,7 @@ def test_the_step_gives_the_forward_s_tokens_logits_and_cache_through_leaves_and
     forward_logits = []
     expected_tokens, expected_keys = run_continuous_batch(model, smollm2_tokenizer, forward_logits)
 
-    step = llama_decode.attach(model, smollm2_tokenizer, compile=compiled, one_row=one_row)
+    step = llama_decode.attach(model, smollm2_tokenizer, one_row=one_row)
     assert step is not None and step.compiled is compiled
     step_logits = StepLogits(model, monkeypatch)
     prefill_logits = []
@@ -275,7 +275,7 @@ def compiled_one_row_step(model, tokenizer, monkeypatch):
     are packed (as at load); and a list that counts the graph's calls."""
     one_row = llama_decode.one_row_graph(model)
     assert pack_linear_layers(model) > 0
-    step = llama_decode.attach(model, tokenizer, compile=True, one_row=one_row)
+    step = llama_decode.attach(model, tokenizer, one_row=one_row)
     assert step is not None and step.compiled
     calls = []
     run = one_row.run
@@ -400,7 +400,7 @@ def test_a_graph_that_cannot_be_compiled_leaves_the_eager_step_attached(smollm2_
 
     monkeypatch.setattr(llama_decode.OneRowGraph, "compile",
                         lambda graph: object.__setattr__(graph, "_compiled", no_compiler))
-    step = llama_decode.attach(model, smollm2_tokenizer, compile=True, one_row=one_row)
+    step = llama_decode.attach(model, smollm2_tokenizer, one_row=one_row)
     assert step is not None and llama_decode.step_of(model) is step and not step.compiled
     assert "compiling the one-row decode step failed (RuntimeError: Failed to find C compiler)" \
         in caplog.text

@@ -25,7 +25,7 @@ It knows one architecture, ``LlamaForCausalLM`` (Llama 2 and 3, SmolLM2, TinyLla
 others) without biases, on a CPU; :func:`unsupported_reason` says why another model keeps
 its forward. On a GPU the model's forward runs, as before: this step has not run on one.
 
-``compile=True`` (``option.decode_step=compiled``) adds :class:`OneRowGraph`: the decode
+``option.decode_step=compiled`` adds :class:`OneRowGraph`: the decode
 step of a batch of one row, compiled at load by TorchInductor with the projection weights
 frozen into the graph and its C++ matrix-product template chosen for every product
 (``freezing``, ``max_autotune`` with the ``CPP`` backend, ``cpp_wrapper``). Inductor
@@ -98,9 +98,7 @@ def unsupported_reason(model) -> Optional[str]:
     if getattr(getattr(config, "quantization_config", None), "quant_method", None):
         return "quantized weights"
     linears = [m for layer in model.model.layers
-               for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                         layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
-                         layer.mlp.down_proj)] + [model.lm_head]
+               for m in _projections_of(layer).values()] + [model.lm_head]
     odd = [type(m).__name__ for m in linears
            if type(m) not in (torch.nn.Linear, PackedLinear, Int8Linear)]
     if odd:
@@ -194,13 +192,22 @@ _PROJECTIONS = (("q", "self_attn", "q_proj"), ("k", "self_attn", "k_proj"),
                 ("down", "mlp", "down_proj"))
 
 
-def _layer_dicts(decoder, projections) -> List[dict]:
-    """Per layer of ``decoder``, its projections (``projections(layer_index, name)``)
-    and norm weights by the names :func:`_decode_logits` reads."""
-    return [dict({name: projections(index, name) for name, _, _ in _PROJECTIONS},
-                 attention_norm=layer.input_layernorm.weight,
-                 mlp_norm=layer.post_attention_layernorm.weight)
-            for index, layer in enumerate(decoder.layers)]
+def _projections_of(layer) -> dict:
+    """A decoder layer's projection modules by the names :func:`_decode_logits` reads."""
+    return {name: getattr(getattr(layer, part), attribute)
+            for name, part, attribute in _PROJECTIONS}
+
+
+def _norms_of(layer) -> tuple:
+    """A decoder layer's two RMSNorm weights: before attention, before the MLP."""
+    return layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+
+
+def _layer_dicts(projections: List[dict], norms: List[tuple]) -> List[dict]:
+    """Per layer, its projections and its two norm weights (:func:`_norms_of`) by the
+    names :func:`_decode_logits` reads."""
+    return [dict(layer, attention_norm=attention, mlp_norm=mlp)
+            for layer, (attention, mlp) in zip(projections, norms)]
 
 
 # -- the one-row graph ------------------------------------------------------------------
@@ -238,24 +245,19 @@ class OneRowGraph(torch.nn.Module):
         decoder = model.model
         self.geometry = Geometry.of(model.config)
         self.projections = torch.nn.ModuleList(
-            torch.nn.ModuleDict({name: getattr(getattr(layer, part), attribute)
-                                 for name, part, attribute in _PROJECTIONS})
-            for layer in decoder.layers)
+            torch.nn.ModuleDict(_projections_of(layer)) for layer in decoder.layers)
         # copies: the norms and the (often tied) LM head stay in use by the model itself,
         # and a compiled graph may free what it freezes
         self.norms = torch.nn.ParameterList(
             torch.nn.Parameter(weight.detach().clone(), requires_grad=False)
-            for layer in decoder.layers
-            for weight in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight))
+            for layer in decoder.layers for weight in _norms_of(layer))
         self.final_norm = torch.nn.Parameter(decoder.norm.weight.detach().clone(),
                                              requires_grad=False)
         head = model.lm_head.weight
         self.lm_head = torch.nn.Linear(head.shape[1], head.shape[0], bias=False)
         self.lm_head.weight = torch.nn.Parameter(head.detach().clone(), requires_grad=False)
-        self._layers = [dict({name: self.projections[index][name] for name, _, _ in _PROJECTIONS},
-                             attention_norm=self.norms[2 * index],
-                             mlp_norm=self.norms[2 * index + 1])
-                        for index in range(len(decoder.layers))]
+        self._layers = _layer_dicts([dict(layer) for layer in self.projections],
+                                    list(zip(self.norms[::2], self.norms[1::2])))
         self._compiled = None
         self._traced = False
         #: bytes of weights :meth:`release_weights` gave back
@@ -270,8 +272,7 @@ class OneRowGraph(torch.nn.Module):
         if reason:
             return reason
         for layer in model.model.layers:
-            for _, part, attribute in _PROJECTIONS:
-                linear = getattr(getattr(layer, part), attribute)
+            for linear in _projections_of(layer).values():
                 if type(linear) is not torch.nn.Linear or linear.weight.dtype != torch.float32:
                     return (f"{type(linear).__name__} layers of {linear.weight.dtype}: the "
                             "graph is built from plain float32 weights, before packing")
@@ -334,16 +335,16 @@ class OneRowGraph(torch.nn.Module):
         and would otherwise be taken for it and fixed. Once traced, a call that would trace
         again (a guard failed: tensors of another kind than at the first call) raises
         instead of compiling for minutes in the middle of serving."""
+        if self._traced:  # the per-token path
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self._compiled(*inputs)
+        from torch._inductor import config as inductor_config
         from torch.fx.experimental import _config as shapes_config
 
-        from torch._inductor import config as inductor_config
-
-        stance = "fail_on_recompile" if self._traced else "default"
         # freezing set globally while tracing, not only in the compile's options: dynamo
         # reads it from the global config to hand the parameters over as parameters (with
         # the option alone, Inductor froze nothing and the graph read every weight)
-        with torch.compiler.set_stance(stance), shapes_config.patch(use_duck_shape=False), \
-                inductor_config.patch(freezing=True):
+        with shapes_config.patch(use_duck_shape=False), inductor_config.patch(freezing=True):
             logits = self._compiled(*inputs)
         self._traced = True
         return logits
@@ -368,17 +369,12 @@ class LlamaDecodeStep:
         self.embedding = decoder.embed_tokens.weight
         self.rotary = decoder.rotary_emb
         self.final_norm = decoder.norm.weight
-        self.layers = _layer_dicts(
-            decoder, lambda index, name: self._projection(decoder.layers[index], name))
+        self.layers = _layer_dicts([_projections_of(layer) for layer in decoder.layers],
+                                   [_norms_of(layer) for layer in decoder.layers])
         self.lm_head = model.lm_head
         self.one_row = one_row
         #: Whether the last decode step's logits came from the compiled graph.
         self.last_step_compiled = False
-
-    @staticmethod
-    def _projection(layer, name: str):
-        part, attribute = next((p, a) for n, p, a in _PROJECTIONS if n == name)
-        return getattr(getattr(layer, part), attribute)
 
     @property
     def compiled(self) -> bool:
@@ -524,10 +520,7 @@ class LlamaDecodeStep:
         """The compiled graph's logits of a one-row step, or ``None`` where it failed (it
         is dropped then: the eager step writes the same column again)."""
         try:
-            # each buffer's first row, so that the graph sees one row capacity (1) whatever
-            # the cache holds: another would need another graph
-            return self.one_row.run(*inputs, [k[:1] for k in keys], [v[:1] for v in values],
-                                    torch.tensor([column]), start)
+            return self.one_row.run(*_one_row_arguments(inputs, keys, values, column, start))
         except Exception as error:  # noqa: BLE001 - the eager step serves instead
             logger.warning("the compiled one-row decode step failed (%s: %s); one-row steps "
                            "run the eager step from now on", type(error).__name__,
@@ -567,16 +560,15 @@ def last_step_compiled(model) -> bool:
     return step is not None and step.last_step_compiled
 
 
-def attach(model, tokenizer, *, compile: bool = False,
+def attach(model, tokenizer, *,
            one_row: Optional[OneRowGraph] = None) -> Optional[LlamaDecodeStep]:
     """Build ``model``'s :class:`LlamaDecodeStep`, check it against the model's forward on
     probe batches of 1 and 3 rows and on a mixed pass, and attach it, so that
     :func:`~djl_stream.generation.batch.generate_token` uses it for decode steps.
 
-    With ``compile``, one-row steps run ``one_row`` (built before the model's layers were
-    packed: see :class:`OneRowGraph`), or a graph built from the model's own plain layers,
-    compiled here by the one-row probe; where that fails or differs from the forward, the
-    eager step runs them (logged).
+    With ``one_row`` (a :class:`OneRowGraph`, built before the model's layers were packed),
+    one-row steps run it, compiled here by the one-row probe; where that fails or differs
+    from the forward, the eager step runs them (logged).
 
     Returns the step, or ``None`` (logged) where the model is not supported or the step's
     logits differ from the forward's.
@@ -588,7 +580,7 @@ def attach(model, tokenizer, *, compile: bool = False,
     started = time.perf_counter()
     try:
         step = LlamaDecodeStep(model)
-        if compile:
+        if one_row is not None:
             step.one_row = _checked_graph(step, model, tokenizer, one_row)
         if not all(_agrees(step, model, tokenizer, rows) for rows in (1, 3)):
             logger.warning("the Llama decode step differs from the model's forward on a "
@@ -609,19 +601,16 @@ def attach(model, tokenizer, *, compile: bool = False,
                     "Llama decode step", time.perf_counter() - started)
     else:
         logger.info("decode steps run djl-stream's Llama decode step%s",
-                    " (no compiled one-row step)" if compile else "")
+                    " (no compiled one-row step)" if one_row is not None else "")
     return step
 
 
 def _checked_graph(step: LlamaDecodeStep, model, tokenizer,
-                   graph: Optional[OneRowGraph]) -> Optional[OneRowGraph]:
-    """``graph`` (or one built from ``model``'s plain layers), compiled by a one-row probe,
-    checked against the model's forward, its plain weights given back; or ``None``
-    (logged) where any of that fails: the eager step then runs one-row steps too (a
-    machine without a C++ compiler, for one, cannot compile it)."""
-    graph = graph if graph is not None else one_row_graph(model)
-    if graph is None:
-        return None
+                   graph: OneRowGraph) -> Optional[OneRowGraph]:
+    """``graph`` compiled by a one-row probe, checked against the model's forward, its
+    plain weights given back; or ``None`` (logged) where any of that fails: the eager step
+    then runs one-row steps too (a machine without a C++ compiler, for one, cannot
+    compile it)."""
     try:
         graph.compile()
         step.one_row = graph
@@ -693,14 +682,22 @@ def _probe_batch(model, tokenizer, rows: int):
     return batch
 
 
+def _one_row_arguments(inputs: tuple, keys, values, column: int, start: int) -> tuple:
+    """:meth:`OneRowGraph.run`'s arguments for a one-row step: ``inputs`` from
+    :meth:`LlamaDecodeStep._inputs`, then each buffer's first row only, so that the graph
+    sees one row capacity (1) whatever the cache holds (another would need another
+    graph)."""
+    return (*inputs, [k[:1] for k in keys], [v[:1] for v in values], torch.tensor([column]),
+            start)
+
+
 def _one_row_inputs(step: LlamaDecodeStep, model, tokenizer) -> tuple:
-    """The inputs of :meth:`OneRowGraph.run` at a one-row probe's first decode step."""
+    """The arguments of :meth:`OneRowGraph.run` at a one-row probe's first decode step."""
     batch = _probe_batch(model, tokenizer, 1)
     keys, values, start, column = step._decode_buffers(batch)
     with torch.inference_mode():  # as in a step: dynamo guards on tensors' kind
         inputs = step._inputs(batch.input_ids, batch.position_ids, batch.attention_mask)
-        return (*inputs, [k[:1] for k in keys], [v[:1] for v in values],
-                torch.tensor([column]), start)
+        return _one_row_arguments(inputs, keys, values, column, start)
 
 
 def _close(ours: torch.Tensor, theirs: torch.Tensor) -> bool:

@@ -219,8 +219,7 @@ def prepare_for_decoding(model, tokenizer, props: ModelProperties, *, on_gpu: bo
     from djl_stream.generation import llama_decode
 
     one_row = None
-    compiled = props.decode_step == "compiled"
-    if not on_gpu and compiled and llama_decode.unsupported_reason(model) is None:
+    if not on_gpu and props.decode_step == "compiled":
         one_row = llama_decode.one_row_graph(model)
     if not on_gpu:
         prepack_for_cpu(model, props)
@@ -230,14 +229,13 @@ def prepare_for_decoding(model, tokenizer, props: ModelProperties, *, on_gpu: bo
 def attach_decode_step(model, tokenizer, props: ModelProperties, one_row=None):
     """Give ``model`` djl-stream's Llama decode step unless ``option.decode_step`` is
     ``forward`` (or the model is not one it runs: then its forward runs, logged); with
-    ``compiled``, its one-row steps are compiled here, at load (``one_row``: see
-    :func:`prepare_for_decoding`). Returns the step or ``None``."""
+    ``one_row`` (``option.decode_step=compiled``: see :func:`prepare_for_decoding`), its
+    one-row steps run that graph, compiled here, at load. Returns the step or ``None``."""
     from djl_stream.generation import llama_decode
 
     if props.decode_step == "forward":
         return None
-    return llama_decode.attach(model, tokenizer, compile=props.decode_step == "compiled",
-                               one_row=one_row)
+    return llama_decode.attach(model, tokenizer, one_row=one_row)
 
 
 def prepack_for_cpu(model, props: ModelProperties) -> int:
