@@ -182,6 +182,11 @@ class RequestLimits:
                                  headers=_CLOSE)(scope, receive, send)
 
 
+#: How long a connection answered before any request was parsed (400, 408) keeps reading
+#: and dropping what the client still sends before it is closed.
+_LINGER_SECONDS = 2.0
+
+
 class LimitedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with the timeouts it lacks (see the module docstring).
 
@@ -196,19 +201,24 @@ class LimitedH11Protocol(H11Protocol):
         self.limits = limits
         self._head_timer: Optional[asyncio.TimerHandle] = None
         self._drain_timer: Optional[asyncio.TimerHandle] = None
+        #: set once an answer sent before any request was parsed is out (see
+        #: :meth:`_answer_and_close`): what still arrives is dropped until it fires
+        self._linger_timer: Optional[asyncio.TimerHandle] = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._retime()
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
-        for timer in (self._head_timer, self._drain_timer):
+        for timer in (self._head_timer, self._drain_timer, self._linger_timer):
             if timer is not None:
                 timer.cancel()
-        self._head_timer = self._drain_timer = None
+        self._head_timer = self._drain_timer = self._linger_timer = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._linger_timer is not None:
+            return  # answered and half-closed: dropped (see _answer_and_close)
         super().data_received(data)
         self._retime()
 
@@ -284,4 +294,14 @@ class LimitedH11Protocol(H11Protocol):
             out = b""  # the connection is past answering: just close it
         if out:
             self.transport.write(out)
-        self.transport.close()
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        # A lingering close: closed at once, with the client's bytes still arriving (the
+        # rest of a slow head, say), the socket would answer them with a reset, and a
+        # reset can reach the client before it has read the answer, which it then never
+        # sees. So the answer is followed by the end of what the server sends, what the
+        # client still sends is read and dropped, and the connection is closed when the
+        # client closes it or after _LINGER_SECONDS.
+        self.transport.write_eof()
+        self._linger_timer = self.loop.call_later(_LINGER_SECONDS, self.transport.close)
