@@ -6,8 +6,9 @@ in one batch, greedy, end-of-sequence ignored) through
 :func:`~djl_stream.generation.batch.generate_token`, as the scheduler runs it; the median
 time of a step is kept over ``--steps`` steps, the ways taking turns row count by row
 count so that a busy machine slows each alike. The greedy tokens of every row are
-compared with the forward's. ``--compiled`` adds the step through ``torch.compile``
-(compiling takes minutes on a small CPU; the time is reported).
+compared with the forward's. ``--compiled`` adds the one-row step compiled ahead of time
+by AOTInductor (``option.decode_step=compiled``: compiling takes a minute or two on a small
+CPU the first time, then the program comes from the cache; the load time is reported).
 
 Example::
 
@@ -54,7 +55,7 @@ def main(argv: List[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=40, help="decode steps timed per row count")
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--compiled", action="store_true",
-                        help="also the step through torch.compile")
+                        help="also the one-row step compiled by AOTInductor (option.decode_step=compiled)")
     args = parser.parse_args(argv)
     loaded = LoadedModel.load(args.model_dir, device="cpu")
     reason = llama_decode.unsupported_reason(loaded.model)
@@ -64,14 +65,16 @@ def main(argv: List[str] | None = None) -> None:
     llama_decode.detach(loaded.model)
     ways["djl-stream's step"] = (loaded, llama_decode.LlamaDecodeStep(loaded.model))
     if args.compiled:
-        # the one-row graph is built from the plain weights, before packing: a model of its
-        # own, loaded as the server loads it with option.decode_step=compiled
+        # the one-row program is compiled from the plain weights, before packing: a model
+        # of its own, loaded as the server loads it with option.decode_step=compiled
         started = time.perf_counter()
         compiled = LoadedModel.load(args.model_dir, device="cpu", decode_step="compiled")
         step = llama_decode.step_of(compiled.model)
         if step is None or not step.compiled:
             raise SystemExit("compiling the one-row step failed (see the log)")
-        print(f"loaded and compiled in {time.perf_counter() - started:.0f} s")
+        print(f"loaded in {time.perf_counter() - started:.0f} s, the one-row program "
+              + ("from the cache" if step.one_row.from_cache else "compiled")
+              + f" ({step.one_row.path})")
         ways["djl-stream's step, compiled"] = (compiled, step)
     rows_list = [int(r) for r in args.rows.split(",")]
     medians: Dict[tuple, List[float]] = {}

@@ -65,6 +65,28 @@ def build_tiny_llama(vocab_size: int, seed: int = 0):
     return LlamaForCausalLM(config).eval()
 
 
+#: The seed of the tiny Llama whose one-row program the compiled-step tests share: one
+#: compile per test session (about 15 s here), then loads from the session's cache.
+COMPILED_SEED = 3
+
+
+@pytest.fixture(scope="session")
+def inductor_cache(tmp_path_factory) -> Path:
+    """A TorchInductor cache directory of this test session's own (compiled programs are
+    not taken from, or left in, the machine's)."""
+    return tmp_path_factory.mktemp("inductor-cache")
+
+
+@pytest.fixture
+def one_row_cache(inductor_cache, monkeypatch) -> Path:
+    """``TORCHINDUCTOR_CACHE_DIR`` set to the session's cache (so that loading and servers
+    started by the test use it too); the one-row programs' directory in it."""
+    from djl_stream.generation.compiled_decode import cache_root
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache))
+    return cache_root()
+
+
 def greedy_in_one_batch(model, tokenizer, prompts, new_tokens: int = 12):
     """Each prompt's greedy tokens (end-of-sequence ignored), the prompts decoding in one
     left-padded batch through ``generate_token``."""

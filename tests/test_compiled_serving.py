@@ -1,9 +1,10 @@
-"""``option.decode_step=compiled`` through a real server: the one-row graph is compiled
-while the model loads (``/ping`` answers 503 until it is done), and a stream decoded by it
-has the text the eager step gives, token by token.
+"""``option.decode_step=compiled`` through a real server: the one-row program is compiled
+(or loaded from the cache) while the model loads (``/ping`` answers 503 until it is done),
+and a stream decoded by it has the text the eager step gives, token by token.
 
-The model is the tiny random Llama (its graph compiles in seconds); the embedded model's
-compiled step is measured by ``make bench-peers`` instead (about 100 s of compiling)."""
+The model is the tiny random Llama (its program compiles in seconds, into the test
+session's cache); the embedded model's compiled step is measured by ``make bench-peers``
+instead (about 90 s of compiling at the first start)."""
 
 from __future__ import annotations
 
@@ -33,19 +34,19 @@ def greedy_stream(server: ServerProcess) -> list:
 
 
 def test_the_compiled_step_is_built_while_ping_is_503_and_streams_the_eager_step_s_text(
-        tiny_model_dir):
+        tiny_model_dir, one_row_cache):
     compiled = ServerProcess(tiny_model_dir, env={"OPTION_DECODE_STEP": "compiled"})
     try:
         assert compiled.first_ping().status_code in (200, 503)
         deadline = time.monotonic() + LOAD_TIMEOUT
         while (ping := compiled.http.get("/ping")).status_code == 503:
             assert ping.json()["modelStatus"] == "LOADING"
-            assert "one-row decode steps compiled" not in compiled.logs()
+            assert "one-row decode steps run the compiled program" not in compiled.logs()
             assert time.monotonic() < deadline, compiled.logs()
             time.sleep(0.2)
         assert ping.status_code == 200
         # compiled at load, before the first 200 (the line is written before ready)
-        assert "one-row decode steps compiled in" in compiled.logs()
+        assert "one-row decode steps run the compiled program" in compiled.logs()
         compiled_lines = greedy_stream(compiled)
         logs = compiled.logs()
     finally:

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import build_tiny_llama
-from djl_stream.generation import kv_cache, llama_decode
+from conftest import COMPILED_SEED, build_tiny_llama
+from djl_stream.generation import compiled_decode, kv_cache, llama_decode
 from djl_stream.generation.batch import CausalLMBatch, forward_logits, generate_token
 from djl_stream.generation.packed_linear import pack_linear_layers, packing_unavailable
 from djl_stream.generation.sequence import GenerationSequence
@@ -84,10 +84,11 @@ _NO_PACKING = pytest.mark.skipif(packing_unavailable() is not None,
     pytest.param(True, True, id="compiled-packed", marks=_NO_PACKING),
 ])
 def test_the_step_gives_the_forward_s_tokens_logits_and_cache_through_leaves_and_joins(
-        smollm2_tokenizer, monkeypatch, packed, compiled):
-    model = build_tiny_llama(len(smollm2_tokenizer), seed=3)
-    # the one-row graph takes the plain layers before they are packed, as at load
-    one_row = llama_decode.one_row_graph(model) if compiled else None
+        smollm2_tokenizer, monkeypatch, one_row_cache, packed, compiled):
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
+    # the one-row program is compiled from the plain layers before they are packed, as at
+    # load (tests/test_compiled_decode.py has its own tests)
+    one_row = compiled_decode.compile_one_row(model) if compiled else None
     if packed:
         assert pack_linear_layers(model) > 0
     forward_logits = []
@@ -250,158 +251,3 @@ def test_the_step_grows_a_cache_whose_leading_columns_were_trimmed(smollm2_token
     tokens, first_capacity = run(model)
     assert len(tokens) == 90 and first_capacity < len(tokens)  # it had to grow
     assert tokens == expected
-
-
-# -- the compiled one-row step (option.decode_step=compiled) ----------------------------
-
-def decode_alone(model, tokenizer, new_tokens, room_on_left=0):
-    """One prompt decoded alone (one row) from buffers of the smallest size, so that the
-    steps grow them, ``room_on_left`` columns left free before it; its tokens and the
-    column capacities its cache went through."""
-    (seq,) = sequences(tokenizer, PROMPTS[1:2], new_tokens)
-    batch = CausalLMBatch.from_sequences([seq], pad_token_id=2, device="cpu")
-    batch.past_key_values.reserve_columns = 1
-    batch.past_key_values.room_on_left = room_on_left
-    capacities = set()
-    while batch is not None:
-        _, batch = generate_token(model, batch)
-        if batch is not None:
-            capacities.add(batch.past_key_values._slabs[0].column_capacity)
-    return seq.generated_ids, capacities
-
-
-def compiled_one_row_step(model, tokenizer, monkeypatch):
-    """``model``'s step with its one-row graph, built from the plain layers before they
-    are packed (as at load); and a list that counts the graph's calls."""
-    one_row = llama_decode.one_row_graph(model)
-    assert pack_linear_layers(model) > 0
-    step = llama_decode.attach(model, tokenizer, one_row=one_row)
-    assert step is not None and step.compiled
-    calls = []
-    run = one_row.run
-
-    def counting(*inputs):
-        calls.append(inputs[0].shape[0])
-        return run(*inputs)
-
-    monkeypatch.setattr(one_row, "run", counting)
-    return step, calls
-
-
-@_NO_PACKING
-@pytest.mark.parametrize("room_on_left", [0, 7])
-def test_the_compiled_one_row_step_gives_the_forward_s_tokens_and_logits_as_its_buffers_grow(
-        smollm2_tokenizer, monkeypatch, caplog, room_on_left):
-    model = build_tiny_llama(len(smollm2_tokenizer), seed=8)
-    forward_logits = []
-    hook = model.register_forward_hook(
-        lambda module, args, kwargs, output: forward_logits.append(output.logits[:, -1].clone()),
-        with_kwargs=True)
-    expected, _ = decode_alone(model, smollm2_tokenizer, 80, room_on_left)
-    hook.remove()
-
-    caplog.set_level("INFO", logger=llama_decode.__name__)
-    step, calls = compiled_one_row_step(model, smollm2_tokenizer, monkeypatch)
-    # Inductor froze (and packed) every projection and the LM head: the graph no longer
-    # reads the plain weights, which were given back
-    frozen = [p for p in step.one_row.projections.parameters()] + [step.one_row.lm_head.weight]
-    assert step.one_row.released_bytes >= sum(p.numel() * p.element_size() for p in frozen)
-    assert "plain weights given back" in caplog.text
-    step_logits = StepLogits(model, monkeypatch)
-    fills = step._fills
-    filled, starts = [], set()
-    monkeypatch.setattr(step, "_fills", lambda keys, start, column: starts.add(start) or (
-        fills(keys, start, column) and not filled.append(column)))
-    tokens, capacities = decode_alone(model, smollm2_tokenizer, 80, room_on_left)
-
-    assert tokens == expected
-    assert len(capacities) > 1  # the buffers grew: other shapes, the same graph
-    # every decode step but those that wrote their buffers' last column (one per growth:
-    # a view of the whole buffers, run eagerly), and none fell back for good
-    assert calls == [1] * (79 - len(filled)) and len(filled) < len(capacities)
-    assert step.compiled
-    # the first column attended over: 0 (the steps that fill their buffers are among
-    # them) or, with room on the left, past that room (no step fills its buffers then)
-    assert min(starts) == room_on_left and bool(filled) is (room_on_left == 0)
-    assert len(step_logits.seen) == len(forward_logits) - 1  # the prefill ran the forward
-    for theirs, ours in zip(forward_logits[1:], step_logits.seen):
-        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
-
-
-@_NO_PACKING
-def test_a_compiled_one_row_step_that_fails_gives_way_to_the_eager_step(
-        smollm2_tokenizer, monkeypatch, caplog):
-    model = build_tiny_llama(len(smollm2_tokenizer), seed=9)
-    expected, _ = decode_alone(model, smollm2_tokenizer, 12)
-    step, calls = compiled_one_row_step(model, smollm2_tokenizer, monkeypatch)
-
-    def failing(*inputs):
-        raise RuntimeError("a guard failed")
-
-    monkeypatch.setattr(step.one_row, "_compiled", failing)
-    tokens, _ = decode_alone(model, smollm2_tokenizer, 12)
-    assert tokens == expected
-    assert calls == [1] and not step.compiled  # tried once, then the eager step
-    assert "run the eager step from now on" in caplog.text
-
-
-@_NO_PACKING
-def test_option_decode_step_compiled_builds_the_one_row_graph_before_packing(tiny_model_dir):
-    from djl_stream.generation.loading import load_model_and_tokenizer
-    from djl_stream.generation.packed_linear import PackedLinear
-
-    props = ModelProperties.from_init_properties(
-        {"model_dir": str(tiny_model_dir), "decode_step": "compiled"})
-    model, _ = load_model_and_tokenizer(props)
-    step = llama_decode.step_of(model)
-    assert step is not None and step.compiled
-    assert isinstance(model.model.layers[0].self_attn.q_proj, PackedLinear)
-    assert not step.one_row.shares_weights_with(model)
-
-
-@_NO_PACKING
-def test_the_scheduler_s_pacer_counts_eager_steps_only(smollm2_tokenizer, monkeypatch):
-    # A compiled one-row step is far faster than the eager pass that reads a prompt beside
-    # the stream: counted, it would make every such pass look like a stall.
-    import math
-
-    from djl_stream.generation.prefill_pacing import PrefillPacer
-    from djl_stream.generation.scheduler import Scheduler
-
-    model = build_tiny_llama(len(smollm2_tokenizer), seed=10)
-    step, calls = compiled_one_row_step(model, smollm2_tokenizer, monkeypatch)
-    pacer = PrefillPacer(1.5, math.inf)
-    scheduler = Scheduler(model, pad_token_id=2, device="cpu", max_batch_size=4, pacer=pacer)
-    try:
-        alone = scheduler.submit(sequences(smollm2_tokenizer, PROMPTS[:1], 100_000))
-        for _ in range(6):
-            next(alone)
-        assert len(calls) >= 5 and pacer.step_seconds is None  # compiled: not counted
-        beside = sequences(smollm2_tokenizer, PROMPTS[1:2], 8, first_id=10)
-        for _ in scheduler.submit(beside):
-            pass
-        assert len(beside[0].generated_ids) == 8
-        assert pacer.step_seconds is not None  # two rows: the eager step, counted
-        alone.close()
-    finally:
-        scheduler.shutdown()
-
-
-@_NO_PACKING
-def test_a_graph_that_cannot_be_compiled_leaves_the_eager_step_attached(smollm2_tokenizer,
-                                                                        monkeypatch, caplog):
-    model = build_tiny_llama(len(smollm2_tokenizer), seed=11)
-    expected, _ = decode_alone(model, smollm2_tokenizer, 12)
-    one_row = llama_decode.one_row_graph(model)
-    assert pack_linear_layers(model) > 0
-
-    def no_compiler(*inputs):  # what Inductor raises on a machine without a C++ compiler
-        raise RuntimeError("Failed to find C compiler")
-
-    monkeypatch.setattr(llama_decode.OneRowGraph, "compile",
-                        lambda graph: object.__setattr__(graph, "_compiled", no_compiler))
-    step = llama_decode.attach(model, smollm2_tokenizer, one_row=one_row)
-    assert step is not None and llama_decode.step_of(model) is step and not step.compiled
-    assert "compiling the one-row decode step failed (RuntimeError: Failed to find C compiler)" \
-        in caplog.text
-    assert decode_alone(model, smollm2_tokenizer, 12)[0] == expected

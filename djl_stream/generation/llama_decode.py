@@ -1,5 +1,5 @@
 """A decode step of Llama-architecture models written for this project's KV cache, run in
-place of the model's forward (and optionally compiled by ``torch.compile``).
+place of the model's forward (and, for one row, optionally compiled ahead of time).
 
 transformers' forward is written for every use of a model (training, any cache, any
 mask); a decode step of one column through it is several hundred operators dispatched
@@ -25,21 +25,10 @@ It knows one architecture, ``LlamaForCausalLM`` (Llama 2 and 3, SmolLM2, TinyLla
 others) without biases, on a CPU; :func:`unsupported_reason` says why another model keeps
 its forward. On a GPU the model's forward runs, as before: this step has not run on one.
 
-``option.decode_step=compiled`` adds :class:`OneRowGraph`: the decode
-step of a batch of one row, compiled at load by TorchInductor with the projection weights
-frozen into the graph and its C++ matrix-product template chosen for every product
-(``freezing``, ``max_autotune`` with the ``CPP`` backend, ``cpp_wrapper``). Inductor
-packs each weight into the blocked layout its generated kernel reads, and the whole step
-(norms, rotary embedding, attention, MLP) runs as one C++ function. Measured on the
-2-core CPU (``python -m benchmarks.decode_step --compiled``), a one-row step of
-SmolLM2-135M takes 22 ms against 36 ms eager with oneDNN-packed weights, the same greedy
-tokens. It costs a compile of about 100 s at every load: Inductor's cache skips a graph
-holding oneDNN-packed constants (they cannot be pickled), so nothing is kept across
-restarts. It also costs the weights' size again in memory (Inductor's packed copy; the
-plain weights it was built from are given back once it no longer reads them: a
-process's resident memory after load was 1.83 GB against 1.10 eager). Batches of several
-rows and mixed passes run the eager step: a graph per row count would compile as long
-and hold one more copy of the weights each.
+``option.decode_step=compiled`` adds a program for the decode step of one row, compiled
+ahead of time by AOTInductor and kept on disk
+(:mod:`~djl_stream.generation.compiled_decode`): one-row steps run it, and batches of
+several rows and mixed passes run this eager step.
 
 Example::
 
@@ -55,8 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import mmap
-import time
 from typing import List, Optional
 
 import torch
@@ -108,7 +95,7 @@ def unsupported_reason(model) -> Optional[str]:
     return None
 
 
-# -- the layers, shared by the eager step and the one-row graph -------------------------
+# -- the layers, shared by the eager step and the one-row program --------------------
 
 @dataclasses.dataclass(frozen=True)
 class Geometry:
@@ -210,157 +197,18 @@ def _layer_dicts(projections: List[dict], norms: List[tuple]) -> List[dict]:
             for layer, (attention, mlp) in zip(projections, norms)]
 
 
-# -- the one-row graph ------------------------------------------------------------------
-
-class OneRowGraph(torch.nn.Module):
-    """The decode step of one row as a module whose parameters are the model's plain
-    projection weights (and copies of its norms and LM head), for TorchInductor to freeze
-    and compile (:meth:`compile`; see the module docstring).
-
-    Built from the model *before* its linear layers are packed
-    (:func:`~djl_stream.generation.loading.prepare_for_decoding` does it in that order),
-    it holds the plain ``nn.Linear`` modules the packing replaces in the model; compiling
-    then frees their weights (Inductor keeps its own packed copy). Where the model still
-    uses them (nothing packed), they are shared and kept.
-
-    Example::
-
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
-        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16,
-        ...     intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
-        >>> OneRowGraph.unsupported_reason(model) is None
-        True
-        >>> graph = OneRowGraph(model)   # then graph.compile(), at load
-    """
-
-    #: Inductor's settings for the graph (see the module docstring)
-    INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True,
-                        "max_autotune_gemm_backends": "CPP,ATEN", "cpp_wrapper": True}
-
-    def __init__(self, model):
-        super().__init__()
-        reason = self.unsupported_reason(model)
-        if reason:
-            raise ValueError(reason)
-        decoder = model.model
-        self.geometry = Geometry.of(model.config)
-        self.projections = torch.nn.ModuleList(
-            torch.nn.ModuleDict(_projections_of(layer)) for layer in decoder.layers)
-        # copies: the norms and the (often tied) LM head stay in use by the model itself,
-        # and a compiled graph may free what it freezes
-        self.norms = torch.nn.ParameterList(
-            torch.nn.Parameter(weight.detach().clone(), requires_grad=False)
-            for layer in decoder.layers for weight in _norms_of(layer))
-        self.final_norm = torch.nn.Parameter(decoder.norm.weight.detach().clone(),
-                                             requires_grad=False)
-        head = model.lm_head.weight
-        self.lm_head = torch.nn.Linear(head.shape[1], head.shape[0], bias=False)
-        self.lm_head.weight = torch.nn.Parameter(head.detach().clone(), requires_grad=False)
-        self._layers = _layer_dicts([dict(layer) for layer in self.projections],
-                                    list(zip(self.norms[::2], self.norms[1::2])))
-        self._compiled = None
-        self._traced = False
-        #: bytes of weights :meth:`release_weights` gave back
-        self.released_bytes = 0
-
-    @staticmethod
-    def unsupported_reason(model) -> Optional[str]:
-        """Why the graph cannot be built from ``model`` now, or ``None``: the model must be
-        one :class:`LlamaDecodeStep` runs, with plain float32 linear layers (not yet packed
-        or quantized) and no tied weight elsewhere than the LM head."""
-        reason = unsupported_reason(model)
-        if reason:
-            return reason
-        for layer in model.model.layers:
-            for linear in _projections_of(layer).values():
-                if type(linear) is not torch.nn.Linear or linear.weight.dtype != torch.float32:
-                    return (f"{type(linear).__name__} layers of {linear.weight.dtype}: the "
-                            "graph is built from plain float32 weights, before packing")
-        return None
-
-    def forward(self, hidden, cos, sin, mask, keys, values, column, start: int):
-        return _decode_logits(self.geometry, self._layers, self.final_norm, self.lm_head,
-                              hidden, cos, sin, mask, keys, values, column, start)
-
-    def compile(self) -> None:
-        """Hand the graph to TorchInductor; it compiles at its first call (:meth:`run`)."""
-        # kept outside the module's children: the compiled module wraps this one, and as a
-        # child it would make the graph its own descendant
-        object.__setattr__(self, "_compiled", torch.compile(
-            self, dynamic=True, fullgraph=True, options=self.INDUCTOR_OPTIONS))
-
-    def shares_weights_with(self, model) -> bool:
-        """Whether ``model`` itself still uses the projection weights the graph was built
-        from (its layers were not packed)."""
-        in_model = {id(p) for p in model.parameters()}
-        return any(id(p) in in_model for p in self.projections.parameters())
-
-    def release_weights(self, *inputs) -> int:
-        """After compiling: give back the memory of the weights the compiled graph no
-        longer reads (Inductor packed its own copy of them); returns the bytes given back.
-        ``inputs``: a step's inputs (:func:`_decode_logits`) to tell them by.
-
-        Inductor's C++ matrix-product kernels read a packed copy of their weight; a
-        weight an operator reads as it is (a norm's, or one multiplied by another kernel)
-        is read through the module. So each weight in turn is swapped for a tensor of the
-        same shape over anonymous memory that is never written (it takes no physical
-        memory, and dynamo's guards on the weight, its shape, strides and dtype, still
-        hold): where the graph's logits on ``inputs`` change, the weight is put back.
-        :func:`attach` checks the graph against the model's forward again afterwards."""
-        with torch.inference_mode():
-            expected = self.run(*inputs)
-        released = 0
-        for parameter in self.parameters():
-            size = parameter.numel() * parameter.element_size()
-            kept = parameter.data
-            # made outside inference mode, as the weight was: dynamo guards on that too
-            parameter.data = torch.frombuffer(mmap.mmap(-1, size),
-                                              dtype=parameter.dtype).view(parameter.shape)
-            try:
-                with torch.inference_mode():
-                    unchanged = torch.equal(self.run(*inputs), expected)
-            except Exception:  # noqa: BLE001 - a guard failed: the graph reads it
-                unchanged = False
-            if unchanged:
-                released += size
-            else:
-                parameter.data = kept
-        self.released_bytes += released
-        return released
-
-    def run(self, *inputs):
-        """The compiled step's logits (see :func:`_decode_logits` for the inputs).
-
-        Traced without duck shaping: a cache's column capacity may equal the head size,
-        and would otherwise be taken for it and fixed. Once traced, a call that would trace
-        again (a guard failed: tensors of another kind than at the first call) raises
-        instead of compiling for minutes in the middle of serving."""
-        if self._traced:  # the per-token path
-            with torch.compiler.set_stance("fail_on_recompile"):
-                return self._compiled(*inputs)
-        from torch._inductor import config as inductor_config
-        from torch.fx.experimental import _config as shapes_config
-
-        # freezing set globally while tracing, not only in the compile's options: dynamo
-        # reads it from the global config to hand the parameters over as parameters (with
-        # the option alone, Inductor froze nothing and the graph read every weight)
-        with shapes_config.patch(use_duck_shape=False), inductor_config.patch(freezing=True):
-            logits = self._compiled(*inputs)
-        self._traced = True
-        return logits
-
-
 # -- the step --------------------------------------------------------------------------
 
 class LlamaDecodeStep:
     """One decode step of a Llama-architecture model over a
     :class:`~djl_stream.generation.kv_cache.PreallocatedCache`: see the module docstring.
 
-    ``one_row`` (a compiled :class:`OneRowGraph`) runs the steps of one-row batches; if it
-    ever fails, it is dropped (logged) and the eager step runs them.
+    ``one_row`` (a :class:`~djl_stream.generation.compiled_decode.CompiledOneRow`) runs
+    the steps of one-row batches; if it ever fails, it is dropped (logged) and the eager
+    step runs them.
     """
 
-    def __init__(self, model, *, one_row: Optional[OneRowGraph] = None):
+    def __init__(self, model, *, one_row=None):
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(reason)
@@ -373,12 +221,12 @@ class LlamaDecodeStep:
                                    [_norms_of(layer) for layer in decoder.layers])
         self.lm_head = model.lm_head
         self.one_row = one_row
-        #: Whether the last decode step's logits came from the compiled graph.
+        #: Whether the last decode step's logits came from the compiled program.
         self.last_step_compiled = False
 
     @property
     def compiled(self) -> bool:
-        """Whether one-row steps run the compiled graph."""
+        """Whether one-row steps run the compiled program."""
         return self.one_row is not None
 
     def _inputs(self, input_ids, position_ids, attention_mask):
@@ -506,8 +354,7 @@ class LlamaDecodeStep:
         with torch.inference_mode():
             inputs = self._inputs(batch.input_ids, batch.position_ids, batch.attention_mask)
             logits = None
-            if self.one_row is not None and len(batch) == 1 and not self._fills(keys, start,
-                                                                              column):
+            if self.one_row is not None and len(batch) == 1:
                 logits = self._one_row_logits(inputs, keys, values, column, start)
             self.last_step_compiled = logits is not None
             if logits is None:
@@ -517,7 +364,7 @@ class LlamaDecodeStep:
         return logits
 
     def _one_row_logits(self, inputs, keys, values, column: int, start: int):
-        """The compiled graph's logits of a one-row step, or ``None`` where it failed (it
+        """The compiled program's logits of a one-row step, or ``None`` where it failed (it
         is dropped then: the eager step writes the same column again)."""
         try:
             return self.one_row.run(*_one_row_arguments(inputs, keys, values, column, start))
@@ -527,15 +374,6 @@ class LlamaDecodeStep:
                            str(error).splitlines()[0] if str(error) else "")
             self.one_row = None
             return None
-
-    @staticmethod
-    def _fills(keys, start: int, column: int) -> bool:
-        """Whether the columns a step attends over are the whole of its buffers: the
-        compiled graph was traced on a strict part of them (a view that is not
-        contiguous), and a contiguous one fails its guards. It happens at most once per
-        growth of the buffers (the step that writes their last column), and that step
-        runs eagerly."""
-        return start == 0 and column + 1 == keys[0].shape[2]
 
     @staticmethod
     def _decode_buffers(batch):
@@ -554,21 +392,21 @@ def step_of(model) -> Optional[LlamaDecodeStep]:
 
 
 def last_step_compiled(model) -> bool:
-    """Whether ``model``'s last decode step ran its compiled one-row graph (a pass that
+    """Whether ``model``'s last decode step ran its compiled one-row program (a pass that
     reads a prompt beside the running batch never does: it runs the eager step)."""
     step = step_of(model)
     return step is not None and step.last_step_compiled
 
 
-def attach(model, tokenizer, *,
-           one_row: Optional[OneRowGraph] = None) -> Optional[LlamaDecodeStep]:
+def attach(model, tokenizer, *, one_row=None) -> Optional[LlamaDecodeStep]:
     """Build ``model``'s :class:`LlamaDecodeStep`, check it against the model's forward on
     probe batches of 1 and 3 rows and on a mixed pass, and attach it, so that
     :func:`~djl_stream.generation.batch.generate_token` uses it for decode steps.
 
-    With ``one_row`` (a :class:`OneRowGraph`, built before the model's layers were packed),
-    one-row steps run it, compiled here by the one-row probe; where that fails or differs
-    from the forward, the eager step runs them (logged).
+    With ``one_row`` (a :class:`~djl_stream.generation.compiled_decode.CompiledOneRow`,
+    compiled before the model's layers were packed), one-row steps run it once it agrees
+    with the forward on the one-row probe; where it does not, the eager step runs them
+    (logged).
 
     Returns the step, or ``None`` (logged) where the model is not supported or the step's
     logits differ from the forward's.
@@ -577,11 +415,10 @@ def attach(model, tokenizer, *,
     if reason:
         logger.info("decode steps run the model's forward: %s", reason)
         return None
-    started = time.perf_counter()
     try:
         step = LlamaDecodeStep(model)
         if one_row is not None:
-            step.one_row = _checked_graph(step, model, tokenizer, one_row)
+            step.one_row = _checked_one_row(step, model, tokenizer, one_row)
         if not all(_agrees(step, model, tokenizer, rows) for rows in (1, 3)):
             logger.warning("the Llama decode step differs from the model's forward on a "
                            "probe; decode steps run the model's forward")
@@ -597,54 +434,26 @@ def attach(model, tokenizer, *,
         return None
     install(model, step)
     if step.compiled:
-        logger.info("one-row decode steps compiled in %.0f s; other steps run djl-stream's "
-                    "Llama decode step", time.perf_counter() - started)
+        logger.info("one-row decode steps run the compiled program; other steps run "
+                    "djl-stream's Llama decode step")
     else:
         logger.info("decode steps run djl-stream's Llama decode step%s",
                     " (no compiled one-row step)" if one_row is not None else "")
     return step
 
 
-def _checked_graph(step: LlamaDecodeStep, model, tokenizer,
-                   graph: OneRowGraph) -> Optional[OneRowGraph]:
-    """``graph`` compiled by a one-row probe, checked against the model's forward, its
-    plain weights given back; or ``None`` (logged) where any of that fails: the eager step
-    then runs one-row steps too (a machine without a C++ compiler, for one, cannot
-    compile it)."""
+def _checked_one_row(step: LlamaDecodeStep, model, tokenizer, one_row):
+    """``one_row`` if its logits on a one-row probe agree with the model's forward, else
+    ``None`` (logged): the eager step then runs one-row steps too."""
+    step.one_row = one_row
     try:
-        graph.compile()
-        step.one_row = graph
-        if not _agrees(step, model, tokenizer, 1):  # compiles it
-            logger.warning("the compiled one-row decode step differs from the model's forward "
-                           "on a probe; one-row steps run the eager step")
-            return None
-        if graph.shares_weights_with(model):
-            return graph
-        released = graph.release_weights(*_one_row_inputs(step, model, tokenizer))
-        if not _agrees(step, model, tokenizer, 1):
-            logger.warning("the compiled one-row decode step still reads the weights it "
-                           "froze; one-row steps run the eager step")
-            return None
-    except Exception as error:  # noqa: BLE001 - the eager step serves one-row steps then
-        logger.warning("compiling the one-row decode step failed (%s: %s); one-row steps run "
-                       "the eager step", type(error).__name__,
-                       str(error).splitlines()[0] if str(error) else "")
+        if _agrees(step, model, tokenizer, 1) and step.last_step_compiled:
+            return one_row
+        logger.warning("the compiled one-row decode step differs from the model's forward on "
+                       "a probe; one-row steps run the eager step")
         return None
     finally:
         step.one_row = None
-    logger.info("the compiled one-row step froze its own copy of the weights: %.0f MB of "
-                "plain weights given back", released / 1e6)
-    return graph
-
-
-def one_row_graph(model) -> Optional[OneRowGraph]:
-    """A :class:`OneRowGraph` of ``model``'s plain layers, or ``None`` (logged) where it
-    cannot be built; take it before the layers are packed."""
-    reason = OneRowGraph.unsupported_reason(model)
-    if reason:
-        logger.warning("no compiled one-row decode step: %s", reason)
-        return None
-    return OneRowGraph(model)
 
 
 def install(model, step: LlamaDecodeStep) -> None:
@@ -683,21 +492,13 @@ def _probe_batch(model, tokenizer, rows: int):
 
 
 def _one_row_arguments(inputs: tuple, keys, values, column: int, start: int) -> tuple:
-    """:meth:`OneRowGraph.run`'s arguments for a one-row step: ``inputs`` from
+    """:meth:`~djl_stream.generation.compiled_decode.CompiledOneRow.run`'s arguments for a
+    one-row step: ``inputs`` from
     :meth:`LlamaDecodeStep._inputs`, then each buffer's first row only, so that the graph
     sees one row capacity (1) whatever the cache holds (another would need another
     graph)."""
     return (*inputs, [k[:1] for k in keys], [v[:1] for v in values], torch.tensor([column]),
             start)
-
-
-def _one_row_inputs(step: LlamaDecodeStep, model, tokenizer) -> tuple:
-    """The arguments of :meth:`OneRowGraph.run` at a one-row probe's first decode step."""
-    batch = _probe_batch(model, tokenizer, 1)
-    keys, values, start, column = step._decode_buffers(batch)
-    with torch.inference_mode():  # as in a step: dynamo guards on tensors' kind
-        inputs = step._inputs(batch.input_ids, batch.position_ids, batch.attention_mask)
-        return _one_row_arguments(inputs, keys, values, column, start)
 
 
 def _close(ours: torch.Tensor, theirs: torch.Tensor) -> bool:

@@ -212,15 +212,15 @@ def load_model_and_tokenizer(props: ModelProperties) -> Tuple[Any, Any]:
 def prepare_for_decoding(model, tokenizer, props: ModelProperties, *, on_gpu: bool):
     """What follows loading: on a CPU, prepack ``model``'s linear layers
     (:func:`prepack_for_cpu`); then attach djl-stream's Llama decode step
-    (:func:`attach_decode_step`). With ``option.decode_step=compiled``, the one-row graph
-    takes the plain layers first (:class:`~djl_stream.generation.llama_decode.OneRowGraph`:
-    it freezes its own packed copy of them, and the plain ones are freed once the model's
-    layers are packed). Returns the step or ``None``."""
-    from djl_stream.generation import llama_decode
+    (:func:`attach_decode_step`). With ``option.decode_step=compiled``, the one-row program
+    is loaded from its cache or compiled first, from the plain layers
+    (:func:`~djl_stream.generation.compiled_decode.compile_one_row`: it packs its own copy
+    of them). Returns the step or ``None``."""
+    from djl_stream.generation import compiled_decode
 
     one_row = None
     if not on_gpu and props.decode_step == "compiled":
-        one_row = llama_decode.one_row_graph(model)
+        one_row = compiled_decode.compile_one_row(model)
     if not on_gpu:
         prepack_for_cpu(model, props)
     return attach_decode_step(model, tokenizer, props, one_row=one_row)
@@ -230,7 +230,7 @@ def attach_decode_step(model, tokenizer, props: ModelProperties, one_row=None):
     """Give ``model`` djl-stream's Llama decode step unless ``option.decode_step`` is
     ``forward`` (or the model is not one it runs: then its forward runs, logged); with
     ``one_row`` (``option.decode_step=compiled``: see :func:`prepare_for_decoding`), its
-    one-row steps run that graph, compiled here, at load. Returns the step or ``None``."""
+    one-row steps run that program. Returns the step or ``None``."""
     from djl_stream.generation import llama_decode
 
     if props.decode_step == "forward":

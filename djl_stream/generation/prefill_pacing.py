@@ -271,7 +271,7 @@ class PrefillPacer:
         sets the yielded :class:`StepTiming`'s ``counted`` to false.
 
         A step is not counted where it ran a way that a pass beside a prompt cannot: a
-        one-row step of the compiled graph (``option.decode_step=compiled``) took 22 ms
+        one-row step of the compiled program (``option.decode_step=compiled``) took 22 ms
         of SmolLM2 where the eager step that every mixed pass runs took 36, so counted,
         it made the bound tighter than a mixed pass's own decode step (16 clients
         arriving together were read a column or two a pass: 2 s to their first tokens,

@@ -123,9 +123,10 @@ class ModelProperties:
             (``auto``) does so wherever this PyTorch can, ``False`` never.
         decode_step: who runs a decode step: ``forward`` (the model's forward),
             ``eager`` (djl-stream's Llama decode step, written for its KV cache: about 12 %
-            faster on SmolLM2 on a CPU), ``compiled`` (that step through
-            ``torch.compile``, at load: 7 % faster again with a few rows, for minutes of
-            compiling) or ``auto``
+            faster on SmolLM2 on a CPU), ``compiled`` (that step, plus a one-row step
+            compiled ahead of time by AOTInductor at the first load and kept in
+            ``$TORCHINDUCTOR_CACHE_DIR``: about 1.9x faster for one stream; see
+            :mod:`djl_stream.generation.compiled_decode`) or ``auto``
             (``eager`` where the model is a Llama-architecture one on a CPU, ``forward``
             elsewhere; see :mod:`djl_stream.generation.llama_decode`).
         tensor_parallel_degree: number of GPUs to spread the model over; ``None`` means

@@ -1,0 +1,251 @@
+"""The one-row decode step compiled ahead of time by AOTInductor (``option.decode_step=
+compiled``): the forward's tokens and logits as the cache's buffers grow, the cache on
+disk (one compile for workers starting together, none at the next start, only the
+constants the program reads kept), and the eager step taking over where compiling or
+running the program fails.
+
+The model is the tiny random Llama (it compiles in about 15 s here); the compiled tests
+share one program through the session's cache (``one_row_cache``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import zipfile
+
+import pytest
+import torch
+
+from conftest import COMPILED_SEED, build_tiny_llama
+from djl_stream.generation import compiled_decode, llama_decode
+from djl_stream.generation.batch import CausalLMBatch, generate_token
+from djl_stream.generation.packed_linear import pack_linear_layers, packing_unavailable
+from djl_stream.generation.sequence import GenerationSequence
+from djl_stream.serving.properties import ModelProperties
+
+pytestmark = pytest.mark.skipif(packing_unavailable() is not None,
+                                reason=f"this PyTorch cannot prepack: {packing_unavailable()}")
+
+PROMPT = "Once upon a time, in a land far away, there lived"
+
+
+def decode_alone(model, tokenizer, new_tokens, room_on_left=0):
+    """One prompt decoded alone (one row) from buffers of the smallest size, so that the
+    steps grow them, ``room_on_left`` columns left free before it; its tokens and the
+    column capacities its cache went through."""
+    seq = GenerationSequence(0, tokenizer(PROMPT)["input_ids"], tokenizer,
+                             max_new_tokens=new_tokens, eos_token_ids=set(), ignore_eos=True)
+    batch = CausalLMBatch.from_sequences([seq], pad_token_id=2, device="cpu")
+    batch.past_key_values.reserve_columns = 1
+    batch.past_key_values.room_on_left = room_on_left
+    capacities = set()
+    while batch is not None:
+        _, batch = generate_token(model, batch)
+        if batch is not None:
+            capacities.add(batch.past_key_values._slabs[0].column_capacity)
+    return seq.generated_ids, capacities
+
+
+def compiled_step(model, tokenizer, monkeypatch):
+    """``model``'s step with its one-row program, compiled (or loaded from the session's
+    cache) from the plain layers before they are packed, as at load; and a list of the
+    program's calls (their first columns attended over)."""
+    one_row = compiled_decode.compile_one_row(model)
+    assert one_row is not None
+    assert pack_linear_layers(model) > 0
+    step = llama_decode.attach(model, tokenizer, one_row=one_row)
+    assert step is not None and step.compiled
+    calls = []
+    run = one_row.run
+
+    def counting(*inputs):
+        calls.append(inputs[-1])
+        return run(*inputs)
+
+    monkeypatch.setattr(one_row, "run", counting)
+    return step, calls
+
+
+class StepLogits:
+    """Collects the logits the attached step returns."""
+
+    def __init__(self, model, monkeypatch):
+        step = llama_decode.step_of(model)
+        self.seen = []
+        original = step.logits
+        monkeypatch.setattr(step, "logits",
+                            lambda batch: self.seen.append(original(batch).clone()) or
+                            self.seen[-1])
+
+
+@pytest.mark.parametrize("room_on_left", [0, 7])
+def test_the_compiled_step_gives_the_forward_s_tokens_and_logits_as_its_buffers_grow(
+        smollm2_tokenizer, monkeypatch, one_row_cache, room_on_left):
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
+    forward_logits = []
+    hook = model.register_forward_hook(
+        lambda module, args, kwargs, output: forward_logits.append(output.logits[:, -1].clone()),
+        with_kwargs=True)
+    expected, _ = decode_alone(model, smollm2_tokenizer, 80, room_on_left)
+    hook.remove()
+
+    step, calls = compiled_step(model, smollm2_tokenizer, monkeypatch)
+    step_logits = StepLogits(model, monkeypatch)
+    tokens, capacities = decode_alone(model, smollm2_tokenizer, 80, room_on_left)
+
+    assert tokens == expected
+    assert len(capacities) > 1  # the buffers grew: other sizes, the same program
+    # every decode step (the first token comes from the prefill), the one that writes the
+    # buffers' last column among them, attending from the first column in use
+    assert len(calls) == 79 and min(calls) == room_on_left and step.compiled
+    assert len(step_logits.seen) == len(forward_logits) - 1
+    for theirs, ours in zip(forward_logits[1:], step_logits.seen):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_workers_starting_together_compile_once_and_a_restart_loads_the_cache(
+        smollm2_tokenizer, tmp_path, monkeypatch):
+    # Inductor's C++ GEMM template for every product: with ATen's kernels among the
+    # choices, autotuning may pick one for a product of this tiny model (on SmolLM2 it
+    # picked the template for all 211), and that product reads its plain weight
+    monkeypatch.setitem(compiled_decode.INDUCTOR_OPTIONS, "max_autotune_gemm_backends", "CPP")
+    cache = tmp_path / "cache"
+    models = [build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED) for _ in range(2)]
+    loaded = [None, None]
+    threads = [threading.Thread(target=lambda i=i: loaded.__setitem__(
+        i, compiled_decode.compile_one_row(models[i], cache=cache))) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert None not in loaded
+    assert sorted(one_row.from_cache for one_row in loaded) == [False, True]
+    (entry,) = [p for p in cache.iterdir() if p.is_dir()]
+    assert entry.name == compiled_decode.cache_key(compiled_decode.OneRowGraph(models[0]))
+
+    # what the entry keeps: the program without weights; the plain projections and LM
+    # head, which the program no longer reads (it packed its own copies), only by shape
+    with zipfile.ZipFile(entry / "program.pt2") as package:
+        assert not [n for n in package.namelist() if "/data/weights/" in n]
+    unread = json.loads((entry / "unread.json").read_text())
+    plain = {f"projections.{i}.{name}.weight" for i in range(2)
+             for name in ("q", "k", "v", "o", "gate", "up", "down")} | {"lm_head.weight"}
+    assert plain <= set(unread)
+    stored = torch.load(entry / "constants.pt", mmap=True, weights_only=True)
+    assert not set(unread) & set(stored)
+    plain_bytes = sum(p.numel() * p.element_size() for name, p in
+                      compiled_decode.OneRowGraph(models[0]).state_dict().items() if name in plain)
+    assert sum(t.numel() * t.element_size() for t in stored.values()) >= plain_bytes
+
+    # the next start: nothing is compiled, and the program gives the eager step's tokens
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
+    expected, _ = decode_alone(model, smollm2_tokenizer, 20)
+    one_row = compiled_decode.compile_one_row(model, cache=cache)
+    assert one_row is not None and one_row.from_cache
+    pack_linear_layers(model)
+    step = llama_decode.attach(model, smollm2_tokenizer, one_row=one_row)
+    assert step.compiled
+    assert decode_alone(model, smollm2_tokenizer, 20)[0] == expected
+    assert step.compiled
+
+
+def test_the_cache_key_follows_the_weights(smollm2_tokenizer):
+    first = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
+    same = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
+    key = compiled_decode.cache_key(compiled_decode.OneRowGraph(first))
+    assert compiled_decode.cache_key(compiled_decode.OneRowGraph(same)) == key
+    with torch.no_grad():
+        same.model.layers[1].mlp.down_proj.weight[3, 5] += 1e-3
+    assert compiled_decode.cache_key(compiled_decode.OneRowGraph(same)) != key
+
+
+def test_a_program_that_fails_gives_way_to_the_eager_step(smollm2_tokenizer, monkeypatch,
+                                                          one_row_cache, caplog):
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
+    expected, _ = decode_alone(model, smollm2_tokenizer, 12)
+    step, calls = compiled_step(model, smollm2_tokenizer, monkeypatch)
+
+    def failing(*inputs):
+        raise RuntimeError("the program failed")
+
+    monkeypatch.setattr(step.one_row, "_program", failing)
+    tokens, _ = decode_alone(model, smollm2_tokenizer, 12)
+    assert tokens == expected
+    assert len(calls) == 1 and not step.compiled  # tried once, then the eager step
+    assert "run the eager step from now on" in caplog.text
+
+
+def test_without_a_compiler_or_a_writable_cache_the_eager_step_runs(smollm2_tokenizer,
+                                                                     tmp_path, monkeypatch,
+                                                                     caplog):
+    caplog.set_level(logging.INFO)
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED + 1)
+    expected, _ = decode_alone(model, smollm2_tokenizer, 12)
+
+    def no_compiler(*args, **kwargs):  # what Inductor raises without a C++ compiler
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiler)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    one_row = compiled_decode.compile_one_row(model, cache=a_file / "cache")
+    assert one_row is None
+    assert "cache cannot be written" in caplog.text
+    assert ("compiling the one-row decode step failed (RuntimeError: Failed to find C "
+            "compiler)") in caplog.text
+    pack_linear_layers(model)
+    step = llama_decode.attach(model, smollm2_tokenizer, one_row=one_row)
+    assert step is not None and not step.compiled
+    assert decode_alone(model, smollm2_tokenizer, 12)[0] == expected
+
+
+def test_option_decode_step_compiled_compiles_before_packing(tiny_model_dir, one_row_cache):
+    from djl_stream.generation.loading import load_model_and_tokenizer
+    from djl_stream.generation.packed_linear import PackedLinear
+
+    props = ModelProperties.from_init_properties(
+        {"model_dir": str(tiny_model_dir), "decode_step": "compiled"})
+    model, _ = load_model_and_tokenizer(props)
+    step = llama_decode.step_of(model)
+    assert step is not None and step.compiled
+    assert step.one_row.path.parent == one_row_cache  # TORCHINDUCTOR_CACHE_DIR's
+    assert isinstance(model.model.layers[0].self_attn.q_proj, PackedLinear)
+
+
+def test_the_scheduler_s_pacer_counts_eager_steps_only(smollm2_tokenizer, monkeypatch,
+                                                       one_row_cache):
+    # A compiled one-row step is far faster than the eager pass that reads a prompt beside
+    # the stream: counted, it would make every such pass look like a stall.
+    import math
+
+    from djl_stream.generation.prefill_pacing import PrefillPacer
+    from djl_stream.generation.scheduler import Scheduler
+
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
+    step, calls = compiled_step(model, smollm2_tokenizer, monkeypatch)
+    pacer = PrefillPacer(1.5, math.inf)
+    scheduler = Scheduler(model, pad_token_id=2, device="cpu", max_batch_size=4, pacer=pacer)
+
+    def sequence(request_id, new_tokens):
+        return GenerationSequence(request_id, smollm2_tokenizer(PROMPT)["input_ids"],
+                                  smollm2_tokenizer, max_new_tokens=new_tokens,
+                                  eos_token_ids=set(), ignore_eos=True)
+
+    try:
+        alone = scheduler.submit([sequence(0, 100_000)])
+        for _ in range(6):
+            next(alone)
+        assert len(calls) >= 5 and pacer.step_seconds is None  # compiled: not counted
+        beside = [sequence(10, 8)]
+        for _ in scheduler.submit(beside):
+            pass
+        assert len(beside[0].generated_ids) == 8
+        assert pacer.step_seconds is not None  # two rows: the eager step, counted
+        alone.close()
+    finally:
+        scheduler.shutdown()
