@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
+import tempfile
 import threading
 import zipfile
 
@@ -154,6 +156,25 @@ def test_workers_starting_together_compile_once_and_a_restart_loads_the_cache(
     assert step.compiled
 
 
+def test_a_cached_program_that_does_not_load_is_removed_to_be_compiled_again(
+        smollm2_tokenizer, one_row_cache, tmp_path, monkeypatch, caplog):
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
+    assert compiled_decode.compile_one_row(model) is not None  # in the session's cache
+    key = compiled_decode.cache_key(compiled_decode.OneRowGraph(model))
+    cache = tmp_path / "cache"
+    shutil.copytree(one_row_cache / key, cache / key)
+    (cache / key / "constants.pt").write_bytes(b"cut short")
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiler)
+    assert compiled_decode.compile_one_row(model, cache=cache) is None
+    assert "does not load" in caplog.text and "compiling it again" in caplog.text
+    assert "Failed to find C compiler" in caplog.text  # it was compiled again
+    assert not (cache / key).exists()
+
+
 def test_the_cache_key_follows_the_weights(smollm2_tokenizer):
     first = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
     same = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
@@ -193,9 +214,12 @@ def test_without_a_compiler_or_a_writable_cache_the_eager_step_runs(smollm2_toke
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiler)
     a_file = tmp_path / "a-file"
     a_file.write_text("")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temporary"))
+    (tmp_path / "temporary").mkdir()
     one_row = compiled_decode.compile_one_row(model, cache=a_file / "cache")
     assert one_row is None
     assert "cache cannot be written" in caplog.text
+    assert not list((tmp_path / "temporary").iterdir())  # the temporary cache is removed
     assert ("compiling the one-row decode step failed (RuntimeError: Failed to find C "
             "compiler)") in caplog.text
     pack_linear_layers(model)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -47,6 +48,7 @@ import os
 import platform
 import shutil
 import tempfile
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -224,14 +226,22 @@ def cache_key(graph: OneRowGraph) -> str:
     return digest.hexdigest()
 
 
-def _step_sources() -> List[str]:
+@functools.lru_cache(maxsize=1)
+def _step_sources() -> tuple:
     """The source of the code a program is traced from: an edit to it means another
-    program (edits elsewhere, in the cache's own code say, do not)."""
+    program (edits elsewhere, in the cache's own code say, do not). Read once, under a
+    lock: ``inspect.getsource`` parses the module, and CPython 3.11's parser fails now and
+    then when two threads parse at once ("AST constructor recursion depth mismatch")."""
     import inspect
 
-    return [inspect.getsource(code) for code in (
-        OneRowGraph, llama_decode.Geometry, llama_decode._decode_logits, llama_decode._norm,
-        llama_decode._rotate, llama_decode._mlp, llama_decode._layer_dicts)]
+    with _SOURCES_LOCK:
+        return tuple(inspect.getsource(code) for code in (
+            OneRowGraph, llama_decode.Geometry, llama_decode._decode_logits,
+            llama_decode._norm, llama_decode._rotate, llama_decode._mlp,
+            llama_decode._layer_dicts))
+
+
+_SOURCES_LOCK = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,7 +312,7 @@ def compile_one_row(model, *, cache: Optional[Path] = None) -> Optional[Compiled
     before the model's layers are packed: it reads their plain weights.
 
     ``cache``: the cache directory, :func:`cache_root` by default; where it cannot be
-    written, the package is compiled into a temporary directory and not kept.
+    written, the package is compiled into a temporary directory, removed once loaded.
     """
     reason = OneRowGraph.unsupported_reason(model)
     if reason:
@@ -310,32 +320,54 @@ def compile_one_row(model, *, cache: Optional[Path] = None) -> Optional[Compiled
         return None
     started = time.perf_counter()
     graph = OneRowGraph(model)
+    temporary = None
     try:
         try:
             root = Path(cache) if cache is not None else cache_root()
             root.mkdir(parents=True, exist_ok=True)
         except OSError as error:
-            root = Path(tempfile.mkdtemp(prefix="djl_stream_one_row-"))
+            root = temporary = Path(tempfile.mkdtemp(prefix="djl_stream_one_row-"))
             logger.warning("the one-row program's cache cannot be written (%s); compiling "
-                           "into %s, which is not kept", error, root)
+                           "into a temporary directory, removed once it is loaded", error)
         key = cache_key(graph)
         entry = CacheEntry(root / key)
         with _locked(root / f"{key}.lock"):
-            if entry.complete():
-                one_row = entry.load(from_cache=True)
-                logger.info("the one-row decode program was loaded from the cache %s in "
-                            "%.1f s", entry.directory, time.perf_counter() - started)
+            one_row = _cached(entry, started)
+            if one_row is not None:
                 return one_row
             _compile_into(graph, entry)
         one_row = entry.load(from_cache=False)
+        kept = sum(f.stat().st_size for f in entry.directory.iterdir()) / 1e6
     except Exception as error:  # noqa: BLE001 - the eager step serves one-row steps then
         logger.warning("compiling the one-row decode step failed (%s: %s); one-row steps run "
                        "the eager step", type(error).__name__,
                        str(error).splitlines()[0] if str(error) else "")
         return None
-    logger.info("the one-row decode program was compiled in %.0f s and kept in %s (%.0f MB)",
-                time.perf_counter() - started, entry.directory,
-                sum(f.stat().st_size for f in entry.directory.iterdir()) / 1e6)
+    finally:
+        if temporary is not None:  # what the loaded program maps stays until it is unmapped
+            shutil.rmtree(temporary, ignore_errors=True)
+    logger.info("the one-row decode program was compiled in %.0f s%s (%.0f MB)",
+                time.perf_counter() - started,
+                "" if temporary else f" and kept in {entry.directory}", kept)
+    return one_row
+
+
+def _cached(entry: CacheEntry, started: float) -> Optional[CompiledOneRow]:
+    """The program ``entry`` holds, or ``None`` where it holds none or one that does not
+    load (a disk that filled up while it was written, say: it is removed, to be compiled
+    again)."""
+    if not entry.complete():
+        return None
+    try:
+        one_row = entry.load(from_cache=True)
+    except Exception as error:  # noqa: BLE001 - compiled again
+        logger.warning("the cached one-row decode program in %s does not load (%s: %s); "
+                       "compiling it again", entry.directory, type(error).__name__,
+                       str(error).splitlines()[0] if str(error) else "")
+        shutil.rmtree(entry.directory, ignore_errors=True)
+        return None
+    logger.info("the one-row decode program was loaded from the cache %s in %.1f s",
+                entry.directory, time.perf_counter() - started)
     return one_row
 
 
