@@ -54,3 +54,26 @@ def test_an_unreachable_hub_id_fails_with_a_clear_message(tmp_path):
     assert last_line.startswith("djl_stream.generation.loading.ModelLoadError")
     assert "no-such-org/no-such-model" in last_line
     assert "hub" in last_line
+
+
+def test_the_model_loads_in_a_thread_that_ends_with_the_load(tiny_model_dir, monkeypatch):
+    # The OpenMP thread pool loading gives its thread must not outlive the load: beside
+    # the scheduler's, it throttles the decode steps' OpenMP workers
+    # (loading.in_passing_thread says how much).
+    import threading
+
+    from djl_stream.generation import loading
+
+    seen = []
+    prepare = loading.prepare_for_decoding
+
+    def recording(*args, **kwargs):
+        seen.append(threading.current_thread())
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(loading, "prepare_for_decoding", recording)
+    model, _ = loading.load_model_and_tokenizer(
+        ModelProperties.from_init_properties({"model_dir": str(tiny_model_dir)}))
+    (thread,) = seen
+    assert thread is not threading.current_thread() and not thread.is_alive()
+    assert model is not None
