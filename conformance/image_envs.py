@@ -30,9 +30,7 @@ Run on its own to build them and print where they are::
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
@@ -336,27 +334,18 @@ def cache_key(pins: ImagePins, kind: str) -> str:
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def build_venv(pins: ImagePins, kind: str, cache: Path = CACHE) -> Venv:
     """The cached venv of ``kind`` ("resolve" or "runtime") for the image, built if needed.
 
     A venv is complete once its ``.complete`` file exists; a half-built one (an interrupted
     run) is removed and built again, and so are the same image's venvs of other keys.
     """
+    from djl_stream.file_lock import exclusive_lock
+
     prefix = f"{pins.image}-{kind}-"
     path = cache / f"{prefix}{cache_key(pins, kind)}"
     venv = Venv(path, pins.image, kind)
-    with _locked(cache / f"{prefix}lock"):
+    with exclusive_lock(cache / f"{prefix}lock"):
         if (path / ".complete").is_file():
             return venv
         for old in cache.glob(f"{prefix}*"):

@@ -37,7 +37,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -56,6 +55,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from djl_stream.file_lock import exclusive_lock
 from djl_stream.generation import llama_decode
 
 logger = logging.getLogger(__name__)
@@ -290,20 +290,6 @@ def _untouched(shape, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
-@contextlib.contextmanager
-def _locked(path: Path):
-    """An exclusive lock on ``path`` (created), so that workers starting together compile
-    a package once: the others wait, then find it in the cache."""
-    import fcntl
-
-    with open(path, "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 # -- compiling -------------------------------------------------------------------------
 
 def compile_one_row(model, *, cache: Optional[Path] = None) -> Optional[CompiledOneRow]:
@@ -331,7 +317,8 @@ def compile_one_row(model, *, cache: Optional[Path] = None) -> Optional[Compiled
                            "into a temporary directory, removed once it is loaded", error)
         key = cache_key(graph)
         entry = CacheEntry(root / key)
-        with _locked(root / f"{key}.lock"):
+        # workers starting together compile once: the others wait, then load it
+        with exclusive_lock(root / f"{key}.lock"):
             one_row = _cached(entry, started)
             if one_row is not None:
                 return one_row

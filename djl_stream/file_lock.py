@@ -1,0 +1,33 @@
+"""An exclusive lock on a file, held by one process (or thread) at a time: what keeps two
+processes from building the same cache entry at once (the compiled one-row program,
+:mod:`djl_stream.generation.compiled_decode`; the conformance suite's image environments).
+
+Example::
+
+    >>> import tempfile, pathlib
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "entry.lock"
+    >>> with exclusive_lock(path):
+    ...     path.exists()
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+from pathlib import Path
+from typing import Iterator
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created, with its folder) for the block;
+    another holder waits until it is released. Each ``open`` is a lock of its own, so
+    threads of one process wait for each other too."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
