@@ -234,7 +234,11 @@ def setup_section(results: Results, command: str) -> List[str]:
         "`python -m djl_stream serve MODEL_DIR --port P` on a free loopback port and are "
         "ready when `GET /ping` "
         "answers 200; both stay up for the whole run and are idle while the other one, "
-        "or an in-process row, is measured.",
+        "or an in-process row, is measured. The model is loaded, and every in-process "
+        "row runs, in a thread that ends with it, and djl-stream's scheduler is shut down "
+        "after its row: each way computes with the only OpenMP thread pool alive, as in a "
+        "process of its own (a second live pool throttles the first; see "
+        "`loading.in_passing_thread`).",
         "",
     ]
     return lines

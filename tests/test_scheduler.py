@@ -515,3 +515,29 @@ def test_what_a_prefill_reserves_on_a_cpu_and_elsewhere(tiny_model, smollm2_toke
     assert room("cuda", longer, running) == {"room_for_rows": 2}
     assert room("cuda", short, running) == {}
     assert room("cpu", longer, running) == {"room_for_rows": 7, "room_on_left": 300}
+
+
+def test_a_retired_scheduler_s_thread_ends_and_the_next_use_starts_another(smollm2_tokenizer):
+    # benchmarks.inprocess retires it between the ways it measures: its thread's OpenMP
+    # pool must be gone (see loading.in_passing_thread)
+    from conftest import build_tiny_llama
+    from djl_stream.generation.scheduler import retire_scheduler, scheduler_for
+    from djl_stream.generation.sequence import GenerationSequence
+
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=21)
+
+    def tokens(scheduler):
+        seq = GenerationSequence(0, [1, 2, 3], smollm2_tokenizer, max_new_tokens=4,
+                                 eos_token_ids=set(), ignore_eos=True)
+        for _ in scheduler.submit([seq]):
+            pass
+        return seq.generated_ids
+
+    first = scheduler_for(model, pad_token_id=2, device="cpu")
+    expected = tokens(first)
+    retire_scheduler(model)
+    assert not first._thread.is_alive()
+    second = scheduler_for(model, pad_token_id=2, device="cpu")
+    assert second is not first and tokens(second) == expected
+    retire_scheduler(model)
+    retire_scheduler(model)  # none left: nothing to do

@@ -911,3 +911,17 @@ def scheduler_for(model, *, pad_token_id: int, device, **settings) -> Scheduler:
             scheduler = Scheduler(model, pad_token_id=pad_token_id, device=device, **settings)
             _SCHEDULERS[model] = scheduler
         return scheduler
+
+
+def retire_scheduler(model) -> None:
+    """Shut ``model``'s scheduler down, if it has one (requests in flight end with an
+    error); the next :func:`scheduler_for` starts another. For a process that runs other
+    ways of generating in between, as ``benchmarks.inprocess`` does: the scheduler's
+    thread keeps its OpenMP thread pool while it lives, and a second pool throttles the
+    first (see :func:`~djl_stream.generation.loading.in_passing_thread`)."""
+    with _SCHEDULERS_LOCK:
+        scheduler = _SCHEDULERS.pop(model, None)
+    if scheduler is not None:
+        scheduler.shutdown()
+        if scheduler in _LIVE_SCHEDULERS:
+            _LIVE_SCHEDULERS.remove(scheduler)
