@@ -65,6 +65,25 @@ def build_tiny_llama(vocab_size: int, seed: int = 0):
     return LlamaForCausalLM(config).eval()
 
 
+class StepLogits:
+    """Collects the logits the step attached to ``model`` (djl-stream's Llama decode step)
+    returns; it does not call the model, so a forward hook would not see them."""
+
+    def __init__(self, model, monkeypatch):
+        from djl_stream.generation import llama_decode
+
+        step = llama_decode.step_of(model)
+        self.seen = []
+        original = step.logits
+
+        def recording(batch):
+            logits = original(batch)
+            self.seen.append(logits.clone())
+            return logits
+
+        monkeypatch.setattr(step, "logits", recording)
+
+
 #: The seed of the tiny Llama whose one-row program the compiled-step tests share: one
 #: compile per test session (about 15 s here), then loads from the session's cache.
 COMPILED_SEED = 3

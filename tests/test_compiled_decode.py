@@ -19,7 +19,7 @@ import zipfile
 import pytest
 import torch
 
-from conftest import COMPILED_SEED, build_tiny_llama
+from conftest import COMPILED_SEED, StepLogits, build_tiny_llama
 from djl_stream.generation import compiled_decode, llama_decode
 from djl_stream.generation.batch import CausalLMBatch, generate_token
 from djl_stream.generation.packed_linear import pack_linear_layers, packing_unavailable
@@ -67,18 +67,6 @@ def compiled_step(model, tokenizer, monkeypatch):
 
     monkeypatch.setattr(one_row, "run", counting)
     return step, calls
-
-
-class StepLogits:
-    """Collects the logits the attached step returns."""
-
-    def __init__(self, model, monkeypatch):
-        step = llama_decode.step_of(model)
-        self.seen = []
-        original = step.logits
-        monkeypatch.setattr(step, "logits",
-                            lambda batch: self.seen.append(original(batch).clone()) or
-                            self.seen[-1])
 
 
 @pytest.mark.parametrize("room_on_left", [0, 7])

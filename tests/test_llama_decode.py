@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import COMPILED_SEED, build_tiny_llama
+from conftest import COMPILED_SEED, StepLogits, build_tiny_llama
 from djl_stream.generation import compiled_decode, kv_cache, llama_decode
 from djl_stream.generation.batch import CausalLMBatch, forward_logits, generate_token
 from djl_stream.generation.packed_linear import pack_linear_layers, packing_unavailable
@@ -54,22 +54,6 @@ def run_continuous_batch(model, tokenizer, logits_seen):
     finally:
         hook.remove()
     return [seq.generated_ids for seq in running + late], keys
-
-
-class StepLogits:
-    """Collects the logits the attached step returns (it does not call the model)."""
-
-    def __init__(self, model, monkeypatch):
-        step = llama_decode.step_of(model)
-        self.seen = []
-        original = step.logits
-
-        def recording(batch):
-            logits = original(batch)
-            self.seen.append(logits.clone())
-            return logits
-
-        monkeypatch.setattr(step, "logits", recording)
 
 
 # The packed cases need a PyTorch with oneDNN (every CPU build this project installs has

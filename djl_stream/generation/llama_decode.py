@@ -417,8 +417,8 @@ def attach(model, tokenizer, *, one_row=None) -> Optional[LlamaDecodeStep]:
         return None
     try:
         step = LlamaDecodeStep(model)
-        if one_row is not None:
-            step.one_row = _checked_one_row(step, model, tokenizer, one_row)
+        # the eager step first, one row included: it takes over one-row steps wherever
+        # the program fails
         if not all(_agrees(step, model, tokenizer, rows) for rows in (1, 3)):
             logger.warning("the Llama decode step differs from the model's forward on a "
                            "probe; decode steps run the model's forward")
@@ -427,6 +427,8 @@ def attach(model, tokenizer, *, one_row=None) -> Optional[LlamaDecodeStep]:
             logger.warning("the Llama decode step's mixed pass differs from the model's "
                            "forward on a probe; decode steps run the model's forward")
             return None
+        if one_row is not None:
+            step.one_row = _checked_one_row(step, model, tokenizer, one_row)
     except Exception as error:  # noqa: BLE001 - serving goes on without the step
         logger.warning("building the Llama decode step failed (%s: %s); decode steps run the "
                        "model's forward", type(error).__name__,
