@@ -49,13 +49,14 @@ def decode_alone(model, tokenizer, new_tokens, room_on_left=0):
     return seq.generated_ids, capacities
 
 
-def compiled_step(model, tokenizer, monkeypatch):
+def compiled_step(model, tokenizer, monkeypatch, *, int8=False):
     """``model``'s step with its one-row program, compiled (or loaded from the session's
-    cache) from the plain layers before they are packed, as at load; and a list of the
-    program's calls (their first columns attended over)."""
+    cache) from the plain layers before they are packed, as at load (``int8``: from the
+    int8 layers of ``w8a8``, which are not packed); and a list of the program's calls
+    (their first columns attended over)."""
     one_row = compiled_decode.compile_one_row(model)
     assert one_row is not None
-    assert pack_linear_layers(model) > 0
+    assert (pack_linear_layers(model) == 0) if int8 else (pack_linear_layers(model) > 0)
     step = llama_decode.attach(model, tokenizer, one_row=one_row)
     assert step is not None and step.compiled
     calls = []
@@ -261,3 +262,35 @@ def test_the_scheduler_s_pacer_counts_eager_steps_only(smollm2_tokenizer, monkey
         alone.close()
     finally:
         scheduler.shutdown()
+
+
+def test_w8a8_int8_layers_compile_into_a_program_of_int8_weights(smollm2_tokenizer, monkeypatch,
+                                                                 one_row_cache):
+    # option.quantize=w8a8 + option.decode_step=compiled: the program multiplies the int8
+    # layers' integers (its constants are int8: less than half of float32's bytes), and
+    # its tokens and logits are the eager int8 step's (integer sums are exact; the float
+    # parts around them round alike here, though a row's activation that rounds the
+    # other way to int8 would move a logit by a quantization step)
+    from djl_stream.generation.int8_linear import int8_matmul_unavailable, quantize_linear_layers
+
+    if int8_matmul_unavailable():
+        pytest.skip(int8_matmul_unavailable())
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    float_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    assert quantize_linear_layers(model) == 15
+    assert llama_decode.attach(model, smollm2_tokenizer) is not None
+    eager = StepLogits(model, monkeypatch)
+    expected, _ = decode_alone(model, smollm2_tokenizer, 40)
+
+    step, calls = compiled_step(model, smollm2_tokenizer, monkeypatch, int8=True)
+    compiled = StepLogits(model, monkeypatch)
+    tokens, _ = decode_alone(model, smollm2_tokenizer, 40)
+    assert len(calls) == 39 and step.compiled
+    stored = torch.load(step.one_row.path / "constants.pt", mmap=True, weights_only=True)
+    assert sum(t.numel() * t.element_size() for t in stored.values()) < float_bytes / 2
+    assert torch.int8 in {t.dtype for t in stored.values()}
+    assert tokens == expected
+    assert len(compiled.seen) == len(eager.seen) == 39
+    for theirs, ours in zip(eager.seen, compiled.seen):
+        torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-3)

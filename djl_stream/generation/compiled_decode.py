@@ -115,16 +115,22 @@ class OneRowGraph(torch.nn.Module):
     def unsupported_reason(model) -> Optional[str]:
         """Why the graph cannot be built from ``model`` now, or ``None``: the model must be
         one :class:`~djl_stream.generation.llama_decode.LlamaDecodeStep` runs, with plain
-        float32 linear layers (not yet packed or quantized)."""
+        float32 linear layers (not yet packed) or ``w8a8``'s
+        :class:`~djl_stream.generation.int8_linear.Int8Linear` layers, whose integer
+        products Inductor compiles too."""
+        from djl_stream.generation.int8_linear import Int8Linear
+
         reason = llama_decode.unsupported_reason(model)
         if reason:
             return reason
         linears = [linear for layer in model.model.layers
                    for linear in llama_decode._projections_of(layer).values()]
         for linear in linears + [model.lm_head]:
-            if type(linear) is not torch.nn.Linear or linear.weight.dtype != torch.float32:
-                return (f"{type(linear).__name__} layers of {linear.weight.dtype}: the "
-                        "graph is built from plain float32 weights, before packing")
+            plain = type(linear) is torch.nn.Linear and linear.weight.dtype == torch.float32
+            if not plain and type(linear) is not Int8Linear:
+                return (f"{type(linear).__name__} layers of {linear.weight.dtype}: the graph "
+                        "is built from plain float32 weights, before packing, or from "
+                        "option.quantize=w8a8's int8 layers")
         return None
 
     def forward(self, hidden, cos, sin, mask, keys, values, column, start_marker):
@@ -234,11 +240,13 @@ def _step_sources() -> tuple:
     then when two threads parse at once ("AST constructor recursion depth mismatch")."""
     import inspect
 
+    from djl_stream.generation import int8_linear
+
     with _SOURCES_LOCK:
         return tuple(inspect.getsource(code) for code in (
             OneRowGraph, llama_decode.Geometry, llama_decode._decode_logits,
             llama_decode._norm, llama_decode._rotate, llama_decode._mlp,
-            llama_decode._layer_dicts))
+            llama_decode._layer_dicts, int8_linear.Int8Linear, int8_linear.quantize_rows))
 
 
 _SOURCES_LOCK = threading.Lock()
