@@ -47,15 +47,28 @@ from .settings import PROMPTS
 
 #: Methods that are a dtype (``option.dtype``) rather than an ``option.quantize`` value.
 DTYPES = ("bf16",)
+#: A method's suffix that adds ``option.decode_step=compiled`` (``w8a8+compiled``).
+COMPILED = "+compiled"
 
 
-def _load(model_dir: str, method: Optional[str]):
+def _load(model_dir: str, method: str):
     init = djl_init_properties(model_dir)
+    if method.endswith(COMPILED):
+        init["decode_step"] = "compiled"
+        method = method[:-len(COMPILED)]
     if method in DTYPES:
         init["dtype"] = method
-    elif method:
+    elif method != "none":
         init["quantize"] = method
     return load_model_and_tokenizer(ModelProperties.from_init_properties(init))[0]
+
+
+def _row_name(method: str) -> str:
+    compiled = method.endswith(COMPILED)
+    method = method[:-len(COMPILED)] if compiled else method
+    name = ("unset (float32, prepacked)" if method == "none"
+            else f"unset, `option.dtype={method}`" if method in DTYPES else f"`{method}`")
+    return name + (", `option.decode_step=compiled`" if compiled else "")
 
 
 def _sequence(ids: Sequence[int], tokenizer, tokens: int) -> GenerationSequence:
@@ -85,9 +98,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.quantization",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", default="model")
-    parser.add_argument("--methods", default="none,bf16,int8,w8a8,bitsandbytes4,bitsandbytes8",
+    parser.add_argument("--methods", default="none,bf16,int8,w8a8,bitsandbytes4,bitsandbytes8,"
+                                              "none+compiled,w8a8+compiled",
                         help="option.quantize values, 'none' (float32) and 'bf16' "
-                             "(option.dtype=bf16)")
+                             "(option.dtype=bf16); '+compiled' adds "
+                             "option.decode_step=compiled")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repetitions", type=int, default=3)
@@ -99,8 +114,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     prompts = [list(lm.prompt(p).ids) for p in PROMPTS]
     tokenizer = lm.tokenizer
     del lm
-    models: Dict[str, object] = {m: _load(args.model_dir, None if m == "none" else m)
-                                 for m in methods}
+    models: Dict[str, object] = {m: _load(args.model_dir, m) for m in methods}
     reference = [greedy_ids(models["none"], tokenizer, p, args.tokens) for p in prompts]
     steps: Dict[str, List[float]] = {m: [] for m in methods}
     for _ in range(args.repetitions):
@@ -120,9 +134,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             ids = greedy_ids(model, tokenizer, prompt, args.tokens)
             firsts.append(next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), len(ref)))
             shares.append(teacher_forced_agreement(model, prompt, ref))
-        name = ("unset (float32, prepacked)" if method == "none"
-                else f"unset, `option.dtype={method}`" if method in DTYPES else f"`{method}`")
-        lines.append(f"| {name} | {step * 1e3:.1f} ms | {base / step:.2f}x | "
+        lines.append(f"| {_row_name(method)} | {step * 1e3:.1f} ms | {base / step:.2f}x | "
                      f"{', '.join(map(str, firsts))} of {args.tokens} | "
                      f"{statistics.mean(shares) * 100:.1f} % |")
     print("\n".join(lines))
@@ -137,7 +149,10 @@ def main(argv: Optional[List[str]] = None) -> None:
             "loaded the way the server loads it. The greedy-text columns compare each "
             "method's tokens with float32's: how many agree before the first difference, "
             "and with float32's tokens fed back (teacher forcing) how often the top token "
-            "is float32's. bitsandbytes is made for CUDA: on a CPU it runs its CPU "
+            "is float32's. The teacher-forced column runs the model's forward (a prefill), "
+            "so it is the same with and without `option.decode_step=compiled`, whose "
+            "program runs decode steps only; the first column decodes through it. "
+            "bitsandbytes is made for CUDA: on a CPU it runs its CPU "
             "kernels. None of this has run on a GPU.", "", *lines, ""]))
         print(f"wrote the quantization section of {args.output}")
 

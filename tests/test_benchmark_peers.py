@@ -71,7 +71,8 @@ def test_the_targets_are_ratios_of_the_rows_and_say_by_how_much_one_is_missed():
                "llama.cpp F32": _result("llama.cpp F32", 0.024, 30.0),
                "transformers serve": _result("transformers serve", 0.060, 100.0),
                "djl-stream w8a8": _result("djl-stream w8a8", 0.018, 200.0),
-               "djl-stream compiled": _result("djl-stream compiled", 0.0264, 150.0)}
+               "djl-stream compiled": _result("djl-stream compiled", 0.0264, 150.0),
+               "djl-stream w8a8 compiled": _result("djl-stream w8a8 compiled", 0.0132, 150.0)}
     lines = targets(results, args)
     assert lines[0].startswith("**FAIL** djl-stream single-stream ITL p50 <= 1.15x llama.cpp "
                                "F32's: 1.25x (missed by 9%)")
@@ -80,7 +81,13 @@ def test_the_targets_are_ratios_of_the_rows_and_say_by_how_much_one_is_missed():
     assert lines[2].startswith("**PASS** aggregate tokens/s at 16 clients >= 1.5x transformers serve's: 1.6")
     assert lines[3].startswith("**PASS** aggregate tokens/s at 16 clients >= 4.0x llama.cpp F32's: 5.3")
     assert lines[4].startswith("**NOT MEASURED** djl-stream int8 single-stream")
-    assert lines[5].startswith("**PASS** djl-stream w8a8 single-stream >= 1.6x our float32 (ITL p50): 1.67x")
+    assert lines[5].startswith("**PASS** djl-stream w8a8 single-stream >= 1.6x our float32 "
+                               "(djl-stream, ITL p50): 1.67x")
+    # the compiled int8 row against the compiled float32 row, then against the default one
+    assert lines[6].startswith("**PASS** djl-stream w8a8 compiled single-stream >= 1.6x our "
+                               "float32 (djl-stream compiled, ITL p50): 2.00x; 13.2 ms vs 26.4 ms")
+    assert lines[7].startswith("**PASS** djl-stream w8a8 compiled single-stream >= 1.6x our "
+                               "float32 (djl-stream, ITL p50): 2.27x")
 
 
 def test_a_section_replaces_its_old_self_and_make_bench_keeps_them_in_their_order(tmp_path):

@@ -190,6 +190,10 @@ PEERS: Dict[str, Peer] = {peer.name: peer for peer in (
     _djl_stream_peer("djl-stream w8a8",
                      weights="int8 weights and per-token int8 activations, from model/",
                      options=(("quantize", "w8a8"),)),
+    _djl_stream_peer("djl-stream w8a8 compiled",
+                     weights="int8 weights and per-token int8 activations, from model/ "
+                             "(option.decode_step=compiled)",
+                     options=(("quantize", "w8a8"), ("decode_step", "compiled"))),
     _djl_stream_peer("djl-stream bf16", weights="bfloat16, from model/ (option.dtype=bf16)",
                      options=(("dtype", "bf16"),)),
     Peer("llama.cpp F32", "llama-cpp", _llama_cpp("f32"), "/v1/models", "/v1/completions",

@@ -10,7 +10,10 @@ through Inductor's C++ GEMM template reading its own blocked copy of the weight
 (``freezing``, ``max_autotune`` with the ``CPP`` backend), the whole step one C++ function.
 Measured on the 2-core CPU this project is measured on (``python -m
 benchmarks.decode_step --compiled``), a one-row step of SmolLM2-135M takes about 20 ms
-against 36-39 ms eager, the same greedy tokens.
+against 36-39 ms eager, the same greedy tokens. With ``option.quantize=w8a8`` the graph
+holds its :class:`~djl_stream.generation.int8_linear.Int8Linear` layers: Inductor fuses
+each row's rounding to int8 into the kernels around an integer product over the int8
+weights, and a one-row step takes about 16 ms against about 34 ms for w8a8's eager step.
 
 The package is kept in a cache directory, keyed by everything its code depends on (the
 weights' bytes, the model's geometry, this CPU, PyTorch's version, the step's source), so
