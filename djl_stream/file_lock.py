@@ -20,14 +20,29 @@ from typing import Iterator
 
 
 @contextlib.contextmanager
-def exclusive_lock(path: Path) -> Iterator[None]:
+def exclusive_lock(path: Path, *, wait: bool = True) -> Iterator[bool]:
     """Hold an exclusive ``flock`` on ``path`` (created, with its folder) for the block;
     another holder waits until it is released. Each ``open`` is a lock of its own, so
-    threads of one process wait for each other too."""
+    threads of one process wait for each other too.
+
+    With ``wait=False`` the block runs at once either way: it gets ``True`` if it holds
+    the lock, ``False`` if someone else did (and then it must leave what the lock guards
+    alone).
+
+    >>> import tempfile, pathlib
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "entry.lock"
+    >>> with exclusive_lock(path), exclusive_lock(path, wait=False) as held:
+    ...     held
+    False
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            yield
+            fcntl.flock(handle, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)

@@ -99,10 +99,13 @@ def inductor_cache(tmp_path_factory) -> Path:
 @pytest.fixture
 def one_row_cache(inductor_cache, monkeypatch) -> Path:
     """``TORCHINDUCTOR_CACHE_DIR`` set to the session's cache (so that loading and servers
-    started by the test use it too); the one-row programs' directory in it."""
-    from djl_stream.generation.compiled_decode import cache_root
+    started by the test use it too); the one-row programs' directory in it, which keeps
+    every program (the tests' programs outnumber the count a cache keeps by default, and
+    each one evicted would be compiled again by the next test that shares it)."""
+    from djl_stream.generation.compiled_decode import KEPT_ENTRIES_VARIABLE, cache_root
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache))
+    monkeypatch.setenv(KEPT_ENTRIES_VARIABLE, "0")
     return cache_root()
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from conftest import COMPILED_SEED, StepLogits, build_tiny_llama
+from djl_stream.file_lock import exclusive_lock
 from djl_stream.generation import compiled_decode, llama_decode
 from djl_stream.generation.batch import CausalLMBatch, generate_token
 from djl_stream.generation.packed_linear import pack_linear_layers, packing_unavailable
@@ -294,3 +296,56 @@ def test_w8a8_int8_layers_compile_into_a_program_of_int8_weights(smollm2_tokeniz
     assert len(compiled.seen) == len(eager.seen) == 39
     for theirs, ours in zip(eager.seen, compiled.seen):
         torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-3)
+
+
+def _fake_entry(cache, name: str, used_at: float):
+    entry = cache / name
+    entry.mkdir(parents=True)
+    (entry / "program.pt2").write_bytes(b"not a program")
+    os.utime(entry, (used_at, used_at))
+    return entry
+
+
+def test_the_cache_keeps_the_most_recently_used_programs_and_leaves_one_in_use(tmp_path):
+    cache = tmp_path / "cache"
+    oldest, old, newer, newest = (_fake_entry(cache, letter * 40, 1_000_000 + i)
+                                  for i, letter in enumerate("abcd"))
+    work = _fake_entry(cache, "e" * 40 + ".compiling", 0)  # a compile's work dir
+    with exclusive_lock(cache / f"{oldest.name}.lock"):  # being loaded or compiled now
+        assert compiled_decode.evict_unused(cache, keep=2) == [old]
+    assert oldest.exists() and newer.exists() and newest.exists() and work.exists()
+    assert compiled_decode.evict_unused(cache, keep=2) == [oldest]
+    assert compiled_decode.evict_unused(cache, keep=0) == []  # 0 keeps every one
+    assert sorted(p.name for p in cache.iterdir() if p.is_dir()) == sorted(
+        [newer.name, newest.name, work.name])
+
+
+def test_the_count_of_kept_programs_is_set_by_an_environment_variable(monkeypatch, caplog):
+    monkeypatch.delenv(compiled_decode.KEPT_ENTRIES_VARIABLE, raising=False)
+    assert compiled_decode.kept_entries() == compiled_decode.KEPT_ENTRIES == 4
+    monkeypatch.setenv(compiled_decode.KEPT_ENTRIES_VARIABLE, "9")
+    assert compiled_decode.kept_entries() == 9
+    monkeypatch.setenv(compiled_decode.KEPT_ENTRIES_VARIABLE, "-1")
+    assert compiled_decode.kept_entries() == 4
+    assert "DJL_STREAM_COMPILED_CACHE_ENTRIES='-1' is not a count" in caplog.text
+
+
+def test_a_start_marks_its_program_used_and_evicts_the_least_recently_used(
+        smollm2_tokenizer, tmp_path, monkeypatch, one_row_cache):
+    # the session's program, copied into a cache of its own as its least recently used
+    # entry, beside two others: a start that loads it marks it used, so the oldest of the
+    # others is the one evicted
+    shared = compiled_decode.compile_one_row(build_tiny_llama(len(smollm2_tokenizer),
+                                                              seed=COMPILED_SEED))
+    assert shared is not None
+    cache = tmp_path / "cache"
+    ours = cache / shared.path.name
+    shutil.copytree(shared.path, ours)
+    os.utime(ours, (900_000, 900_000))
+    older = _fake_entry(cache, "a" * 40, 1_000_000)
+    newer = _fake_entry(cache, "b" * 40, 1_000_001)
+    monkeypatch.setenv(compiled_decode.KEPT_ENTRIES_VARIABLE, "2")
+    one_row = compiled_decode.compile_one_row(
+        build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED), cache=cache)
+    assert one_row is not None and one_row.from_cache and one_row.path == ours
+    assert ours.exists() and newer.exists() and not older.exists()

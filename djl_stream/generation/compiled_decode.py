@@ -29,7 +29,9 @@ constants it does not read. AOTInductor keeps every weight of the exported modul
 its constants (the plain projections, which the program no longer reads once it packed
 them, would double the file and the memory); :func:`compile_one_row` finds out which are
 read by running the program with each set to zeros, and those that are not read are
-given to the loaded program as untouched anonymous memory (no physical pages).
+given to the loaded program as untouched anonymous memory (no physical pages). The
+cache keeps the most recently used programs (:data:`KEPT_ENTRIES`,
+:func:`evict_unused`).
 
 Example::
 
@@ -70,6 +72,13 @@ INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True,
                     "max_autotune_gemm_backends": "CPP,ATEN",
                     "aot_inductor.package_constants_in_so": False,
                     "aot_inductor.package_constants_on_disk_format": "pickle_weights"}
+
+#: How many programs a cache directory keeps, the most recently used (loaded or compiled)
+#: ones: an entry is hundreds of megabytes (519 MB for SmolLM2 in float32), and every
+#: change of weights, PyTorch or CPU makes another. ``DJL_STREAM_COMPILED_CACHE_ENTRIES``
+#: sets another count (``0``: keep every one).
+KEPT_ENTRIES = 4
+KEPT_ENTRIES_VARIABLE = "DJL_STREAM_COMPILED_CACHE_ENTRIES"
 
 #: ``torch.export`` fixes a size of 0 or 1 seen in the example inputs, and a plain int
 #: argument is not a dynamic size at all; the first column attended over (often 0) is
@@ -317,7 +326,7 @@ def compile_one_row(model, *, cache: Optional[Path] = None) -> Optional[Compiled
         return None
     started = time.perf_counter()
     graph = OneRowGraph(model)
-    temporary = None
+    temporary = one_row = None
     try:
         try:
             root = Path(cache) if cache is not None else cache_root()
@@ -344,6 +353,8 @@ def compile_one_row(model, *, cache: Optional[Path] = None) -> Optional[Compiled
     finally:
         if temporary is not None:  # what the loaded program maps stays until it is unmapped
             shutil.rmtree(temporary, ignore_errors=True)
+        elif one_row is not None:
+            evict_unused(root, kept_entries())
     logger.info("the one-row decode program was compiled in %.0f s%s (%.0f MB)",
                 time.perf_counter() - started,
                 "" if temporary else f" and kept in {entry.directory}", kept)
@@ -364,9 +375,70 @@ def _cached(entry: CacheEntry, started: float) -> Optional[CompiledOneRow]:
                        str(error).splitlines()[0] if str(error) else "")
         shutil.rmtree(entry.directory, ignore_errors=True)
         return None
+    _mark_used(entry)
     logger.info("the one-row decode program was loaded from the cache %s in %.1f s",
                 entry.directory, time.perf_counter() - started)
     return one_row
+
+
+def _mark_used(entry: CacheEntry) -> None:
+    """Record that ``entry`` was used now (its directory's modification time), for
+    :func:`evict_unused`."""
+    try:
+        os.utime(entry.directory)
+    except OSError as error:  # a read-only cache: nothing is evicted from it either
+        logger.debug("could not mark %s as used: %s", entry.directory, error)
+
+
+def kept_entries() -> int:
+    """How many programs a cache keeps: ``$DJL_STREAM_COMPILED_CACHE_ENTRIES``, else
+    :data:`KEPT_ENTRIES` (also where the variable is not a count, logged)."""
+    value = os.environ.get(KEPT_ENTRIES_VARIABLE, "").strip()
+    if not value:
+        return KEPT_ENTRIES
+    try:
+        count = int(value)
+        if count < 0:
+            raise ValueError(value)
+    except ValueError:
+        logger.warning("%s=%r is not a count of entries (0 keeps every one); keeping %d",
+                       KEPT_ENTRIES_VARIABLE, value, KEPT_ENTRIES)
+        return KEPT_ENTRIES
+    return count
+
+
+def evict_unused(root: Path, keep: int) -> List[Path]:
+    """Remove the entries of the cache ``root`` beyond the ``keep`` most recently used
+    (``keep=0``: none), and return them. An entry that another process is compiling or
+    loading right now (its key's lock is held) is left alone; one that a running
+    process loaded earlier is safe to remove (its program and constants stay mapped).
+
+    >>> import tempfile
+    >>> evict_unused(Path(tempfile.mkdtemp()), keep=1)
+    []
+    """
+    if keep <= 0:
+        return []
+    try:
+        entries = [path for path in root.iterdir()
+                   if path.is_dir() and "." not in path.name]  # not a compile's work dir
+        entries.sort(key=lambda path: path.stat().st_mtime, reverse=True)
+    except OSError as error:
+        logger.warning("could not list the one-row programs' cache %s: %s", root, error)
+        return []
+    removed = []
+    for path in entries[keep:]:
+        with exclusive_lock(root / f"{path.name}.lock", wait=False) as held:
+            if not held:
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(path)
+    if removed:
+        logger.info("removed %d least recently used one-row program(s) from %s (it keeps "
+                    "%d; %s sets another count)", len(removed), root, keep,
+                    KEPT_ENTRIES_VARIABLE)
+    return removed
 
 
 def _compile_into(graph: OneRowGraph, entry: CacheEntry) -> None:
@@ -392,6 +464,7 @@ def _compile_into(graph: OneRowGraph, entry: CacheEntry) -> None:
         if entry.directory.exists():  # an incomplete entry from an older failure
             shutil.rmtree(entry.directory)
         os.replace(work, entry.directory)
+        _mark_used(entry)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
