@@ -265,3 +265,24 @@ def test_a_prompt_cancelled_part_way_leaves_at_the_next_pass_and_the_stream_goes
         running.close()
     finally:
         scheduler.shutdown()
+
+
+def test_a_running_batch_whose_step_is_outdated_takes_its_step_alone(
+        stepped_model, smollm2_tokenizer, monkeypatch):
+    # The scheduler hands the pacer each step's rows, and where the pacer says the running
+    # batch outgrew the last step timed alone (prefill_pacing.STEP_GROWTH), the prompt's
+    # chunks are read in passes of their own and the running batch's steps run alone
+    # (timed), instead of in mixed passes.
+    scheduler = Scheduler(stepped_model, pad_token_id=2, device="cpu", max_batch_size=4,
+                          max_batch_prefill_tokens=16, prefill_stall_steps=1.5)
+    mixed = MixedPasses(llama_decode.step_of(stepped_model), monkeypatch)
+    monkeypatch.setattr(scheduler._pacer, "step_outdated", lambda rows: True)
+    try:
+        running_seqs, long_seqs = chunked.long_prompt_beside_a_stream(
+            scheduler, stepped_model, smollm2_tokenizer, once_decoding=lambda: None)
+        steps = list(scheduler._pacer._recent_steps)
+    finally:
+        scheduler.shutdown()
+    assert mixed.passes == []
+    assert len(long_seqs[0].generated_ids) == 8
+    assert steps and {rows for rows, _ in steps} <= {1, 2}  # one row, then the two

@@ -207,3 +207,31 @@ def test_a_step_left_uncounted_is_not_the_running_batch_s_step():
     assert pacer.columns(budget=64, rows=1, cached=0, beside_step=True) == 64
     run_step(pacer, clock)                  # an eager step of the batch counts again
     assert pacer.step_seconds == pytest.approx(STEP)
+
+
+def test_a_batch_that_outgrew_the_last_step_timed_alone_has_its_next_step_timed():
+    # While prompts keep arriving every step is a mixed pass, and the step on record was
+    # the first stream's: a one-row step of 31 ms, where 15 rows took 80 (unpacked SmolLM2,
+    # Intel Xeon). Sized by it, a late prompt was read 1 to 7 columns a pass.
+    clock = Clock()
+    pacer = PrefillPacer(1.5, math.inf, clock=clock)
+    for _ in range(5):
+        with pacer.decode_step(1):
+            clock.now += 0.031
+    assert not pacer.step_outdated(1) and not pacer.step_outdated(1)
+    assert pacer.step_outdated(2) and pacer.step_outdated(15)  # more than 1.5x the rows
+    with pacer.decode_step(15):                                # timed alone, once
+        clock.now += 0.080
+    # the step of 15 rows is the step now, not the median with the one-row steps (31 ms)
+    assert pacer.step_seconds == pytest.approx(0.080)
+    assert pacer.bound_seconds == pytest.approx(1.5 * 0.080)
+    assert not pacer.step_outdated(15) and not pacer.step_outdated(22)
+    assert pacer.step_outdated(23)
+    with pacer.decode_step(14):                                # a request left: similar
+        clock.now += 0.078
+    assert pacer.step_seconds == pytest.approx(0.079)
+    # with the bound off, a step is never outdated (nothing sizes passes by it)
+    off = PrefillPacer(0, math.inf, clock=clock)
+    with off.decode_step(1):
+        clock.now += 0.031
+    assert not off.step_outdated(15)

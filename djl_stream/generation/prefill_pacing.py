@@ -68,6 +68,14 @@ DEFAULT_PREFILL_STALL_STEPS = 1.5
 #: server reading that request (the same two cores), and with mixed passes no step runs
 #: alone until the prompt is read, so that slowed figure would size every chunk of it.
 STEP_WINDOW = 9
+#: A running batch this many times the rows of the last step timed alone has outgrown that
+#: step's time (:meth:`PrefillPacer.step_outdated`): the next step runs alone, to be timed.
+#: While prompts keep arriving every step is a mixed pass, never timed alone, and the step
+#: time stayed that of the first stream's one-row steps: 15 streams decoding unpacked
+#: SmolLM2 on an Intel Xeon took 80 ms a step against the 31 ms still on record, so each
+#: chunk beside a step read as costing the difference, and a prompt arriving then was read
+#: 1 to 7 columns a pass (its first token after 1.4 s instead of 0.3).
+STEP_GROWTH = 1.5
 #: How much each older pass counts in the cost fit, against 1 for the newest: a pass's
 #: cost changes with the prompt's depth, so the last few count most.
 FORGETTING = 0.7
@@ -215,7 +223,9 @@ class PrefillPacer:
         self.parity_context = parity_context
         self.clock = clock
         self.synchronize = synchronize
-        self._recent_steps: Deque[float] = collections.deque(maxlen=STEP_WINDOW)
+        #: (rows, seconds) of the last decode steps timed alone (rows ``None`` where the
+        #: caller did not say)
+        self._recent_steps: Deque[tuple] = collections.deque(maxlen=STEP_WINDOW)
         #: What a prefill pass costs, fitted from the passes timed so far.
         self.pass_cost = PassCostModel()
         #: What a prompt chunk adds to a decode step it shares a pass with (a mixed
@@ -230,8 +240,23 @@ class PrefillPacer:
     @property
     def step_seconds(self) -> Optional[float]:
         """The running batch's decode step, seconds: the median of the last
-        :data:`STEP_WINDOW` timed (``None`` before any)."""
-        return statistics.median(self._recent_steps) if self._recent_steps else None
+        :data:`STEP_WINDOW` timed, those of a batch of about the newest one's rows (within
+        :data:`STEP_GROWTH` of it: the steps of a smaller batch say little of a larger
+        one's); ``None`` before any."""
+        if not self._recent_steps:
+            return None
+        newest = self._recent_steps[-1][0]
+        return statistics.median(seconds for rows, seconds in self._recent_steps
+                                 if _similar(rows, newest))
+
+    def step_outdated(self, rows: int) -> bool:
+        """Whether a running batch of ``rows`` rows has outgrown the last step timed
+        alone (:data:`STEP_GROWTH`): its next decode step should then run alone, timed,
+        rather than in a mixed pass (with the bound off, never)."""
+        if not self.stall_steps or not self._recent_steps:
+            return False
+        timed = self._recent_steps[-1][0]
+        return timed is not None and rows > STEP_GROWTH * timed
 
     @property
     def bound_seconds(self) -> Optional[float]:
@@ -266,9 +291,9 @@ class PrefillPacer:
         return max(1, round(min(by_budget, tokens / per_column)))
 
     @contextlib.contextmanager
-    def decode_step(self) -> Iterator["StepTiming"]:
-        """Time the decode step run inside (the running batch's), unless the code inside
-        sets the yielded :class:`StepTiming`'s ``counted`` to false.
+    def decode_step(self, rows: Optional[int] = None) -> Iterator["StepTiming"]:
+        """Time the decode step run inside (the running batch's, of ``rows`` rows), unless
+        the code inside sets the yielded :class:`StepTiming`'s ``counted`` to false.
 
         A step is not counted where it ran a way that a pass beside a prompt cannot: a
         one-row step of the compiled program (``option.decode_step=compiled``) took 22 ms
@@ -280,7 +305,7 @@ class PrefillPacer:
         start = self.clock()
         yield timing
         if timing.counted:
-            self._recent_steps.append(self.clock() - start)
+            self._recent_steps.append((rows, self.clock() - start))
 
     @contextlib.contextmanager
     def prefill_pass(self, rows: int, columns: int, cached: int) -> Iterator[None]:
@@ -295,8 +320,9 @@ class PrefillPacer:
         """Time a mixed pass run inside: the running batch's decode step plus ``rows`` ×
         ``columns`` prompt columns after ``cached``. What it took beyond a decode step
         (:attr:`step_seconds`) is the chunk's share. While mixed passes run, no decode
-        step runs alone, so that figure can lag a batch that grew; the share then reads
-        high, and the next chunks are narrower: the streams wait less, not more."""
+        step runs alone, so that figure lags a batch that grew, and the share reads high;
+        once the batch has outgrown it by :data:`STEP_GROWTH`, the scheduler runs a step
+        alone to time it (:meth:`step_outdated`)."""
         with self._timed() as seconds:
             yield
         if self.step_seconds is not None:
@@ -314,3 +340,10 @@ class PrefillPacer:
             self.synchronize()
         seconds.append(self.clock() - start)
 
+
+def _similar(rows: Optional[int], newest: Optional[int]) -> bool:
+    """Whether a step of ``rows`` rows says how long one of ``newest`` rows takes (either
+    unknown: yes)."""
+    if rows is None or newest is None:
+        return True
+    return max(rows, newest) <= STEP_GROWTH * min(rows, newest)

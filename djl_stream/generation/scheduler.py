@@ -551,7 +551,10 @@ class Scheduler:
         if self._running is not None:
             self._drop_cancelled_running()  # they would take this step too
         # (none may be left: every running request was cancelled)
+        # A running batch that outgrew the last step timed alone takes its next step alone
+        # (after this prefill pass), so that passes are sized by what a step costs now.
         if (self._running is not None and mixed_pass_possible(self.model, self._running, batch)
+                and not self._pacer.step_outdated(len(self._running))
                 and self._mixed_step(prefill)):
             return True
         try:
@@ -670,7 +673,7 @@ class Scheduler:
         batch = self._running
         cached = batch.cache_length
         try:
-            with self._pacer.decode_step() as timing:
+            with self._pacer.decode_step(len(batch)) as timing:
                 generations, self._running = generate_token(self.model, batch)
                 timing.counted = not llama_decode.last_step_compiled(self.model)
         except Exception as error:  # noqa: BLE001 - find who caused it, keep serving
