@@ -20,7 +20,8 @@ from typing import Callable, List
 
 import torch
 
-from djl_stream.generation.packed_linear import PackedLinear, packing_unavailable
+from djl_stream.generation.packed_linear import (PackedLinear, pack_linear_layers,
+                                                 packing_unavailable)
 
 from .inprocess import LoadedModel
 
@@ -43,11 +44,13 @@ def main(argv: List[str] | None = None) -> None:
     if packing_unavailable():
         raise SystemExit(f"cannot prepack here: {packing_unavailable()}")
     loaded = LoadedModel.load(args.model_dir, device="cpu")
-    # LoadedModel packs on a CPU: the packed layers are the model's, the plain ones are
-    # rebuilt from the same weights (kept by the tied embedding or unpacked here).
+    # LoadedModel loads as the server does, which packs where a trial finds packing pays
+    # (option.prepack_weights unset); packed here either way: the packed layers are the
+    # model's, the plain ones are rebuilt from the same weights (unpacked here).
+    pack_linear_layers(loaded.model)
     packed = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
     if not packed:
-        raise SystemExit("no layer was packed (option.prepack_weights=false in serving.properties?)")
+        raise SystemExit("no layer could be packed")
     plain = [torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
              for m in packed]
     with torch.no_grad():

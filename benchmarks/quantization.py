@@ -4,7 +4,7 @@ closely its greedy text follows float32's, in-process, side by side; bfloat16 we
 
 Every method loads the model directory the way the server does
 (:func:`~djl_stream.generation.loading.load_model_and_tokenizer`, so float32 is prepacked
-on a CPU), then:
+on a CPU where packing pays), then:
 
 * **decode step**: the median time of a one-row decode step through
   :func:`~djl_stream.generation.batch.generate_token`, over ``--steps`` steps
@@ -66,7 +66,7 @@ def _load(model_dir: str, method: str):
 def _row_name(method: str) -> str:
     compiled = method.endswith(COMPILED)
     method = method[:-len(COMPILED)] if compiled else method
-    name = ("unset (float32, prepacked)" if method == "none"
+    name = ("unset (float32)" if method == "none"
             else f"unset, `option.dtype={method}`" if method in DTYPES else f"`{method}`")
     return name + (", `option.decode_step=compiled`" if compiled else "")
 

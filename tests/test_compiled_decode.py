@@ -224,7 +224,7 @@ def test_option_decode_step_compiled_compiles_before_packing(tiny_model_dir, one
     from djl_stream.generation.packed_linear import PackedLinear
 
     props = ModelProperties.from_init_properties(
-        {"model_dir": str(tiny_model_dir), "decode_step": "compiled"})
+        {"model_dir": str(tiny_model_dir), "decode_step": "compiled", "prepack_weights": "true"})
     model, _ = load_model_and_tokenizer(props)
     step = llama_decode.step_of(model)
     assert step is not None and step.compiled

@@ -95,7 +95,60 @@ def test_bfloat16_weights_are_packed_where_the_cpu_multiplies_them_natively(smol
     assert model.lm_head.weight.dtype == torch.bfloat16
 
 
-def test_loading_on_a_cpu_packs_unless_option_prepack_weights_is_false(tiny_model_dir):
+def _trial_saying(monkeypatch, plain_ms: float, packed_ms: float):
+    """Have the load's packing trial report these times (the trial's own timing is not
+    what these tests are about, and a test must not depend on this machine's speed);
+    the pairs it was handed are kept."""
+    handed = []
+
+    def trial(pairs, repetitions=5):
+        handed.extend(pairs)
+        return packed_linear.PackingTrial(plain_ms / 1e3, packed_ms / 1e3)
+
+    monkeypatch.setattr(packed_linear, "one_row_trial", trial)
+    return handed
+
+
+@pytest.mark.parametrize("plain_ms, packed_ms, packs", [
+    (47.0, 29.0, True),    # the EPYC: packing 1.6x faster at one row
+    (22.4, 24.0, True),    # slower by less than the margin: packed (it gains with more rows)
+    (22.4, 32.5, False),   # the Intel Xeon: packing 1.45x slower at one row
+])
+def test_with_option_prepack_weights_unset_the_load_packs_where_one_row_is_not_slower(
+        tiny_model_dir, monkeypatch, caplog, plain_ms, packed_ms, packs):
+    caplog.set_level("INFO")
+    handed = _trial_saying(monkeypatch, plain_ms, packed_ms)
+    model, _ = load_model_and_tokenizer(ModelProperties(model_dir=str(tiny_model_dir)))
+    # the trial got every layer, the plain one beside its packed twin
+    assert len(handed) == 2 * 7 + 1
+    assert all(type(plain) is torch.nn.Linear and isinstance(twin, PackedLinear)
+               for plain, twin in handed)
+    assert isinstance(model.lm_head, PackedLinear) is packs
+    assert any(isinstance(m, PackedLinear) for m in model.modules()) is packs
+    assert f"{plain_ms:.1f} ms with nn.Linear, {packed_ms:.1f} ms packed" in caplog.text
+    if not packs:
+        assert "option.prepack_weights=true packs them anyway" in caplog.text
+
+
+def test_one_row_trial_times_both_ways_over_every_layer_it_is_handed():
+    layers = [torch.nn.Linear(64, 48, bias=False) for _ in range(3)]
+    pairs = [(layer, PackedLinear.from_linear(layer)) for layer in layers]
+    calls = {id(m): 0 for pair in pairs for m in pair}
+
+    def counted(module, args):
+        calls[id(module)] += 1
+
+    for pair in pairs:
+        for module in pair:
+            module.register_forward_pre_hook(counted)
+    trial = packed_linear.one_row_trial(pairs, repetitions=3)
+    assert trial.plain_seconds > 0 and trial.packed_seconds > 0
+    assert set(calls.values()) == {4}  # one untimed pass, three timed, each layer each way
+
+
+def test_loading_on_a_cpu_packs_unless_option_prepack_weights_is_false(tiny_model_dir,
+                                                                        monkeypatch):
+    _trial_saying(monkeypatch, 40.0, 10.0)  # "packing pays on this CPU"
     packed, _ = load_model_and_tokenizer(ModelProperties(model_dir=str(tiny_model_dir)))
     assert isinstance(packed.lm_head, PackedLinear)
     assert isinstance(packed.model.layers[0].mlp.down_proj, PackedLinear)
@@ -149,3 +202,11 @@ def test_ever_new_row_counts_do_not_grow_resident_memory_once_the_onednn_caches_
     unbounded, bounded = growth_mb("default"), growth_mb("bounded")
     # 120 row counts x 4 shapes: ~250 MB kept by default; 128 operators in each cache, ~60 MB
     assert bounded < 100 and bounded < unbounded / 2, (bounded, unbounded)
+
+
+def test_option_prepack_weights_true_packs_whatever_the_trial_would_say(tiny_model_dir,
+                                                                         monkeypatch):
+    handed = _trial_saying(monkeypatch, 10.0, 40.0)
+    model, _ = load_model_and_tokenizer(ModelProperties.from_init_properties(
+        {"model_dir": str(tiny_model_dir), "prepack_weights": "true"}))
+    assert isinstance(model.lm_head, PackedLinear) and not handed  # no trial

@@ -34,7 +34,7 @@ def float32_logits(tiny_model_dir):
 
 def test_int8_stores_every_decoder_weight_as_int8_and_computes_nearly_the_same(
         tiny_model_dir, float32_logits):
-    model = load(tiny_model_dir, quantize="int8")
+    model = load(tiny_model_dir, quantize="int8", prepack_weights="true")
     projections = [m for name, m in model.named_modules() if name.endswith(("_proj"))]
     assert len(projections) == 2 * 7
     assert all(m.weight.qdata.dtype == torch.int8 for m in projections)

@@ -271,14 +271,16 @@ def attach_decode_step(model, tokenizer, props: ModelProperties, one_row=None):
 
 
 def prepack_for_cpu(model, props: ModelProperties) -> int:
-    """Prepack ``model``'s float32 linear layers for this CPU unless
-    ``option.prepack_weights`` is false (:mod:`djl_stream.generation.packed_linear`); how
-    many were packed. Quantized layers keep their own kernels."""
+    """Prepack ``model``'s float32 linear layers for this CPU
+    (:mod:`djl_stream.generation.packed_linear`): with ``option.prepack_weights=true``
+    always, unset where a trial at load finds packing does not slow one row's products on
+    this CPU (:func:`~djl_stream.generation.packed_linear.pack_linear_layers`), never
+    where it is false; how many were packed. Quantized layers keep their own kernels."""
     from djl_stream.generation.packed_linear import pack_linear_layers, packing_unavailable
 
     if props.prepack_weights is False:
         return 0
-    packed = pack_linear_layers(model)
+    packed = pack_linear_layers(model, only_where_it_pays=props.prepack_weights is None)
     if packed:
         logger.info("prepacked %d linear layers for this CPU (oneDNN)", packed)
     elif props.prepack_weights:

@@ -20,6 +20,13 @@ rows       ``nn.Linear``   prepacked
 16         73 ms           39 ms
 =========  ==============  ================
 
+Not on every CPU: on a 2-core Intel Xeon (480 MB of L3 cache) MKL read a plain weight
+with one row at 24 GB/s, packed ones at 16.5 GB/s, and packing gained 6-11% from four
+rows. So where ``option.prepack_weights`` is unset the load times one row through every
+layer both ways (:func:`one_row_trial`) and keeps the layers unpacked where packing makes
+it :data:`SLOWER_AT_ONE_ROW` times slower or worse (``pack_linear_layers(model,
+only_where_it_pays=True)``).
+
 This is what TorchInductor's ``freezing`` does to a compiled CPU graph (in bf16) and what
 Intel's extension for PyTorch did as ``ipex.optimize``; here it is done once at load, in
 eager mode, through the two operators PyTorch registers for it. The results are those of
@@ -48,7 +55,10 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import statistics
+import time
 from typing import Optional
 
 import torch
@@ -59,6 +69,14 @@ logger = logging.getLogger(__name__)
 #: on SmolLM2's shapes (2-core EPYC): a layout chosen for 4 or 16 rows serves 1 to 32
 #: rows within 5% of the best for each, one chosen for 1 row is 10-40% slower above 1.
 BATCH_HINT = 16
+#: With ``option.prepack_weights`` unset, layers are left unpacked where packing makes
+#: one row's products this many times slower or worse. Packing was worth it on the AMD
+#: EPYC this module was first measured on (one row 1.6x faster, 16 rows 1.9x); on a 2-core
+#: Intel Xeon with a 480 MB L3 cache, plain ``nn.Linear`` read one row's weights at
+#: 24 GB/s against 16.5 packed (a one-row decode step 29 against 37 ms) while packing
+#: gained 6-11% at 4 and 16 rows. One row is the case that decides: a single stream, the
+#: commonest on a laptop, and the largest difference either way.
+SLOWER_AT_ONE_ROW = 1.10
 #: How far a packed layer's output may be from ``nn.Linear``'s on the probe, relative to
 #: the largest output, by weight dtype (another summation order: ~1e-6 in float32; in
 #: bfloat16 the outputs themselves are rounded to 8 bits of mantissa, 4e-3 apart).
@@ -147,11 +165,68 @@ def _agrees(packed: PackedLinear, linear: torch.nn.Linear) -> bool:
             and float((got - expected).abs().max()) <= TOLERANCE[dtype] * scale)
 
 
-def pack_linear_layers(model: torch.nn.Module) -> int:
+@dataclasses.dataclass(frozen=True)
+class PackingTrial:
+    """One row through every layer to be packed, with ``nn.Linear`` and packed: the median
+    seconds of each way (:func:`one_row_trial`)."""
+
+    plain_seconds: float
+    packed_seconds: float
+
+    @property
+    def pays(self) -> bool:
+        """Whether packing is worth it: unless it makes one row's products
+        :data:`SLOWER_AT_ONE_ROW` times slower or worse (a margin well beyond the
+        trial's noise, so that a model is not packed at one start and not at the next)."""
+        return self.packed_seconds < self.plain_seconds * SLOWER_AT_ONE_ROW
+
+    def __str__(self) -> str:
+        return (f"one row through the layers: {self.plain_seconds * 1e3:.1f} ms with "
+                f"nn.Linear, {self.packed_seconds * 1e3:.1f} ms packed")
+
+
+def one_row_trial(pairs, repetitions: int = 5) -> PackingTrial:
+    """Time one row through each ``(nn.Linear, PackedLinear)`` of ``pairs``, all the
+    plain layers then all the packed ones, ``repetitions`` times in turns (after one
+    untimed pass each); the whole model's weights, so that the trial reads memory as a
+    decode step does rather than a cache.
+
+    >>> layer = torch.nn.Linear(16, 16)
+    >>> packed = PackedLinear.from_linear(layer)
+    >>> packed is None or one_row_trial([(layer, packed)], repetitions=1).plain_seconds > 0
+    True
+    """
+    inputs = {}
+    for plain, _ in pairs:
+        key = (plain.in_features, plain.weight.dtype)
+        if key not in inputs:
+            inputs[key] = torch.randn(1, plain.in_features,
+                                      generator=torch.Generator().manual_seed(0)).to(key[1])
+
+    def seconds(way: int) -> float:
+        started = time.perf_counter()
+        for pair in pairs:
+            pair[way](inputs[(pair[0].in_features, pair[0].weight.dtype)])
+        return time.perf_counter() - started
+
+    times = ([], [])
+    with torch.no_grad():
+        seconds(0), seconds(1)
+        for _ in range(repetitions):
+            for way in (0, 1):
+                times[way].append(seconds(way))
+    return PackingTrial(statistics.median(times[0]), statistics.median(times[1]))
+
+
+def pack_linear_layers(model: torch.nn.Module, *, only_where_it_pays: bool = False) -> int:
     """Replace every float32 CPU ``nn.Linear`` in ``model`` (bfloat16 too, on a CPU that
     multiplies it natively) by its :class:`PackedLinear`,
     in place, and return how many were replaced: all of them, or none (a layer whose
     packed output differs from its own on a probe leaves the model as it was, logged).
+
+    ``only_where_it_pays``: first time one row through every layer both ways
+    (:func:`one_row_trial`, while the packed copies exist anyway), and leave the model as
+    it was where packing does not pay (:attr:`PackingTrial.pays`; logged either way).
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     >>> pack_linear_layers(model) in (0, 2)
@@ -169,6 +244,14 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
                            "linear layers left unpacked", name)
             return 0
         replacements.append((parent, name, packed))
+    if only_where_it_pays and replacements:
+        trial = one_row_trial([(getattr(parent, name), packed)
+                               for parent, name, packed in replacements])
+        if not trial.pays:
+            logger.info("linear layers left unpacked: oneDNN's packed layers are slower on "
+                        "this CPU (%s; option.prepack_weights=true packs them anyway)", trial)
+            return 0
+        logger.info("packing pays on this CPU (%s)", trial)
     return install_replacements(model, replacements)
 
 

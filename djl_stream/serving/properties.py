@@ -119,8 +119,10 @@ class ModelProperties:
             ``load_in_8bit=true`` / ``load_in_4bit=true`` mean ``bitsandbytes8`` / ``4``.
         prepack_weights: on a CPU, have oneDNN reorder each float32 linear layer's weight
             once at load into the layout its kernels read fastest (1.5-2x faster decode
-            steps on SmolLM2; see :mod:`djl_stream.generation.packed_linear`); ``None``
-            (``auto``) does so wherever this PyTorch can, ``False`` never.
+            steps on SmolLM2 on an AMD EPYC; see :mod:`djl_stream.generation.packed_linear`);
+            ``None`` (``auto``) does so unless a trial at load finds it slows one row's
+            products on this CPU (it does on some Intel Xeons), ``True`` always (where
+            this PyTorch can), ``False`` never.
         decode_step: who runs a decode step: ``forward`` (the model's forward),
             ``eager`` (djl-stream's Llama decode step, written for its KV cache: about 12 %
             faster on SmolLM2 on a CPU), ``compiled`` (that step, plus a one-row step
