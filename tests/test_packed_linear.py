@@ -101,7 +101,7 @@ def _trial_saying(monkeypatch, plain_ms: float, packed_ms: float):
     the pairs it was handed are kept."""
     handed = []
 
-    def trial(pairs, repetitions=5):
+    def trial(pairs, repetitions=7):
         handed.extend(pairs)
         return packed_linear.PackingTrial(plain_ms / 1e3, packed_ms / 1e3)
 
