@@ -23,6 +23,7 @@ import torch
 from conftest import COMPILED_SEED, StepLogits, build_tiny_llama
 from djl_stream.file_lock import exclusive_lock
 from djl_stream.generation import compiled_decode, llama_decode
+from djl_stream.generation.int8_linear import int8_matmul_unavailable, quantize_linear_layers
 from djl_stream.generation.batch import CausalLMBatch, generate_token
 from djl_stream.generation.packed_linear import pack_linear_layers, packing_unavailable
 from djl_stream.generation.sequence import GenerationSequence
@@ -176,6 +177,23 @@ def test_the_cache_key_follows_the_weights(smollm2_tokenizer):
     assert compiled_decode.cache_key(compiled_decode.OneRowGraph(same)) != key
 
 
+@pytest.mark.skipif(int8_matmul_unavailable() is not None,
+                    reason=f"w8a8's int8 layers need torch._int_mm: {int8_matmul_unavailable()}")
+def test_only_a_w8a8_program_s_key_follows_the_int8_layers_source(smollm2_tokenizer):
+    # an edit to the int8 layers recompiles w8a8's programs, not float32's
+    import inspect
+
+    from djl_stream.generation.int8_linear import Int8Linear
+
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
+    assert not compiled_decode._holds_int8_layers(compiled_decode.OneRowGraph(model))
+    quantize_linear_layers(model)
+    assert compiled_decode._holds_int8_layers(compiled_decode.OneRowGraph(model))
+    source = inspect.getsource(Int8Linear)
+    assert source in compiled_decode._step_sources(True)
+    assert source not in compiled_decode._step_sources(False)
+
+
 def test_a_program_that_fails_gives_way_to_the_eager_step(smollm2_tokenizer, monkeypatch,
                                                           one_row_cache, caplog):
     model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
@@ -266,6 +284,8 @@ def test_the_scheduler_s_pacer_counts_eager_steps_only(smollm2_tokenizer, monkey
         scheduler.shutdown()
 
 
+@pytest.mark.skipif(int8_matmul_unavailable() is not None,
+                    reason=f"w8a8's int8 layers need torch._int_mm: {int8_matmul_unavailable()}")
 def test_w8a8_int8_layers_compile_into_a_program_of_int8_weights(smollm2_tokenizer, monkeypatch,
                                                                  one_row_cache):
     # option.quantize=w8a8 + option.decode_step=compiled: the program multiplies the int8
@@ -273,10 +293,6 @@ def test_w8a8_int8_layers_compile_into_a_program_of_int8_weights(smollm2_tokeniz
     # its tokens and logits are the eager int8 step's (integer sums are exact; the float
     # parts around them round alike here, though a row's activation that rounds the
     # other way to int8 would move a logit by a quantization step)
-    from djl_stream.generation.int8_linear import int8_matmul_unavailable, quantize_linear_layers
-
-    if int8_matmul_unavailable():
-        pytest.skip(int8_matmul_unavailable())
     model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     float_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)

@@ -130,19 +130,29 @@ def test_with_option_prepack_weights_unset_the_load_packs_where_one_row_is_not_s
         assert "option.prepack_weights=true packs them anyway" in caplog.text
 
 
-def test_one_row_trial_times_both_ways_over_every_layer_it_is_handed():
+def test_one_row_trial_times_both_ways_over_every_layer_and_keeps_each_ways_fastest_round():
+    # a clock that only the layers advance: a plain layer "takes" 1 s, a packed one 2 s,
+    # and the plain layers' second and third timed rounds are slowed by 10 s a layer
+    # (another process on the cores): the trial must keep the undisturbed round, not a
+    # median or a mean
     layers = [torch.nn.Linear(64, 48, bias=False) for _ in range(3)]
     pairs = [(layer, PackedLinear.from_linear(layer)) for layer in layers]
     calls = {id(m): 0 for pair in pairs for m in pair}
+    now = [0.0]
 
-    def counted(module, args):
+    def advancing(module, args):
         calls[id(module)] += 1
+        if isinstance(module, PackedLinear):
+            now[0] += 2.0
+        else:
+            now[0] += 1.0 + (10.0 if calls[id(module)] in (3, 4) else 0.0)
 
     for pair in pairs:
         for module in pair:
-            module.register_forward_pre_hook(counted)
-    trial = packed_linear.one_row_trial(pairs, repetitions=3)
-    assert trial.plain_seconds > 0 and trial.packed_seconds > 0
+            module.register_forward_pre_hook(advancing)
+    trial = packed_linear.one_row_trial(pairs, repetitions=3, clock=lambda: now[0])
+    assert (trial.plain_seconds, trial.packed_seconds) == (3.0, 6.0)
+    assert not trial.pays
     assert set(calls.values()) == {4}  # one untimed pass, three timed, each layer each way
 
 

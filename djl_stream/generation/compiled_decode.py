@@ -235,7 +235,7 @@ def cache_key(graph: OneRowGraph) -> str:
     digest = hashlib.blake2b(digest_size=20)
     for text in (torch.__version__, repr(graph.geometry), _cpu_identity(),
                  json.dumps(INDUCTOR_OPTIONS, sort_keys=True), str(_START_OFFSET),
-                 *_step_sources()):
+                 *_step_sources(_holds_int8_layers(graph))):
         digest.update(text.encode())
     for name, tensor in graph.state_dict(keep_vars=True).items():
         tensor = tensor.detach().contiguous()
@@ -244,24 +244,34 @@ def cache_key(graph: OneRowGraph) -> str:
     return digest.hexdigest()
 
 
-@functools.lru_cache(maxsize=1)
-def _step_sources() -> tuple:
-    """The source of the code a program is traced from: an edit to it means another
-    program (edits elsewhere, in the cache's own code say, do not). Read once, under a
-    lock: ``inspect.getsource`` parses the module, and CPython 3.11's parser fails now and
-    then when two threads parse at once ("AST constructor recursion depth mismatch")."""
+@functools.lru_cache(maxsize=None)
+def _step_sources(int8_layers: bool) -> tuple:
+    """The source of the code a program is traced from, ``w8a8``'s int8 layers' too where
+    the graph holds them: an edit to it means another program (edits elsewhere, in the
+    cache's own code or in the int8 layers for a float32 program, say, do not). Read once,
+    under a lock: ``inspect.getsource`` parses the module, and CPython 3.11's parser fails
+    now and then when two threads parse at once ("AST constructor recursion depth
+    mismatch")."""
     import inspect
 
     from djl_stream.generation import int8_linear
 
+    traced = (OneRowGraph, llama_decode.Geometry, llama_decode._decode_logits,
+              llama_decode._norm, llama_decode._rotate, llama_decode._mlp,
+              llama_decode._layer_dicts)
+    if int8_layers:
+        traced += (int8_linear.Int8Linear, int8_linear.quantize_rows)
     with _SOURCES_LOCK:
-        return tuple(inspect.getsource(code) for code in (
-            OneRowGraph, llama_decode.Geometry, llama_decode._decode_logits,
-            llama_decode._norm, llama_decode._rotate, llama_decode._mlp,
-            llama_decode._layer_dicts, int8_linear.Int8Linear, int8_linear.quantize_rows))
+        return tuple(inspect.getsource(code) for code in traced)
 
 
 _SOURCES_LOCK = threading.Lock()
+
+
+def _holds_int8_layers(graph: OneRowGraph) -> bool:
+    from djl_stream.generation.int8_linear import Int8Linear
+
+    return any(isinstance(module, Int8Linear) for module in graph.modules())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,7 +58,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -184,32 +184,35 @@ class PackingTrial:
                 f"nn.Linear, {self.packed_seconds * 1e3:.1f} ms packed")
 
 
-def one_row_trial(pairs, repetitions: int = 7) -> PackingTrial:
+def one_row_trial(pairs, repetitions: int = 7,
+                  clock: Callable[[], float] = time.perf_counter) -> PackingTrial:
     """Time one row through each ``(nn.Linear, PackedLinear)`` of ``pairs``, all the
     plain layers then all the packed ones, ``repetitions`` times in turns (after one
     untimed pass each), and keep each way's fastest round: another process on the same
     cores (a second worker loading beside this one, say) only ever slows a round, and two
     servers loading together on the 2-core machine timed rounds 10-40 times their usual
     length, in no stable order. The whole model's weights, so that the trial reads memory
-    as a decode step does rather than a cache.
+    as a decode step does rather than a cache. ``clock``: seconds, monotonic.
 
     >>> layer = torch.nn.Linear(16, 16)
     >>> packed = PackedLinear.from_linear(layer)
-    >>> packed is None or one_row_trial([(layer, packed)], repetitions=1).plain_seconds > 0
+    >>> packed is None or one_row_trial([(layer, packed)], repetitions=1).plain_seconds >= 0
     True
     """
-    inputs = {}
+    rows = {}  # one input row per width and dtype, shared by the layers that take it
     for plain, _ in pairs:
         key = (plain.in_features, plain.weight.dtype)
-        if key not in inputs:
-            inputs[key] = torch.randn(1, plain.in_features,
-                                      generator=torch.Generator().manual_seed(0)).to(key[1])
+        if key not in rows:
+            rows[key] = torch.randn(1, plain.in_features,
+                                    generator=torch.Generator().manual_seed(0)).to(key[1])
+    calls = [(plain, packed, rows[(plain.in_features, plain.weight.dtype)])
+             for plain, packed in pairs]
 
     def seconds(way: int) -> float:
-        started = time.perf_counter()
-        for pair in pairs:
-            pair[way](inputs[(pair[0].in_features, pair[0].weight.dtype)])
-        return time.perf_counter() - started
+        started = clock()
+        for call in calls:
+            call[way](call[2])
+        return clock() - started
 
     times = ([], [])
     with torch.no_grad():
