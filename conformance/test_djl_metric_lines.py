@@ -54,14 +54,18 @@ def test_each_request_reports_its_figures_to_djl_serving(tiny, target):
     assert answer.status == 200
     steps = len(answer.lines())
 
-    lines = wait_for(served, lambda lines: named(lines[seen:], "djl_stream_e2e_request_latency_microseconds"))
+    histograms = ("djl_stream_request_queue_time_microseconds",
+                  "djl_stream_time_to_first_token_microseconds",
+                  "djl_stream_mean_inter_token_latency_microseconds",
+                  "djl_stream_e2e_request_latency_microseconds")
+    # The request's lines are printed one at a time and reach the log through a pipe: wait
+    # for each of them (waiting for one let CI read the log between two of them).
+    lines = wait_for(served, lambda lines: all(named(lines[seen:], name) for name in
+                                               (*histograms, "djl_stream_generation_tokens")))
     new = lines[seen:]
     assert [line["value"] for line in named(new, "djl_stream_generation_tokens")] == [steps]
     assert named(new, "djl_stream_generation_tokens")[0]["type"] == "c"
-    for histogram in ("djl_stream_request_queue_time_microseconds",
-                      "djl_stream_time_to_first_token_microseconds",
-                      "djl_stream_mean_inter_token_latency_microseconds",
-                      "djl_stream_e2e_request_latency_microseconds"):
+    for histogram in histograms:
         [line] = named(new, histogram)
         assert (line["unit"], line["type"]) == ("Microseconds", "h")
         assert line["value"] >= 0
