@@ -52,14 +52,16 @@ def decode_alone(model, tokenizer, new_tokens, room_on_left=0):
     return seq.generated_ids, capacities
 
 
-def compiled_step(model, tokenizer, monkeypatch, *, int8=False):
+def compiled_step(model, tokenizer, monkeypatch, *, int8=False, share_weights=False):
     """``model``'s step with its one-row program, compiled (or loaded from the session's
-    cache) from the plain layers before they are packed, as at load (``int8``: from the
-    int8 layers of ``w8a8``, which are not packed); and a list of the program's calls
-    (their first columns attended over)."""
-    one_row = compiled_decode.compile_one_row(model)
-    assert one_row is not None
-    assert (pack_linear_layers(model) == 0) if int8 else (pack_linear_layers(model) > 0)
+    cache) from the plain layers, as at load: before they are packed, or reading them where
+    they are left plain (``share_weights``; ``int8``: from the int8 layers of ``w8a8``,
+    which are not packed); and a list of the program's calls (their first columns
+    attended over)."""
+    one_row = compiled_decode.compile_one_row(model, share_weights=share_weights)
+    assert one_row is not None and one_row.shares_weights == share_weights
+    if not share_weights:
+        assert (pack_linear_layers(model) == 0) if int8 else (pack_linear_layers(model) > 0)
     step = llama_decode.attach(model, tokenizer, one_row=one_row)
     assert step is not None and step.compiled
     calls = []
@@ -73,9 +75,9 @@ def compiled_step(model, tokenizer, monkeypatch, *, int8=False):
     return step, calls
 
 
-@pytest.mark.parametrize("room_on_left", [0, 7])
+@pytest.mark.parametrize("room_on_left,share_weights", [(0, False), (7, False), (7, True)])
 def test_the_compiled_step_gives_the_forward_s_tokens_and_logits_as_its_buffers_grow(
-        smollm2_tokenizer, monkeypatch, one_row_cache, room_on_left):
+        smollm2_tokenizer, monkeypatch, one_row_cache, room_on_left, share_weights):
     model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
     forward_logits = []
     hook = model.register_forward_hook(
@@ -84,7 +86,8 @@ def test_the_compiled_step_gives_the_forward_s_tokens_and_logits_as_its_buffers_
     expected, _ = decode_alone(model, smollm2_tokenizer, 80, room_on_left)
     hook.remove()
 
-    step, calls = compiled_step(model, smollm2_tokenizer, monkeypatch)
+    step, calls = compiled_step(model, smollm2_tokenizer, monkeypatch,
+                                share_weights=share_weights)
     step_logits = StepLogits(model, monkeypatch)
     tokens, capacities = decode_alone(model, smollm2_tokenizer, 80, room_on_left)
 
@@ -146,6 +149,64 @@ def test_workers_starting_together_compile_once_and_a_restart_loads_the_cache(
     assert step.compiled
     assert decode_alone(model, smollm2_tokenizer, 20)[0] == expected
     assert step.compiled
+
+
+def test_a_program_that_shares_the_weights_keeps_none_and_serves_other_weights_of_that_shape(
+        smollm2_tokenizer, tmp_path, monkeypatch):
+    # compiled from one model, it runs another of the same shapes from the cache (a
+    # fine-tune, say) by that model's own tensors: its tokens and logits are that model's,
+    # and an edit to one of them in place shows in the next step
+    cache = tmp_path / "cache"
+    first = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED + 2)
+    compiled = compiled_decode.compile_one_row(first, share_weights=True, cache=cache)
+    assert compiled is not None and compiled.shares_weights and not compiled.from_cache
+    (entry,) = [p for p in cache.iterdir() if p.is_dir()]
+    assert sorted(p.name for p in entry.iterdir()) == ["program.pt2", "shared.json"]
+    with zipfile.ZipFile(entry / "program.pt2") as package:
+        assert not [n for n in package.namelist() if "/data/weights/" in n]
+
+    other = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED + 3)
+    graphs = [compiled_decode.OneRowGraph(m) for m in (first, other)]
+    assert compiled_decode.cache_key(graphs[0], True) == compiled_decode.cache_key(graphs[1], True)
+    assert compiled_decode.cache_key(graphs[0]) != compiled_decode.cache_key(graphs[1])
+    forward_logits = []
+    hook = other.register_forward_hook(
+        lambda module, args, kwargs, output: forward_logits.append(output.logits[:, -1].clone()),
+        with_kwargs=True)
+    with torch.no_grad():
+        other.lm_head.weight.mul_(1.5)  # the forward of the edited weights
+    expected, _ = decode_alone(other, smollm2_tokenizer, 12)
+    with torch.no_grad():
+        other.lm_head.weight.div_(1.5)
+    hook.remove()
+
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
+    one_row = compiled_decode.compile_one_row(other, share_weights=True, cache=cache)
+    assert one_row is not None and one_row.from_cache and one_row.shares_weights
+    step = llama_decode.attach(other, smollm2_tokenizer, one_row=one_row)
+    assert step.compiled
+    with torch.no_grad():
+        other.lm_head.weight.mul_(1.5)  # the program reads the model's tensor, not a copy
+    step_logits = StepLogits(other, monkeypatch)
+    assert decode_alone(other, smollm2_tokenizer, 12)[0] == expected
+    assert step.compiled and len(step_logits.seen) == 11
+    for theirs, ours in zip(forward_logits[1:], step_logits.seen):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_a_program_that_shares_the_weights_refuses_weights_of_another_shape(
+        smollm2_tokenizer, tmp_path):
+    cache = tmp_path / "cache"
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED + 2)
+    assert compiled_decode.compile_one_row(model, share_weights=True, cache=cache) is not None
+    (entry,) = [compiled_decode.CacheEntry(p) for p in cache.iterdir() if p.is_dir()]
+    weights = compiled_decode.model_weights(compiled_decode.OneRowGraph(model))
+    weights["lm_head.weight"] = weights["lm_head.weight"][:-1]
+    with pytest.raises(ValueError, match="other names, shapes or dtypes"):
+        entry.load(from_cache=True, weights=weights)
 
 
 def test_a_cached_program_that_does_not_load_is_removed_to_be_compiled_again(
@@ -248,6 +309,24 @@ def test_option_decode_step_compiled_compiles_before_packing(tiny_model_dir, one
     assert step is not None and step.compiled
     assert step.one_row.path.parent == one_row_cache  # TORCHINDUCTOR_CACHE_DIR's
     assert isinstance(model.model.layers[0].self_attn.q_proj, PackedLinear)
+    assert not step.one_row.shares_weights  # packed: the program has its own copy
+
+
+def test_option_compiled_weights_shared_reads_the_layers_weights_and_leaves_them_plain(
+        tiny_model_dir, one_row_cache):
+    from djl_stream.generation.loading import load_model_and_tokenizer
+    from djl_stream.serving.properties import PropertyError
+
+    with pytest.raises(PropertyError, match="option.compiled_weights"):
+        ModelProperties.from_init_properties({"compiled_weights": "borrowed"})
+    props = ModelProperties.from_init_properties(
+        {"model_dir": str(tiny_model_dir), "decode_step": "compiled", "compiled_weights": "Shared"})
+    model, _ = load_model_and_tokenizer(props)
+    step = llama_decode.step_of(model)
+    assert step is not None and step.compiled and step.one_row.shares_weights
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    q_weight = model.model.layers[0].self_attn.q_proj.weight
+    assert any(t.data_ptr() == q_weight.data_ptr() for t in step.one_row._constants.values())
 
 
 def test_the_scheduler_s_pacer_counts_eager_steps_only(smollm2_tokenizer, monkeypatch,
@@ -286,8 +365,9 @@ def test_the_scheduler_s_pacer_counts_eager_steps_only(smollm2_tokenizer, monkey
 
 @pytest.mark.skipif(int8_matmul_unavailable() is not None,
                     reason=f"w8a8's int8 layers need torch._int_mm: {int8_matmul_unavailable()}")
+@pytest.mark.parametrize("share_weights", [False, True])
 def test_w8a8_int8_layers_compile_into_a_program_of_int8_weights(smollm2_tokenizer, monkeypatch,
-                                                                 one_row_cache):
+                                                                 one_row_cache, share_weights):
     # option.quantize=w8a8 + option.decode_step=compiled: the program multiplies the int8
     # layers' integers (its constants are int8: less than half of float32's bytes), and
     # its tokens and logits are the eager int8 step's (integer sums are exact; the float
@@ -301,11 +381,14 @@ def test_w8a8_int8_layers_compile_into_a_program_of_int8_weights(smollm2_tokeniz
     eager = StepLogits(model, monkeypatch)
     expected, _ = decode_alone(model, smollm2_tokenizer, 40)
 
-    step, calls = compiled_step(model, smollm2_tokenizer, monkeypatch, int8=True)
+    step, calls = compiled_step(model, smollm2_tokenizer, monkeypatch, int8=True,
+                                share_weights=share_weights)
     compiled = StepLogits(model, monkeypatch)
     tokens, _ = decode_alone(model, smollm2_tokenizer, 40)
     assert len(calls) == 39 and step.compiled
-    stored = torch.load(step.one_row.path / "constants.pt", mmap=True, weights_only=True)
+    # the constants it reads: its own copies on disk, or the int8 layers' own tensors
+    stored = (step.one_row._constants if share_weights else
+              torch.load(step.one_row.path / "constants.pt", mmap=True, weights_only=True))
     assert sum(t.numel() * t.element_size() for t in stored.values()) < float_bytes / 2
     assert torch.int8 in {t.dtype for t in stored.values()}
     assert tokens == expected

@@ -245,16 +245,25 @@ def prepare_for_decoding(model, tokenizer, props: ModelProperties, *, on_gpu: bo
     """What follows loading: on a CPU, prepack ``model``'s linear layers
     (:func:`prepack_for_cpu`); then attach djl-stream's Llama decode step
     (:func:`attach_decode_step`). With ``option.decode_step=compiled``, the one-row program
-    is loaded from its cache or compiled first, from the plain layers
-    (:func:`~djl_stream.generation.compiled_decode.compile_one_row`: it packs its own copy
-    of them). Returns the step or ``None``."""
+    is loaded from its cache or compiled
+    (:func:`~djl_stream.generation.compiled_decode.compile_one_row`) from the plain layers,
+    before they are packed: by default it packs its own copy of their weights for its C++
+    kernels; with ``option.compiled_weights=shared`` it reads the plain weights
+    themselves, and the layers are left plain (packed copies beside them would be the
+    memory sharing saves) unless ``option.prepack_weights=true``. Returns the step or
+    ``None``."""
     from djl_stream.generation import compiled_decode
 
     one_row = None
+    share = props.compiled_weights == "shared"
     if not on_gpu and props.decode_step == "compiled":
-        one_row = compiled_decode.compile_one_row(model)
+        one_row = compiled_decode.compile_one_row(model, share_weights=share)
     if not on_gpu:
-        prepack_for_cpu(model, props)
+        if one_row is not None and share and props.prepack_weights is None:
+            logger.info("linear layers left unpacked: the compiled one-row step reads their "
+                        "weights (option.compiled_weights=shared)")
+        else:
+            prepack_for_cpu(model, props)
     return attach_decode_step(model, tokenizer, props, one_row=one_row)
 
 

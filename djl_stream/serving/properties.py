@@ -38,6 +38,9 @@ DTYPES = ("fp32", "fp16", "bf16", "auto")
 CHAT_PROTOCOLS = ("openai", "djl")
 #: ``option.decode_step``: who runs a decode step (see djl_stream.generation.llama_decode)
 DECODE_STEPS = ("auto", "forward", "eager", "compiled")
+#: ``option.compiled_weights``: whose weights the compiled one-row step reads (see
+#: djl_stream.generation.compiled_decode)
+COMPILED_WEIGHTS = ("copy", "shared")
 #: Keys djl-serving itself puts in the init call (its own settings, the non-option keys of
 #: serving.properties, what LMI adds); accepted and ignored here.
 DJL_KEYS = frozenset(
@@ -131,6 +134,10 @@ class ModelProperties:
             :mod:`djl_stream.generation.compiled_decode`) or ``auto``
             (``eager`` where the model is a Llama-architecture one on a CPU, ``forward``
             elsewhere; see :mod:`djl_stream.generation.llama_decode`).
+        compiled_weights: what the compiled one-row step reads: ``copy`` (a copy of the
+            weights packed for its own C++ kernels, the fastest: the weights' size again in
+            memory) or ``shared`` (the model's own weights, no memory of its own; the
+            layers are then left unpacked unless ``prepack_weights`` is ``True``).
         tensor_parallel_degree: number of GPUs to spread the model over; ``None`` means
             ``max`` (all visible GPUs). Ignored on CPU.
         enable_streaming: stream by default when a request does not say ``"stream"``.
@@ -197,6 +204,7 @@ class ModelProperties:
     load_in_4bit: bool = False
     prepack_weights: Optional[bool] = None
     decode_step: str = "auto"
+    compiled_weights: str = "copy"
     tensor_parallel_degree: Optional[int] = 1
     enable_streaming: bool = True
     trust_remote_code: bool = False
@@ -279,7 +287,8 @@ class ModelProperties:
 
 
 #: Properties whose value is one of a few words (read case-insensitively).
-_CHOICES = {"decode_step": DECODE_STEPS, "chat_protocol": CHAT_PROTOCOLS}
+_CHOICES = {"decode_step": DECODE_STEPS, "compiled_weights": COMPILED_WEIGHTS,
+            "chat_protocol": CHAT_PROTOCOLS}
 
 
 def _one_of(key: str, value: Any, choices: tuple) -> str:
