@@ -82,6 +82,18 @@ class ServerProcess:
         self.log.flush()
         return self.log_path.read_text(errors="replace")
 
+    def wait_for_log(self, condition, since: int = 0, timeout: float = 60.0) -> str:
+        """The log written after offset ``since`` once ``condition`` (a text it must hold,
+        or a test of the log) holds: the server writes a request's log lines as it ends
+        the request, which may be a moment after the client read the answer (a
+        deadline, not a speed target)."""
+        test = condition if callable(condition) else (lambda log: condition in log)
+        deadline = time.monotonic() + timeout
+        while not test(new := self.logs()[since:]):
+            assert time.monotonic() < deadline, f"never logged {condition!r}:\n{new[-3000:]}"
+            time.sleep(0.05)
+        return new
+
     def stop(self) -> None:
         self.http.close()
         self.process.terminate()

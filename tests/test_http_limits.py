@@ -82,15 +82,6 @@ def assert_still_serving(server: ServerProcess) -> None:
             {"output_tokens": ["still"]}, {"output_tokens": ["here"]}]
 
 
-def wait_for_log(server: ServerProcess, since: int, text: str) -> str:
-    """The log written after offset ``since``, once it holds ``text``."""
-    deadline = time.monotonic() + DEADLINE
-    while text not in (new := server.logs()[since:]):
-        assert time.monotonic() < deadline, f"never logged {text!r}:\n{new}"
-        time.sleep(0.05)
-    return new
-
-
 # -- item 3: the request body's size --
 
 def test_a_content_length_over_the_limit_is_refused_before_the_body_is_read(server):
@@ -261,10 +252,10 @@ def test_an_upload_cut_off_midway_logs_one_line_and_no_traceback(server):
     since = len(server.logs())
     with connect(server) as sock:
         sock.sendall(head(content_type="application/json", content_length="900") + b"{" * 100)
-    wait_for_log(server, since, "client-disconnected")
+    server.wait_for_log("client-disconnected", since)
     # Whatever else the cut-off request logs is logged before this request's own line.
     assert_still_serving(server)
-    log = wait_for_log(server, since, "POST /invocations 200")
+    log = server.wait_for_log("POST /invocations 200", since)
     assert "Traceback" not in log
     assert "ERROR" not in log
     cut_off = [line for line in log.splitlines() if "POST /invocations" in line

@@ -358,9 +358,14 @@ def test_metrics_count_what_the_answers_carried(server, smollm2_tokenizer):
     assert_histograms_consistent(after)
 
     # and the access log has each request's figures
-    logged = Counter(int(n) for n in re.findall(
-        r"POST /invocations 200 .* ttft=\S+ .*generated_tokens=(\d+)", server.logs()))
-    assert all(logged[n] >= count for n, count in Counter(tokens).items()), logged
+    def logged(log: str) -> Counter:
+        return Counter(int(n) for n in re.findall(
+            r"POST /invocations 200 .* ttft=\S+ .*generated_tokens=(\d+)", log))
+
+    def all_logged(log: str) -> bool:
+        return all(logged(log)[n] >= count for n, count in Counter(tokens).items())
+
+    assert all_logged(server.wait_for_log(all_logged)), logged(server.logs())
 
 
 def test_refused_unknown_and_cancelled_requests(server, smollm2_tokenizer):
@@ -395,7 +400,7 @@ def test_refused_unknown_and_cancelled_requests(server, smollm2_tokenizer):
     assert after.minus(before, "djl_stream_time_to_first_token_seconds_count") == 1
     assert after.minus(before, "djl_stream_inter_token_latency_seconds_count") == generated - 1
     assert after.minus(before, "djl_stream_e2e_request_latency_seconds_count") == 0
-    assert "client-disconnected" in server.logs()
+    server.wait_for_log("client-disconnected")
 
 
 def test_openmetrics_when_asked(server):

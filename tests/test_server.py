@@ -397,14 +397,19 @@ def test_an_unhandled_error_is_a_500_naming_only_its_type(server: Server) -> Non
     assert answer.json() == {"code": 500, "type": "InternalServerException",
                              "message": "internal server error (ValueError); "
                                         "the server log has the details"}
-    assert "invalid literal for int() with base 10: 'teapot'" in server.logs()
+    server.wait_for_log("invalid literal for int() with base 10: 'teapot'")
 
 
 def test_one_log_line_per_request(server: Server) -> None:
+    since = len(server.logs())
     server.http.post("/invocations", json={"words": ["x", "y"]})
-    time.sleep(0.2)
-    lines = [line for line in server.logs().splitlines() if "POST /invocations 200" in line]
-    assert lines and "items=2" in lines[-1] and "first_chunk=" in lines[-1]
+
+    def ours(log: str) -> list:  # (another test's request may end in this log too)
+        return [line for line in log.splitlines()
+                if "POST /invocations 200" in line and "items=2" in line]
+
+    log = server.wait_for_log(ours, since)
+    assert len(ours(log)) == 1 and "first_chunk=" in ours(log)[0]
 
 
 # -- the client against the real server --
