@@ -26,7 +26,9 @@ def tiny(djl_src, tiny_dir):
 
 
 def metric_lines(logs: str) -> list[dict]:
-    return [parse_djl_metric(line) for line in logs.splitlines() if "[METRICS]" in line]
+    # a last line without its newline may be cut short: it is read at the next look
+    whole = logs[:logs.rfind("\n") + 1]
+    return [parse_djl_metric(line) for line in whole.splitlines() if "[METRICS]" in line]
 
 
 def wait_for(served, condition, timeout: float = 60.0) -> list[dict]:
@@ -72,9 +74,10 @@ def test_each_request_reports_its_figures_to_djl_serving(tiny, target):
     assert {line["dimensions"]["Model"] for line in lines} == {tiny.model_dir.name}
 
     # and once idle, the load it reports (sampled each second) is zero
+    # (the three gauges are printed one line at a time: wait for the last of each)
     def idle(lines):
-        rows = named(lines, "djl_stream_batch_rows")
-        return bool(rows) and rows[-1]["value"] == 0
+        return all(named(lines, name) and named(lines, name)[-1]["value"] == 0
+                   for name in ("djl_stream_batch_rows", "djl_stream_kv_cache_tokens"))
 
     lines = wait_for(served, idle)
     assert named(lines, "djl_stream_kv_cache_tokens")[-1]["value"] == 0

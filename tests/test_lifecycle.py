@@ -181,7 +181,9 @@ def test_sigterm_lets_running_streams_finish_then_exits_0(long_model_dir):
     server = ServerProcess(long_model_dir, env={"DJL_STREAM_SHUTDOWN_GRACE": "600"}
                            ).wait_ready(timeout=300)
     try:
-        length = 300
+        # long enough that the streams outlast the checks below on a busy machine: once
+        # they end, the server stops listening
+        length = 2000
         with server.http.stream("POST", "/invocations", json=generation(
                 "First", stream=True, max_new_tokens=length)) as first, \
                 server.http.stream("POST", "/invocations", json=generation(

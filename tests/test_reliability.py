@@ -92,7 +92,9 @@ def test_a_flood_is_refused_in_json_and_the_rest_served(queue_server):
 def test_sigterm_lets_running_streams_finish_and_exits_0(tiny_model_dir, workdir):
     server = start(tiny_model_dir, "sigterm", workdir).start()
     try:
-        finding = scenarios.sigterm_during_streams(server, tokens=12)
+        # long enough that the streams are still running when the refused request comes:
+        # once they end, the server stops listening, and the request would find no one
+        finding = scenarios.sigterm_during_streams(server, tokens=200)
     finally:
         server.stop()
     assert finding.passed, finding

@@ -229,7 +229,8 @@ def test_failed_load_is_reported_by_ping_and_models(tmp_path: Path) -> None:
         path = str((tmp_path / "broken").resolve())
         for answer in (ping, refused, running.http.get("/models")):
             assert path not in answer.text
-        assert f"RuntimeError: weights are missing from {path}" in running.logs()
+        # (ping says FAILED a moment before the traceback is written)
+        running.wait_for_log(f"RuntimeError: weights are missing from {path}")
     finally:
         running.stop()
 
@@ -279,7 +280,9 @@ def test_stream_error_after_first_item_appends_the_error_text(server: Server) ->
 
 
 def test_client_disconnect_stops_generation(server: Server) -> None:
-    words = [f"w{i}" for i in range(200)]
+    # 2000 items 50 ms apart: stopped anywhere near its start is stopped by the disconnect,
+    # with room for a busy machine to notice it late
+    words = [f"w{i}" for i in range(2000)]
     payload = {"words": words, "delay": 0.05, "tag": "disconnect"}
     with httpx.Client(base_url=server.url, timeout=10.0) as client:
         with client.stream("POST", "/invocations", json=payload) as response:
@@ -289,14 +292,14 @@ def test_client_disconnect_stops_generation(server: Server) -> None:
                 if received == 3:
                     break
     # Leaving the block closed the connection mid-stream.
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + 60.0
     while not (record := server.record("disconnect"))["closed"]:
         assert time.monotonic() < deadline, "the stream iterator was never closed"
         time.sleep(0.05)
     time.sleep(0.5)
     final = server.record("disconnect")
     assert final["produced"] == record["produced"], "generation went on after close()"
-    assert final["produced"] < 30, final
+    assert final["produced"] < 200, final
     assert not final["close_during_next"], "close() must wait for the next() in flight"
 
 
