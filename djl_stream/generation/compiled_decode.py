@@ -30,8 +30,8 @@ its key ignores the weights' bytes. On the same CPU, one stream through a server
 a token against 28.7 with its own copy and 48.3 for the eager step, at the eager
 server's memory (``python -m benchmarks.compiled_weights``).
 
-What the cache holds per key (:class:`CacheEntry`) for a program with its own copy: the package without weights, the
-constants the program reads (the packed weights and norms, loaded with ``mmap``: the
+What the cache holds per key (:class:`CacheEntry`) for a program with its own copy: the
+package without weights, the constants the program reads (the packed weights and norms, loaded with ``mmap``: the
 pages are the file's, shared by every worker on the machine) and the shapes of the
 constants it does not read. AOTInductor keeps every weight of the exported module among
 its constants (the plain projections, which the program no longer reads once it packed
@@ -384,37 +384,28 @@ def _untouched(shape, dtype: torch.dtype) -> torch.Tensor:
 
 # -- compiling -------------------------------------------------------------------------
 
-def one_row_graph(model) -> Optional[OneRowGraph]:
-    """``model``'s :class:`OneRowGraph`, or ``None`` (logged) where it has none. Build it
-    before the model's layers are packed: it holds their plain modules."""
-    reason = OneRowGraph.unsupported_reason(model)
-    if reason:
-        logger.warning("no compiled one-row decode step: %s", reason)
-        return None
-    return OneRowGraph(model)
-
-
 def compile_one_row(model, *, share_weights: bool = False,
                     cache: Optional[Path] = None) -> Optional[CompiledOneRow]:
     """``model``'s one-row program from the cache, or compiled into it; ``None`` (logged)
     where the model is not one it runs or compiling fails (no C++ compiler, say). Call it
-    before the model's layers are packed (or hand it the :func:`one_row_graph` built
-    before): it reads their plain weights.
+    before the model's layers are packed: it reads their plain weights.
 
-    ``share_weights``: the program reads the model's own weight tensors (they must stay as
-    they are: the program holds them) rather than copies of its own packed for its C++
-    GEMM kernels. On the 2-core Xeon this project is measured on, both ran SmolLM2's
-    one-row step alike (1.89x and 1.86x the model's forward, ``python -m
-    benchmarks.decode_step --compiled``); sharing takes no memory of its own and serves
-    any weights of the same shapes.
+    ``share_weights``: the program reads the model's own weight tensors (the program
+    holds them: they must not change shape or place) rather than copies of its own packed
+    for its C++ GEMM kernels: no memory of its own, a cached program that serves any
+    weights of the same shapes, and a slower step (SmolLM2 on the 2-core Xeon this project
+    is measured on, one stream through a server: 35.7 ms a token against 28.7 with the
+    copy, 48.3 eager; ``python -m benchmarks.compiled_weights``).
 
     ``cache``: the cache directory, :func:`cache_root` by default; where it cannot be
     written, the package is compiled into a temporary directory, removed once loaded.
     """
-    graph = model if isinstance(model, OneRowGraph) else one_row_graph(model)
-    if graph is None:
+    reason = OneRowGraph.unsupported_reason(model)
+    if reason:
+        logger.warning("no compiled one-row decode step: %s", reason)
         return None
     started = time.perf_counter()
+    graph = OneRowGraph(model)
     weights = model_weights(graph) if share_weights else None
     temporary = one_row = None
     try:
