@@ -72,21 +72,24 @@ def test_the_targets_are_ratios_of_the_rows_and_say_by_how_much_one_is_missed():
                "transformers serve": _result("transformers serve", 0.060, 100.0),
                "djl-stream w8a8": _result("djl-stream w8a8", 0.018, 200.0),
                "djl-stream compiled": _result("djl-stream compiled", 0.0264, 150.0),
+               "djl-stream compiled shared": _result("djl-stream compiled shared", 0.0252, 150.0),
                "djl-stream w8a8 compiled": _result("djl-stream w8a8 compiled", 0.0132, 150.0)}
     lines = targets(results, args)
     assert lines[0].startswith("**FAIL** djl-stream single-stream ITL p50 <= 1.15x llama.cpp "
                                "F32's: 1.25x (missed by 9%)")
     assert lines[1].startswith("**PASS** djl-stream compiled single-stream ITL p50 <= 1.15x "
                                "llama.cpp F32's: 1.10x; 26.4 ms vs 24.0 ms")
-    assert lines[2].startswith("**PASS** aggregate tokens/s at 16 clients >= 1.5x transformers serve's: 1.6")
-    assert lines[3].startswith("**PASS** aggregate tokens/s at 16 clients >= 4.0x llama.cpp F32's: 5.3")
-    assert lines[4].startswith("**NOT MEASURED** djl-stream int8 single-stream")
-    assert lines[5].startswith("**PASS** djl-stream w8a8 single-stream >= 1.6x our float32 "
+    assert lines[2].startswith("**PASS** djl-stream compiled shared single-stream ITL p50 <= "
+                               "1.15x llama.cpp F32's: 1.05x; 25.2 ms vs 24.0 ms")
+    assert lines[3].startswith("**PASS** aggregate tokens/s at 16 clients >= 1.5x transformers serve's: 1.6")
+    assert lines[4].startswith("**PASS** aggregate tokens/s at 16 clients >= 4.0x llama.cpp F32's: 5.3")
+    assert lines[5].startswith("**NOT MEASURED** djl-stream int8 single-stream")
+    assert lines[6].startswith("**PASS** djl-stream w8a8 single-stream >= 1.6x our float32 "
                                "(djl-stream, ITL p50): 1.67x")
     # the compiled int8 row against the compiled float32 row, then against the default one
-    assert lines[6].startswith("**PASS** djl-stream w8a8 compiled single-stream >= 1.6x our "
-                               "float32 (djl-stream compiled, ITL p50): 2.00x; 13.2 ms vs 26.4 ms")
     assert lines[7].startswith("**PASS** djl-stream w8a8 compiled single-stream >= 1.6x our "
+                               "float32 (djl-stream compiled, ITL p50): 2.00x; 13.2 ms vs 26.4 ms")
+    assert lines[8].startswith("**PASS** djl-stream w8a8 compiled single-stream >= 1.6x our "
                                "float32 (djl-stream, ITL p50): 2.27x")
 
 

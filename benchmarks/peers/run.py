@@ -61,6 +61,7 @@ ROOT = Path(".peers")
 #: W8A8, W8A8 compiled), each with the float32 row of the same decode step it is held
 #: against; the compiled W8A8 row is held against the default float32 row too.
 OURS, OURS_COMPILED = "djl-stream", "djl-stream compiled"
+OURS_COMPILED_SHARED = "djl-stream compiled shared"
 OURS_INT8 = (("djl-stream int8", OURS), ("djl-stream w8a8", OURS),
              ("djl-stream w8a8 compiled", OURS_COMPILED), ("djl-stream w8a8 compiled", OURS))
 
@@ -335,7 +336,7 @@ def targets(by_name: Dict[str, PeerResult], args) -> List[str]:
         out.append(f"**{'PASS' if passed else 'FAIL'}** {text}: {value:.2f}x{miss}; {detail}")
 
     llama_itl = figure("llama.cpp F32", 1, "itl_p50")
-    for name in (OURS, OURS_COMPILED):
+    for name in (OURS, OURS_COMPILED, OURS_COMPILED_SHARED):
         itl = figure(name, 1, "itl_p50")
         check(f"{name} single-stream ITL p50 <= 1.15x llama.cpp F32's", ratio(itl, llama_itl),
               1.15, True, f"{_fmt(itl, 1e3, 1, ' ms')} vs {_fmt(llama_itl, 1e3, 1, ' ms')}")

@@ -5,7 +5,8 @@ server renders a template of its own), greedy decoding, and a fixed number of ne
 
 * **djl-stream**: ``djl-stream serve model``, OpenAI ``/v1/completions`` with
   ``ignore_eos`` (vLLM's name for it), in float32 (with the default decode step and with
-  ``option.decode_step=compiled``), with ``option.quantize=int8`` (weight-only),
+  ``option.decode_step=compiled``, its program with its own copy of the weights or
+  reading the model's, ``option.compiled_weights=shared``), with ``option.quantize=int8`` (weight-only),
   with ``option.quantize=w8a8`` and with ``option.dtype=bf16``;
 * **llama.cpp**: ``python -m llama_cpp.server`` (llama-cpp-python) on a GGUF file,
   ``/v1/completions`` with ``min_tokens`` equal to ``max_tokens``; it serves one request
@@ -185,6 +186,10 @@ PEERS: Dict[str, Peer] = {peer.name: peer for peer in (
     _djl_stream_peer("djl-stream compiled",
                      weights="float32, from model/ (option.decode_step=compiled)",
                      options=(("decode_step", "compiled"),)),
+    _djl_stream_peer("djl-stream compiled shared",
+                     weights="float32, from model/ (option.decode_step=compiled, "
+                             "option.compiled_weights=shared)",
+                     options=(("decode_step", "compiled"), ("compiled_weights", "shared"))),
     _djl_stream_peer("djl-stream int8", weights="int8 weight-only (torchao), from model/",
                      options=(("quantize", "int8"),)),
     _djl_stream_peer("djl-stream w8a8",
