@@ -27,8 +27,9 @@ volume that outlives the container to keep the package across container restarts
 their plain layout, its matrix products are ATen's as the eager step's, and it is handed
 the model's own tensors, so it holds no copy; the cache entry is the program alone and
 its key ignores the weights' bytes. On the same CPU, one stream through a server: 35.7 ms
-a token against 28.7 with its own copy and 48.3 for the eager step, at the eager
-server's memory (``python -m benchmarks.compiled_weights``).
+a token against 28.7 with its own copy and 48.3 for the eager step (``python -m
+benchmarks.compiled_weights``), 23.2 against 22.7 and 30.5 in a later run of the peers'
+harness, at the eager server's memory.
 
 What the cache holds per key (:class:`CacheEntry`) for a program with its own copy: the
 package without weights, the constants the program reads (the packed weights and norms, loaded with ``mmap``: the
@@ -393,9 +394,10 @@ def compile_one_row(model, *, share_weights: bool = False,
     ``share_weights``: the program reads the model's own weight tensors (the program
     holds them: they must not change shape or place) rather than copies of its own packed
     for its C++ GEMM kernels: no memory of its own, a cached program that serves any
-    weights of the same shapes, and a slower step (SmolLM2 on the 2-core Xeon this project
-    is measured on, one stream through a server: 35.7 ms a token against 28.7 with the
-    copy, 48.3 eager; ``python -m benchmarks.compiled_weights``).
+    weights of the same shapes, and a step as fast or somewhat slower (SmolLM2 on the
+    2-core Xeon this project is measured on, one stream through a server: 35.7 ms a token
+    against 28.7 with the copy and 48.3 eager in ``python -m benchmarks.compiled_weights``
+    on a slow evening; 23.2 against 22.7 and 30.5 in the peers' harness an hour later).
 
     ``cache``: the cache directory, :func:`cache_root` by default; where it cannot be
     written, the package is compiled into a temporary directory, removed once loaded.
