@@ -6,6 +6,7 @@ Subcommands::
     djl-stream generate model/ "Hello" --chat    # in-process, tokens printed live
     djl-stream embed model/                      # write the embedded SmolLM2 into model/
     djl-stream check model/                      # is model/ ready to ship? (exit 0 or 1)
+    djl-stream compile model/ --weights shared   # ship the compiled decode step in model/
     djl-stream package model/ -o model.tar.gz    # SageMaker's model.tar.gz
 
 ``generate`` goes through :class:`~djl_stream.serving.worker.ModelWorker` and the model's own
@@ -110,6 +111,23 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("--force", action="store_true",
                        help="overwrite a model already in MODEL_DIR")
     embed.set_defaults(run=_embed)
+
+    from djl_stream.serving.properties import COMPILED_WEIGHTS
+
+    compile_step = commands.add_parser(
+        "compile", help="compile the one-row decode step into MODEL_DIR for this kind of CPU",
+        description="Load MODEL_DIR as the server does with option.decode_step=compiled and "
+                    "copy its compiled one-row program into MODEL_DIR/compiled_decode/. A "
+                    "server or container loading MODEL_DIR on a machine with the same CPU "
+                    "model and PyTorch then takes it from there instead of compiling (about "
+                    "a minute for SmolLM2); elsewhere it compiles as usual. Set "
+                    "option.decode_step=compiled in serving.properties to serve with it.")
+    compile_step.add_argument("model_dir", metavar="MODEL_DIR", help="the model directory")
+    compile_step.add_argument(
+        "--weights", choices=COMPILED_WEIGHTS, default=None,
+        help="option.compiled_weights (default: the model directory's, else copy): shared "
+             "writes a few MB, copy the weights' size again")
+    compile_step.set_defaults(run=_compile)
 
     from djl_stream.shipping.images import IMAGES
 
@@ -361,6 +379,43 @@ def _embed(args: argparse.Namespace) -> int:
     else:
         print(f"{args.model_dir} already holds a model (config.json); "
               "pass --force to overwrite it")
+    return 0
+
+
+# -- compile --
+
+def _compile(args: argparse.Namespace) -> int:
+    import logging
+    from pathlib import Path
+
+    from djl_stream.generation import compiled_decode, llama_decode
+    from djl_stream.generation.loading import ModelLoadError, load_model_and_tokenizer
+    from djl_stream.serving.properties import ModelProperties, PropertyError, djl_init_properties
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    init = djl_init_properties(args.model_dir)
+    init["decode_step"] = "compiled"
+    if args.weights:
+        init["compiled_weights"] = args.weights
+    try:
+        model, _ = load_model_and_tokenizer(ModelProperties.from_init_properties(init))
+    except (PropertyError, ModelLoadError) as error:
+        print(f"djl-stream compile: {error}", file=sys.stderr)
+        return 1
+    step = llama_decode.step_of(model)
+    if step is None or not step.compiled:
+        print("djl-stream compile: this model got no compiled decode step here (the log above "
+              "says why)", file=sys.stderr)
+        return 1
+    try:
+        target = compiled_decode.ship(step.one_row, Path(args.model_dir))
+    except (ValueError, OSError) as error:
+        print(f"djl-stream compile: {error}", file=sys.stderr)
+        return 1
+    size = sum(path.stat().st_size for path in target.iterdir()) / 1e6
+    print(f"wrote {target} ({size:.1f} MB): loaded instead of compiling on a machine with "
+          "this CPU model and PyTorch, with option.decode_step=compiled"
+          + ("" if not step.one_row.shares_weights else " and option.compiled_weights=shared"))
     return 0
 
 

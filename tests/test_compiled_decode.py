@@ -448,3 +448,71 @@ def test_a_start_marks_its_program_used_and_evicts_the_least_recently_used(
         build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED), cache=cache)
     assert one_row is not None and one_row.from_cache and one_row.path == ours
     assert ours.exists() and newer.exists() and not older.exists()
+
+
+# -- a program shipped in the model directory (djl-stream compile) ---------------------
+
+def test_a_program_in_the_model_directory_is_loaded_before_the_cache_and_never_written(
+        smollm2_tokenizer, tmp_path, monkeypatch, one_row_cache, caplog):
+    caplog.set_level(logging.INFO)
+    shipped = tmp_path / "model" / compiled_decode.SHIPPED_FOLDER
+    compiled = compiled_decode.compile_one_row(
+        build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED), share_weights=True)
+    assert compiled is not None
+    copy = compiled_decode.ship(compiled, shipped.parent)
+    assert copy == shipped / compiled.path.name
+    assert sorted(p.name for p in copy.iterdir()) == ["program.pt2", "shared.json"]
+
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
+    before = sorted(p.name for p in shipped.iterdir())
+    empty_cache = tmp_path / "cache"
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED + 4)  # other weights
+    expected, _ = decode_alone(model, smollm2_tokenizer, 12)
+    one_row = compiled_decode.compile_one_row(model, share_weights=True, cache=empty_cache,
+                                              shipped=shipped)
+    assert one_row is not None and one_row.path == copy
+    assert "loaded from the model directory" in caplog.text
+    assert sorted(p.name for p in shipped.iterdir()) == before  # no lock file, nothing new
+    assert not empty_cache.exists() or not list(empty_cache.iterdir())
+    step = llama_decode.attach(model, smollm2_tokenizer, one_row=one_row)
+    assert step.compiled and decode_alone(model, smollm2_tokenizer, 12)[0] == expected
+
+
+def test_programs_in_the_model_directory_for_another_machine_leave_it_to_the_cache(
+        smollm2_tokenizer, tmp_path, one_row_cache, caplog):
+    caplog.set_level(logging.INFO)
+    shipped = tmp_path / "model" / compiled_decode.SHIPPED_FOLDER
+    _fake_entry(shipped, "a" * 40, 1_000_000)  # another key: another CPU, say
+    one_row = compiled_decode.compile_one_row(
+        build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED), share_weights=True,
+        shipped=shipped)
+    assert one_row is not None and one_row.path.parent == one_row_cache
+    assert "were compiled for another CPU, PyTorch, weights or djl-stream" in caplog.text
+
+
+def test_djl_stream_compile_ships_the_program_a_server_then_loads(tiny_model_dir, tmp_path,
+                                                                   monkeypatch, one_row_cache,
+                                                                   capsys):
+    from djl_stream.cli import main
+    from djl_stream.generation.loading import load_model_and_tokenizer
+
+    model_dir = tmp_path / "tiny"
+    shutil.copytree(tiny_model_dir, model_dir)
+    assert main(["compile", str(model_dir), "--weights", "shared"]) == 0
+    (entry,) = (model_dir / compiled_decode.SHIPPED_FOLDER).iterdir()
+    assert f"wrote {entry}" in capsys.readouterr().out
+
+    # a machine with an empty cache: it loads the shipped program and compiles nothing
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
+    props = ModelProperties.from_init_properties(
+        {"model_dir": str(model_dir), "decode_step": "compiled", "compiled_weights": "shared"})
+    model, _ = load_model_and_tokenizer(props)
+    step = llama_decode.step_of(model)
+    assert step is not None and step.compiled and step.one_row.path == entry

@@ -87,6 +87,12 @@ INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True,
 SHARED_WEIGHTS_OPTIONS = {"aot_inductor.package_constants_in_so": False,
                           "aot_inductor.package_constants_on_disk_format": "pickle_weights"}
 
+#: The folder of a model directory that holds programs compiled for it (``djl-stream
+#: compile MODEL_DIR``): looked in before the cache, and never written at load, so that a
+#: container whose model directory is read-only (SageMaker's /opt/ml/model) starts
+#: without compiling where the program there was compiled for its CPU and PyTorch.
+SHIPPED_FOLDER = "compiled_decode"
+
 #: How many programs a cache directory keeps, the most recently used (loaded or compiled)
 #: ones: an entry is hundreds of megabytes (519 MB for SmolLM2 in float32), and every
 #: change of weights, PyTorch or CPU makes another. ``DJL_STREAM_COMPILED_CACHE_ENTRIES``
@@ -385,8 +391,8 @@ def _untouched(shape, dtype: torch.dtype) -> torch.Tensor:
 
 # -- compiling -------------------------------------------------------------------------
 
-def compile_one_row(model, *, share_weights: bool = False,
-                    cache: Optional[Path] = None) -> Optional[CompiledOneRow]:
+def compile_one_row(model, *, share_weights: bool = False, cache: Optional[Path] = None,
+                    shipped: Optional[Path] = None) -> Optional[CompiledOneRow]:
     """``model``'s one-row program from the cache, or compiled into it; ``None`` (logged)
     where the model is not one it runs or compiling fails (no C++ compiler, say). Call it
     before the model's layers are packed: it reads their plain weights.
@@ -401,6 +407,8 @@ def compile_one_row(model, *, share_weights: bool = False,
 
     ``cache``: the cache directory, :func:`cache_root` by default; where it cannot be
     written, the package is compiled into a temporary directory, removed once loaded.
+    ``shipped``: a model directory's :data:`SHIPPED_FOLDER`, read (without a lock, never
+    written) before the cache; its program is taken where its key is this one's.
     """
     reason = OneRowGraph.unsupported_reason(model)
     if reason:
@@ -419,6 +427,10 @@ def compile_one_row(model, *, share_weights: bool = False,
             logger.warning("the one-row program's cache cannot be written (%s); compiling "
                            "into a temporary directory, removed once it is loaded", error)
         key = cache_key(graph, share_weights)
+        if shipped is not None:
+            one_row = _shipped(Path(shipped), key, started, weights)
+            if one_row is not None:
+                return one_row
         entry = CacheEntry(root / key)
         # workers starting together compile once: the others wait, then load it
         with exclusive_lock(root / f"{key}.lock"):
@@ -463,6 +475,53 @@ def _cached(entry: CacheEntry, started: float,
     logger.info("the one-row decode program was loaded from the cache %s in %.1f s",
                 entry.directory, time.perf_counter() - started)
     return one_row
+
+
+def _shipped(folder: Path, key: str, started: float,
+             weights: Optional[Dict[str, torch.Tensor]]) -> Optional[CompiledOneRow]:
+    """The program the model directory's ``folder`` holds under ``key``, or ``None``
+    (logged where the folder holds programs but not this one: compiled for another CPU,
+    PyTorch, weights or step, or one that does not load)."""
+    entry = CacheEntry(folder / key)
+    if not entry.complete():
+        if folder.is_dir() and any(path.is_dir() for path in folder.iterdir()):
+            logger.info("the model directory's compiled programs (%s) were compiled for "
+                        "another CPU, PyTorch, weights or djl-stream (none has key %s); "
+                        "using the cache", folder, key)
+        return None
+    try:
+        one_row = entry.load(from_cache=True, weights=weights)
+    except Exception as error:  # noqa: BLE001 - the cache serves instead
+        logger.warning("the model directory's compiled program %s does not load (%s: %s); "
+                       "using the cache", entry.directory, type(error).__name__,
+                       str(error).splitlines()[0] if str(error) else "")
+        return None
+    logger.info("the one-row decode program was loaded from the model directory (%s) in "
+                "%.1f s", entry.directory, time.perf_counter() - started)
+    return one_row
+
+
+def ship(one_row: CompiledOneRow, model_dir: Path) -> Path:
+    """Copy ``one_row``'s cache entry into ``model_dir``'s :data:`SHIPPED_FOLDER`, where
+    :func:`compile_one_row` finds it on a machine with this CPU and PyTorch, and return the
+    copy's path (an older copy of the same key is replaced)."""
+    if not CacheEntry(one_row.path).complete():
+        raise ValueError(f"the program's files are no longer in {one_row.path} (compiled "
+                         "into a temporary directory where the cache could not be written?)")
+    folder = Path(model_dir) / SHIPPED_FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / one_row.path.name
+    work = Path(tempfile.mkdtemp(prefix=f"{target.name}.", dir=folder))
+    try:
+        for name in ("program.pt2", "constants.pt", "unread.json", "shared.json"):
+            if (one_row.path / name).is_file():
+                shutil.copy2(one_row.path / name, work / name)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(work, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
 
 
 def _mark_used(entry: CacheEntry) -> None:

@@ -250,14 +250,17 @@ def prepare_for_decoding(model, tokenizer, props: ModelProperties, *, on_gpu: bo
     before they are packed: by default it packs its own copy of their weights for its C++
     kernels; with ``option.compiled_weights=shared`` it reads the plain weights
     themselves, and the layers are left plain (packed copies beside them would be the
-    memory sharing saves) unless ``option.prepack_weights=true``. Returns the step or
-    ``None``."""
+    memory sharing saves) unless ``option.prepack_weights=true``. A program the model
+    directory ships (``djl-stream compile``) comes first where it was compiled for this
+    CPU and PyTorch. Returns the step or ``None``."""
     from djl_stream.generation import compiled_decode
 
     one_row = None
     share = props.compiled_weights == "shared"
     if not on_gpu and props.decode_step == "compiled":
-        one_row = compiled_decode.compile_one_row(model, share_weights=share)
+        one_row = compiled_decode.compile_one_row(
+            model, share_weights=share,
+            shipped=Path(props.model_dir) / compiled_decode.SHIPPED_FOLDER)
     if not on_gpu:
         if one_row is not None and share and props.prepack_weights is None:
             logger.info("linear layers left unpacked: the compiled one-row step reads their "
