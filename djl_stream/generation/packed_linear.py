@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from typing import Callable, Optional
 
@@ -166,8 +167,8 @@ def _agrees(packed: PackedLinear, linear: torch.nn.Linear) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class PackingTrial:
-    """One row through every layer to be packed, with ``nn.Linear`` and packed: the
-    fastest round's seconds of each way (:func:`one_row_trial`)."""
+    """One row through every layer to be packed, with ``nn.Linear`` and packed: the sum
+    of each layer's fastest call, each way (:func:`one_row_trial`)."""
 
     plain_seconds: float
     packed_seconds: float
@@ -188,11 +189,14 @@ def one_row_trial(pairs, repetitions: int = 7,
                   clock: Callable[[], float] = time.perf_counter) -> PackingTrial:
     """Time one row through each ``(nn.Linear, PackedLinear)`` of ``pairs``, all the
     plain layers then all the packed ones, ``repetitions`` times in turns (after one
-    untimed pass each), and keep each way's fastest round: another process on the same
-    cores (a second worker loading beside this one, say) only ever slows a round, and two
-    servers loading together on the 2-core machine timed rounds 10-40 times their usual
-    length, in no stable order. The whole model's weights, so that the trial reads memory
-    as a decode step does rather than a cache. ``clock``: seconds, monotonic.
+    untimed pass each), and sum each layer's fastest time, each way: another process on
+    the same cores (a second worker loading beside this one, say) only ever slows a call,
+    and it slows some calls of a round, not whole rounds: two servers loading together on
+    the 2-core machine timed rounds 10-40 times their usual length in no stable order, and
+    with eleven loading at once (``make bench-peers``) no round of either way was left
+    whole, so a trial that kept each way's fastest round packed SmolLM2 on the Xeon where
+    packing slows one row. The whole model's weights, so that the trial reads memory as a
+    decode step does rather than a cache. ``clock``: seconds, monotonic.
 
     >>> layer = torch.nn.Linear(16, 16)
     >>> packed = PackedLinear.from_linear(layer)
@@ -207,20 +211,22 @@ def one_row_trial(pairs, repetitions: int = 7,
                                     generator=torch.Generator().manual_seed(0)).to(key[1])
     calls = [(plain, packed, rows[(plain.in_features, plain.weight.dtype)])
              for plain, packed in pairs]
+    fastest = ([math.inf] * len(calls), [math.inf] * len(calls))
 
-    def seconds(way: int) -> float:
-        started = clock()
-        for call in calls:
+    def timed_round(way: int) -> None:
+        best = fastest[way]
+        for index, call in enumerate(calls):
+            started = clock()
             call[way](call[2])
-        return clock() - started
+            best[index] = min(best[index], clock() - started)
 
-    times = ([], [])
     with torch.no_grad():
-        seconds(0), seconds(1)
+        for call in calls:  # one untimed pass each way
+            call[0](call[2]), call[1](call[2])
         for _ in range(repetitions):
             for way in (0, 1):
-                times[way].append(seconds(way))
-    return PackingTrial(min(times[0]), min(times[1]))
+                timed_round(way)
+    return PackingTrial(sum(fastest[0]), sum(fastest[1]))
 
 
 def pack_linear_layers(model: torch.nn.Module, *, only_where_it_pays: bool = False) -> int:
