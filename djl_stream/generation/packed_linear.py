@@ -193,9 +193,9 @@ def one_row_trial(pairs, repetitions: int = 7,
     the same cores (a second worker loading beside this one, say) only ever slows a call,
     and it slows some calls of a round, not whole rounds: two servers loading together on
     the 2-core machine timed rounds 10-40 times their usual length in no stable order, and
-    with eleven loading at once (``make bench-peers``) no round of either way was left
-    whole, so a trial that kept each way's fastest round packed SmolLM2 on the Xeon where
-    packing slows one row. The whole model's weights, so that the trial reads memory as a
+    with eleven loading at once (``make bench-peers``) a trial that kept each way's fastest
+    round packed SmolLM2 on the Xeon, where packing slows one row (by the server's memory
+    and speed: its log was gone). The whole model's weights, so that the trial reads memory as a
     decode step does rather than a cache. ``clock``: seconds, monotonic.
 
     >>> layer = torch.nn.Linear(16, 16)
