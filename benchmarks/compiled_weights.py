@@ -47,9 +47,8 @@ def one_server(model_dir: str, options: Dict[str, str], requests: int,
             timing = stream_once(server.url, request_body(PROMPTS[i % len(PROMPTS)], new_tokens))
             if timing.error:
                 raise SystemExit(f"{options}: {timing.error}\n{server.log_tail()}")
-            gaps = [b - a for a, b in zip(timing.arrivals, timing.arrivals[1:])]
-            itl.append(statistics.median(gaps) * 1e3)
-            ttft.append((timing.arrivals[0] - timing.start) * 1e3)
+            itl.append(statistics.median(timing.inter_token) * 1e3)
+            ttft.append(timing.ttft * 1e3)
         memory = server.memory()
     return {"itl": itl, "ttft": ttft, "rss": memory.rss / 1e6 if memory else float("nan")}
 

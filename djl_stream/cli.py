@@ -412,7 +412,7 @@ def _compile(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"djl-stream compile: {error}", file=sys.stderr)
         return 1
-    size = sum(path.stat().st_size for path in target.iterdir()) / 1e6
+    size = compiled_decode.CacheEntry(target).megabytes()
     print(f"wrote {target} ({size:.1f} MB): loaded instead of compiling on a machine with "
           "this CPU model and PyTorch, with option.decode_step=compiled"
           + ("" if not step.one_row.shares_weights else " and option.compiled_weights=shared"))

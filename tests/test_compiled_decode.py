@@ -52,6 +52,15 @@ def decode_alone(model, tokenizer, new_tokens, room_on_left=0):
     return seq.generated_ids, capacities
 
 
+def forbid_compiling(monkeypatch):
+    """Make any compile from here on fail the test: what follows must come from a cache
+    or a model directory."""
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
+
+
 def compiled_step(model, tokenizer, monkeypatch, *, int8=False, share_weights=False):
     """``model``'s step with its one-row program, compiled (or loaded from the session's
     cache) from the plain layers, as at load: before they are packed, or reading them where
@@ -136,10 +145,7 @@ def test_workers_starting_together_compile_once_and_a_restart_loads_the_cache(
     assert sum(t.numel() * t.element_size() for t in stored.values()) >= plain_bytes
 
     # the next start: nothing is compiled, and the program gives the eager step's tokens
-    def no_compiling(*args, **kwargs):
-        raise AssertionError("compiled again")
-
-    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
+    forbid_compiling(monkeypatch)
     model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
     expected, _ = decode_alone(model, smollm2_tokenizer, 20)
     one_row = compiled_decode.compile_one_row(model, cache=cache)
@@ -180,10 +186,7 @@ def test_a_program_that_shares_the_weights_keeps_none_and_serves_other_weights_o
         other.lm_head.weight.div_(1.5)
     hook.remove()
 
-    def no_compiling(*args, **kwargs):
-        raise AssertionError("compiled again")
-
-    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
+    forbid_compiling(monkeypatch)
     one_row = compiled_decode.compile_one_row(other, share_weights=True, cache=cache)
     assert one_row is not None and one_row.from_cache and one_row.shares_weights
     step = llama_decode.attach(other, smollm2_tokenizer, one_row=one_row)
@@ -463,10 +466,7 @@ def test_a_program_in_the_model_directory_is_loaded_before_the_cache_and_never_w
     assert copy == shipped / compiled.path.name
     assert sorted(p.name for p in copy.iterdir()) == ["program.pt2", "shared.json"]
 
-    def no_compiling(*args, **kwargs):
-        raise AssertionError("compiled again")
-
-    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
+    forbid_compiling(monkeypatch)
     before = sorted(p.name for p in shipped.iterdir())
     empty_cache = tmp_path / "cache"
     model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED + 4)  # other weights
@@ -506,11 +506,8 @@ def test_djl_stream_compile_ships_the_program_a_server_then_loads(tiny_model_dir
     assert f"wrote {entry}" in capsys.readouterr().out
 
     # a machine with an empty cache: it loads the shipped program and compiles nothing
-    def no_compiling(*args, **kwargs):
-        raise AssertionError("compiled again")
-
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "empty-cache"))
-    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
+    forbid_compiling(monkeypatch)
     props = ModelProperties.from_init_properties(
         {"model_dir": str(model_dir), "decode_step": "compiled", "compiled_weights": "shared"})
     model, _ = load_model_and_tokenizer(props)

@@ -345,6 +345,10 @@ class CacheEntry:
         return self.program.is_file() and (
             self.shared.is_file() or (self.constants.is_file() and self.unread.is_file()))
 
+    def megabytes(self) -> float:
+        """The size of the entry's files."""
+        return sum(path.stat().st_size for path in self.directory.iterdir()) / 1e6
+
     def load(self, from_cache: bool,
              weights: Optional[Dict[str, torch.Tensor]] = None) -> CompiledOneRow:
         """The program with its constants: for a program that reads the model's weights,
@@ -417,6 +421,30 @@ def compile_one_row(model, *, share_weights: bool = False, cache: Optional[Path]
     started = time.perf_counter()
     graph = OneRowGraph(model)
     weights = model_weights(graph) if share_weights else None
+    try:
+        key = cache_key(graph, share_weights)
+        if shipped is not None:  # before the cache, which it then leaves untouched
+            entry = CacheEntry(Path(shipped) / key)
+            one_row = _loaded(entry, started, weights, where="the model directory",
+                              otherwise="using the cache")
+            if one_row is not None:
+                return one_row
+            if not entry.complete():
+                _log_other_keys(Path(shipped), key)
+        return _cached_or_compiled(graph, key, weights, cache, started)
+    except Exception as error:  # noqa: BLE001 - the eager step serves one-row steps then
+        logger.warning("compiling the one-row decode step failed (%s: %s); one-row steps run "
+                       "the eager step", type(error).__name__,
+                       str(error).splitlines()[0] if str(error) else "")
+        return None
+
+
+def _cached_or_compiled(graph: OneRowGraph, key: str,
+                        weights: Optional[Dict[str, torch.Tensor]], cache: Optional[Path],
+                        started: float) -> CompiledOneRow:
+    """The program of ``key`` from the cache ``cache`` (:func:`cache_root` by default), or
+    compiled into it (into a temporary directory where it cannot be written); then the
+    least recently used entries beyond :func:`kept_entries` are evicted."""
     temporary = one_row = None
     try:
         try:
@@ -426,25 +454,19 @@ def compile_one_row(model, *, share_weights: bool = False, cache: Optional[Path]
             root = temporary = Path(tempfile.mkdtemp(prefix="djl_stream_one_row-"))
             logger.warning("the one-row program's cache cannot be written (%s); compiling "
                            "into a temporary directory, removed once it is loaded", error)
-        key = cache_key(graph, share_weights)
-        if shipped is not None:
-            one_row = _shipped(Path(shipped), key, started, weights)
-            if one_row is not None:
-                return one_row
         entry = CacheEntry(root / key)
         # workers starting together compile once: the others wait, then load it
         with exclusive_lock(root / f"{key}.lock"):
-            one_row = _cached(entry, started, weights)
+            one_row = _loaded(entry, started, weights, where="the cache",
+                              otherwise="compiling it again")
             if one_row is not None:
+                _mark_used(entry)
                 return one_row
-            _compile_into(graph, entry, share_weights)
+            if entry.directory.exists():  # incomplete, or does not load (logged)
+                shutil.rmtree(entry.directory, ignore_errors=True)
+            _compile_into(graph, entry, share_weights=weights is not None)
         one_row = entry.load(from_cache=False, weights=weights)
-        kept = sum(f.stat().st_size for f in entry.directory.iterdir()) / 1e6
-    except Exception as error:  # noqa: BLE001 - the eager step serves one-row steps then
-        logger.warning("compiling the one-row decode step failed (%s: %s); one-row steps run "
-                       "the eager step", type(error).__name__,
-                       str(error).splitlines()[0] if str(error) else "")
-        return None
+        kept = entry.megabytes()
     finally:
         if temporary is not None:  # what the loaded program maps stays until it is unmapped
             shutil.rmtree(temporary, ignore_errors=True)
@@ -456,49 +478,31 @@ def compile_one_row(model, *, share_weights: bool = False, cache: Optional[Path]
     return one_row
 
 
-def _cached(entry: CacheEntry, started: float,
-            weights: Optional[Dict[str, torch.Tensor]]) -> Optional[CompiledOneRow]:
+def _loaded(entry: CacheEntry, started: float, weights: Optional[Dict[str, torch.Tensor]],
+            *, where: str, otherwise: str) -> Optional[CompiledOneRow]:
     """The program ``entry`` holds, or ``None`` where it holds none or one that does not
-    load (a disk that filled up while it was written, say: it is removed, to be compiled
-    again)."""
+    load (a file cut short by a full disk, say: logged, saying what happens ``otherwise``).
+    ``where``: the entry's place, for the log."""
     if not entry.complete():
         return None
     try:
         one_row = entry.load(from_cache=True, weights=weights)
-    except Exception as error:  # noqa: BLE001 - compiled again
-        logger.warning("the cached one-row decode program in %s does not load (%s: %s); "
-                       "compiling it again", entry.directory, type(error).__name__,
-                       str(error).splitlines()[0] if str(error) else "")
-        shutil.rmtree(entry.directory, ignore_errors=True)
+    except Exception as error:  # noqa: BLE001 - the caller goes on without it
+        logger.warning("the one-row decode program in %s (%s) does not load (%s: %s); %s",
+                       where, entry.directory, type(error).__name__,
+                       str(error).splitlines()[0] if str(error) else "", otherwise)
         return None
-    _mark_used(entry)
-    logger.info("the one-row decode program was loaded from the cache %s in %.1f s",
+    logger.info("the one-row decode program was loaded from %s (%s) in %.1f s", where,
                 entry.directory, time.perf_counter() - started)
     return one_row
 
 
-def _shipped(folder: Path, key: str, started: float,
-             weights: Optional[Dict[str, torch.Tensor]]) -> Optional[CompiledOneRow]:
-    """The program the model directory's ``folder`` holds under ``key``, or ``None``
-    (logged where the folder holds programs but not this one: compiled for another CPU,
-    PyTorch, weights or step, or one that does not load)."""
-    entry = CacheEntry(folder / key)
-    if not entry.complete():
-        if folder.is_dir() and any(path.is_dir() for path in folder.iterdir()):
-            logger.info("the model directory's compiled programs (%s) were compiled for "
-                        "another CPU, PyTorch, weights or djl-stream (none has key %s); "
-                        "using the cache", folder, key)
-        return None
-    try:
-        one_row = entry.load(from_cache=True, weights=weights)
-    except Exception as error:  # noqa: BLE001 - the cache serves instead
-        logger.warning("the model directory's compiled program %s does not load (%s: %s); "
-                       "using the cache", entry.directory, type(error).__name__,
-                       str(error).splitlines()[0] if str(error) else "")
-        return None
-    logger.info("the one-row decode program was loaded from the model directory (%s) in "
-                "%.1f s", entry.directory, time.perf_counter() - started)
-    return one_row
+def _log_other_keys(folder: Path, key: str) -> None:
+    """Say so where a model directory ships programs, but none for ``key``."""
+    if folder.is_dir() and any(path.is_dir() for path in folder.iterdir()):
+        logger.info("the model directory's compiled programs (%s) were compiled for another "
+                    "CPU, PyTorch, weights or djl-stream (none has key %s); using the cache",
+                    folder, key)
 
 
 def ship(one_row: CompiledOneRow, model_dir: Path) -> Path:
@@ -513,9 +517,7 @@ def ship(one_row: CompiledOneRow, model_dir: Path) -> Path:
     target = folder / one_row.path.name
     work = Path(tempfile.mkdtemp(prefix=f"{target.name}.", dir=folder))
     try:
-        for name in ("program.pt2", "constants.pt", "unread.json", "shared.json"):
-            if (one_row.path / name).is_file():
-                shutil.copy2(one_row.path / name, work / name)
+        shutil.copytree(one_row.path, work, dirs_exist_ok=True)
         if target.exists():
             shutil.rmtree(target)
         os.replace(work, target)

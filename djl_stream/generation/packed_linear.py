@@ -195,8 +195,8 @@ def one_row_trial(pairs, repetitions: int = 7,
     the 2-core machine timed rounds 10-40 times their usual length in no stable order, and
     with eleven loading at once (``make bench-peers``) a trial that kept each way's fastest
     round packed SmolLM2 on the Xeon, where packing slows one row (by the server's memory
-    and speed: its log was gone). The whole model's weights, so that the trial reads memory as a
-    decode step does rather than a cache. ``clock``: seconds, monotonic.
+    and speed: its log was gone). The whole model's weights, so that the trial reads
+    memory as a decode step does rather than a cache. ``clock``: seconds, monotonic.
 
     >>> layer = torch.nn.Linear(16, 16)
     >>> packed = PackedLinear.from_linear(layer)
