@@ -90,8 +90,11 @@ def unsupported_reason(model) -> Optional[str]:
            if type(m) not in (torch.nn.Linear, PackedLinear, Int8Linear)]
     if odd:
         return f"linear layers of type {odd[0]}"
-    if any(p.device.type != "cpu" for p in model.parameters()):
-        return "not on a CPU (this step has been measured on CPUs only)"
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        return "spread over several devices (device_map): the step reads every weight in place"
+    if any(device.type not in ("cpu", "cuda") for device in devices):
+        return f"on {next(iter(devices)).type}, not a CPU or a CUDA GPU"
     return None
 
 
@@ -142,7 +145,8 @@ def _mlp(layer: dict, hidden: torch.Tensor, eps: float) -> torch.Tensor:
 def _decode_logits(geometry: Geometry, layers: List[dict], final_norm: torch.Tensor, lm_head,
                    hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    mask: torch.Tensor, keys: List[torch.Tensor], values: List[torch.Tensor],
-                   column: torch.Tensor, start: int) -> torch.Tensor:
+                   column: torch.Tensor, start: int,
+                   real: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Logits ``(rows, vocab)`` of a decode step from the embedded tokens ``hidden``
     ``(rows, hidden)``, their rotary ``cos``/``sin`` ``(rows, 1, 1, head_dim)`` and the
     additive ``mask`` ``(rows, 1, 1, columns)``. ``keys[i]``/``values[i]`` are layer
@@ -151,7 +155,12 @@ def _decode_logits(geometry: Geometry, layers: List[dict], final_norm: torch.Ten
     rows and attends over the ``columns`` columns from ``start``.
 
     The buffers themselves are a graph's inputs, not views of them: a mutated view of an
-    input would be copied back whole after every step."""
+    input would be copied back whole after every step.
+
+    ``real`` (``(rows, 1, 1, 1)`` booleans, for a CUDA graph's rows padded up to a bucket:
+    :mod:`~djl_stream.generation.cuda_graphs`) marks the rows whose column is written; the
+    others write back what their slot holds there (a free slot, or one lent to a prompt
+    being prefilled, is left as it was)."""
     rows, columns = hidden.shape[0], mask.shape[3]
     g = geometry
     # (enable_gqa only where heads are grouped: PyTorch < 2.5 has no such argument, and a
@@ -163,6 +172,9 @@ def _decode_logits(geometry: Geometry, layers: List[dict], final_norm: torch.Ten
         k = layer["k"](x).view(rows, g.kv_heads, 1, g.head_dim)
         v = layer["v"](x).view(rows, g.kv_heads, 1, g.head_dim)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if real is not None:
+            k = torch.where(real, k, layer_keys[:rows].index_select(2, column))
+            v = torch.where(real, v, layer_values[:rows].index_select(2, column))
         layer_keys[:rows].index_copy_(2, column, k)
         layer_values[:rows].index_copy_(2, column, v)
         attended = F.scaled_dot_product_attention(
@@ -223,6 +235,11 @@ class LlamaDecodeStep:
         self.one_row = one_row
         #: Whether the last decode step's logits came from the compiled program.
         self.last_step_compiled = False
+        #: On a CUDA GPU, a :class:`~djl_stream.generation.cuda_graphs.CudaGraphSteps` that
+        #: replays decode steps from CUDA graphs (:func:`attach` with ``cuda_graphs``).
+        self.graphs = None
+        #: Whether the last decode step's logits came from a replayed CUDA graph.
+        self.last_step_replayed = False
 
     @property
     def compiled(self) -> bool:
@@ -286,7 +303,7 @@ class LlamaDecodeStep:
         p_sin = sin[rows:].view(prompts, 1, columns, -1)
         d_mask = self._padding_mask(decode.attention_mask, hidden.dtype)
         p_mask = self._prompt_mask(prefill.attention_mask, cached, columns, hidden.dtype)
-        d_write = torch.tensor([d_column])
+        d_write = torch.tensor([d_column], device=d_keys[0].device)
         g = self.geometry
         gqa = {"enable_gqa": True} if g.grouped else {}
         width = g.heads * g.head_dim
@@ -352,16 +369,36 @@ class LlamaDecodeStep:
         ``(rows, vocab)`` of the next token come back."""
         keys, values, start, column = self._decode_buffers(batch)
         with torch.inference_mode():
-            inputs = self._inputs(batch.input_ids, batch.position_ids, batch.attention_mask)
             logits = None
-            if self.one_row is not None and len(batch) == 1:
-                logits = self._one_row_logits(inputs, keys, values, column, start)
-            self.last_step_compiled = logits is not None
+            if self.graphs is not None:
+                logits = self._replayed_logits(batch, keys, values, start, column)
+            self.last_step_replayed = logits is not None
+            self.last_step_compiled = False
+            if logits is None:
+                inputs = self._inputs(batch.input_ids, batch.position_ids, batch.attention_mask)
+                if self.one_row is not None and len(batch) == 1:
+                    logits = self._one_row_logits(inputs, keys, values, column, start)
+                self.last_step_compiled = logits is not None
             if logits is None:
                 logits = _decode_logits(self.geometry, self.layers, self.final_norm, self.lm_head,
-                                        *inputs, keys, values, torch.tensor([column]), start)
+                                        *inputs, keys, values,
+                                        torch.tensor([column], device=keys[0].device), start)
         batch.past_key_values.next_columns_written()
         return logits
+
+    def _replayed_logits(self, batch, keys, values, start: int, column: int):
+        """The logits of a step replayed from a CUDA graph, or ``None`` where capturing or
+        replaying failed (the graphs are dropped then: the eager step writes the same
+        column again)."""
+        try:
+            return self.graphs.logits(batch.input_ids, batch.position_ids, batch.attention_mask,
+                                      keys, values, start, column)
+        except Exception as error:  # noqa: BLE001 - the eager step serves instead
+            logger.warning("replaying the decode step from a CUDA graph failed (%s: %s); decode "
+                           "steps run eagerly from now on", type(error).__name__,
+                           str(error).splitlines()[0] if str(error) else "")
+            self.graphs = None
+            return None
 
     def _one_row_logits(self, inputs, keys, values, column: int, start: int):
         """The compiled program's logits of a one-row step, or ``None`` where it failed (it
@@ -398,7 +435,8 @@ def last_step_compiled(model) -> bool:
     return step is not None and step.last_step_compiled
 
 
-def attach(model, tokenizer, *, one_row=None) -> Optional[LlamaDecodeStep]:
+def attach(model, tokenizer, *, one_row=None, cuda_graphs: bool = False
+           ) -> Optional[LlamaDecodeStep]:
     """Build ``model``'s :class:`LlamaDecodeStep`, check it against the model's forward on
     probe batches of 1 and 3 rows and on a mixed pass, and attach it, so that
     :func:`~djl_stream.generation.batch.generate_token` uses it for decode steps.
@@ -406,7 +444,9 @@ def attach(model, tokenizer, *, one_row=None) -> Optional[LlamaDecodeStep]:
     With ``one_row`` (a :class:`~djl_stream.generation.compiled_decode.CompiledOneRow`,
     compiled before the model's layers were packed), one-row steps run it once it agrees
     with the forward on the one-row probe; where it does not, the eager step runs them
-    (logged).
+    (logged). With ``cuda_graphs`` (a model on one CUDA GPU), decode steps are replayed
+    from CUDA graphs (:mod:`~djl_stream.generation.cuda_graphs`) once those agree with the
+    forward on the probes of 1 and 3 rows; where they do not, the eager step runs (logged).
 
     Returns the step, or ``None`` (logged) where the model is not supported or the step's
     logits differ from the forward's.
@@ -429,13 +469,19 @@ def attach(model, tokenizer, *, one_row=None) -> Optional[LlamaDecodeStep]:
             return None
         if one_row is not None:
             step.one_row = _checked_one_row(step, model, tokenizer, one_row)
+        if cuda_graphs:
+            step.graphs = _checked_graphs(step, model, tokenizer)
     except Exception as error:  # noqa: BLE001 - serving goes on without the step
         logger.warning("building the Llama decode step failed (%s: %s); decode steps run the "
                        "model's forward", type(error).__name__,
                        str(error).splitlines()[0] if str(error) else "")
         return None
     install(model, step)
-    if step.compiled:
+    if step.graphs is not None:
+        logger.info("decode steps are replayed from CUDA graphs (batches padded to %s rows); "
+                    "mixed passes run djl-stream's Llama decode step",
+                    ", ".join(map(str, _graph_buckets())))
+    elif step.compiled:
         logger.info("one-row decode steps run the compiled program; other steps run "
                     "djl-stream's Llama decode step")
     else:
@@ -456,6 +502,35 @@ def _checked_one_row(step: LlamaDecodeStep, model, tokenizer, one_row):
         return None
     finally:
         step.one_row = None
+
+
+def _graph_buckets():
+    from djl_stream.generation.cuda_graphs import ROW_BUCKETS
+
+    return ROW_BUCKETS
+
+
+def _checked_graphs(step: LlamaDecodeStep, model, tokenizer):
+    """A :class:`~djl_stream.generation.cuda_graphs.CudaGraphSteps` for ``step`` if its
+    replays agree with the model's forward on the probes of 1 and 3 rows, else ``None``
+    (logged)."""
+    from djl_stream.generation.cuda_graphs import CudaGraphSteps, cuda_graphs_unavailable
+
+    reason = cuda_graphs_unavailable(model)
+    if reason:
+        logger.info("decode steps are not replayed from CUDA graphs: %s", reason)
+        return None
+    step.graphs = CudaGraphSteps(step)
+    try:
+        for rows in (1, 3):
+            if not (_agrees(step, model, tokenizer, rows) and step.last_step_replayed):
+                logger.warning("the decode step replayed from a CUDA graph differs from the "
+                               "model's forward on a probe of %d rows; decode steps run eagerly",
+                               rows)
+                return None
+        return step.graphs
+    finally:
+        step.graphs = None
 
 
 def install(model, step: LlamaDecodeStep) -> None:

@@ -267,19 +267,22 @@ def prepare_for_decoding(model, tokenizer, props: ModelProperties, *, on_gpu: bo
                         "weights (option.compiled_weights=shared)")
         else:
             prepack_for_cpu(model, props)
-    return attach_decode_step(model, tokenizer, props, one_row=one_row)
+    return attach_decode_step(model, tokenizer, props, one_row=one_row,
+                              cuda_graphs=on_gpu and props.decode_step in ("auto", "compiled"))
 
 
-def attach_decode_step(model, tokenizer, props: ModelProperties, one_row=None):
+def attach_decode_step(model, tokenizer, props: ModelProperties, one_row=None,
+                       cuda_graphs: bool = False):
     """Give ``model`` djl-stream's Llama decode step unless ``option.decode_step`` is
     ``forward`` (or the model is not one it runs: then its forward runs, logged); with
     ``one_row`` (``option.decode_step=compiled``: see :func:`prepare_for_decoding`), its
-    one-row steps run that program. Returns the step or ``None``."""
+    one-row steps run that program; with ``cuda_graphs`` (``auto`` or ``compiled`` on a
+    GPU), its steps are replayed from CUDA graphs. Returns the step or ``None``."""
     from djl_stream.generation import llama_decode
 
     if props.decode_step == "forward":
         return None
-    return llama_decode.attach(model, tokenizer, one_row=one_row)
+    return llama_decode.attach(model, tokenizer, one_row=one_row, cuda_graphs=cuda_graphs)
 
 
 def prepack_for_cpu(model, props: ModelProperties) -> int:
