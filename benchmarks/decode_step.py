@@ -9,10 +9,14 @@ count so that a busy machine slows each alike. The greedy tokens of every row ar
 compared with the forward's. ``--compiled`` adds the one-row step compiled ahead of time
 by AOTInductor (``option.decode_step=compiled``: compiling takes a minute or two on a small
 CPU the first time, then the program comes from the cache; the load time is reported).
+``--device cuda`` runs them on a GPU (in the model directory's dtype, half precision by
+default there), where the third way is the step replayed from CUDA graphs (what
+``option.decode_step=auto`` does on a GPU), with the time its graphs took to capture.
 
 Example::
 
     python -m benchmarks.decode_step --model-dir model --rows 1,4,16
+    python -m benchmarks.decode_step --model-dir model --device cuda --rows 1,4,16,64
 """
 
 from __future__ import annotations
@@ -56,14 +60,22 @@ def main(argv: List[str] | None = None) -> None:
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--compiled", action="store_true",
                         help="also the one-row step compiled by AOTInductor (option.decode_step=compiled)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     args = parser.parse_args(argv)
-    loaded = LoadedModel.load(args.model_dir, device="cpu")
+    loaded = LoadedModel.load(args.model_dir, device=args.device, decode_step="eager")
     reason = llama_decode.unsupported_reason(loaded.model)
     if reason:
         raise SystemExit(f"djl-stream's Llama decode step cannot run this model: {reason}")
     ways: Dict[str, tuple] = {"model's forward": (loaded, None)}
     llama_decode.detach(loaded.model)
     ways["djl-stream's step"] = (loaded, llama_decode.LlamaDecodeStep(loaded.model))
+    graphs = None
+    if loaded.device.type == "cuda":
+        from djl_stream.generation.cuda_graphs import CudaGraphSteps
+
+        replayed = llama_decode.LlamaDecodeStep(loaded.model)
+        replayed.graphs = graphs = CudaGraphSteps(replayed)
+        ways["djl-stream's step, CUDA graphs"] = (loaded, replayed)
     if args.compiled:
         # the one-row program is compiled from the plain weights, before packing: a model
         # of its own, loaded as the server loads it with option.decode_step=compiled
@@ -89,8 +101,13 @@ def main(argv: List[str] | None = None) -> None:
                 seconds, ids = decode_steps(way.model, way.tokenizer, prompts, args.steps)
                 medians.setdefault((name, rows), []).append(seconds)
                 tokens[(name, rows)] = ids
-    print(f"\n{args.model_dir}: decode step (median of {args.repetitions} medians of "
-          f"{args.steps} steps), greedy tokens against the forward's\n")
+    print(f"\n{args.model_dir} on {loaded.device} ({str(loaded.dtype).replace('torch.', '')}): "
+          f"decode step (median of {args.repetitions} medians of {args.steps} steps), greedy "
+          f"tokens against the forward's\n")
+    if graphs is not None:
+        from djl_stream.generation.cuda_graphs import describe
+
+        print(f"CUDA graphs: {describe(graphs.stats)}\n")
     print("| rows | " + " | ".join(ways) + " |")
     print("|---|" + "---|" * len(ways))
     for rows in rows_list:

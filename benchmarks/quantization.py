@@ -63,10 +63,10 @@ def _load(model_dir: str, method: str):
     return load_model_and_tokenizer(ModelProperties.from_init_properties(init))[0]
 
 
-def _row_name(method: str) -> str:
+def _row_name(method: str, unset: str = "float32") -> str:
     compiled = method.endswith(COMPILED)
     method = method[:-len(COMPILED)] if compiled else method
-    name = ("unset (float32)" if method == "none"
+    name = (f"unset ({unset})" if method == "none"
             else f"unset, `option.dtype={method}`" if method in DTYPES else f"`{method}`")
     return name + (", `option.decode_step=compiled`" if compiled else "")
 
@@ -78,7 +78,7 @@ def _sequence(ids: Sequence[int], tokenizer, tokens: int) -> GenerationSequence:
 
 def greedy_ids(model, tokenizer, ids: Sequence[int], tokens: int) -> List[int]:
     seq = _sequence(ids, tokenizer, tokens)
-    batch = CausalLMBatch.from_sequences([seq], pad_token_id=0, device="cpu")
+    batch = CausalLMBatch.from_sequences([seq], pad_token_id=0, device=model.device)
     while batch is not None:
         _, batch = generate_token(model, batch)
     return seq.generated_ids
@@ -87,7 +87,7 @@ def greedy_ids(model, tokenizer, ids: Sequence[int], tokens: int) -> List[int]:
 def teacher_forced_agreement(model, prompt: Sequence[int], reference: Sequence[int]) -> float:
     """Share of positions where ``model``'s top token, fed ``reference``'s tokens so far,
     is ``reference``'s next token."""
-    ids = torch.tensor([list(prompt) + list(reference[:-1])])
+    ids = torch.tensor([list(prompt) + list(reference[:-1])], device=model.device)
     with torch.inference_mode():
         logits = model(ids).logits[0, len(prompt) - 1:]
     chosen = logits.argmax(-1).tolist()
@@ -108,9 +108,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--output", default="BENCHMARKS.md",
                         help="file whose quantization section gets the table ('' for none)")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, or cuda: each method loads on the GPU, as the server "
+                             "loads it there (unset: half precision)")
     args = parser.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",")]
-    lm = LoadedModel.load(args.model_dir, device="cpu")
+    lm = LoadedModel.load(args.model_dir, device=args.device)
     prompts = [list(lm.prompt(p).ids) for p in PROMPTS]
     tokenizer = lm.tokenizer
     del lm
@@ -121,11 +124,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         for method, model in models.items():
             steps[method].append(decode_steps(model, tokenizer, [prompts[0]], args.steps)[0])
     base = statistics.median(steps["none"])
+    unset = str(next(models["none"].parameters()).dtype).replace("torch.", "")
     lines = [f"{torch.get_num_threads()} threads; {args.tokens} greedy tokens on each of "
              f"{len(prompts)} prompts; decode step: median of {args.steps} one-row steps, "
              f"median of {args.repetitions} rounds taken in turns", "",
-             "| weights | decode step | × float32's speed | tokens before the first "
-             "difference | top token = float32's (teacher-forced) |",
+             f"| weights | decode step | × {unset}'s speed | tokens before the first "
+             f"difference | top token = {unset}'s (teacher-forced) |",
              "|---|---|---|---|---|"]
     for method, model in models.items():
         step = statistics.median(steps[method])
@@ -134,7 +138,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             ids = greedy_ids(model, tokenizer, prompt, args.tokens)
             firsts.append(next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), len(ref)))
             shares.append(teacher_forced_agreement(model, prompt, ref))
-        lines.append(f"| {_row_name(method)} | {step * 1e3:.1f} ms | {base / step:.2f}x | "
+        lines.append(f"| {_row_name(method, unset)} | {step * 1e3:.1f} ms | {base / step:.2f}x | "
                      f"{', '.join(map(str, firsts))} of {args.tokens} | "
                      f"{statistics.mean(shares) * 100:.1f} % |")
     print("\n".join(lines))
@@ -153,7 +157,9 @@ def main(argv: Optional[List[str]] = None) -> None:
             "so it is the same with and without `option.decode_step=compiled`, whose "
             "program runs decode steps only; the first column decodes through it. "
             "bitsandbytes is made for CUDA: on a CPU it runs its CPU "
-            "kernels. None of this has run on a GPU.", "", *lines, ""]))
+            "kernels." + ("" if args.device == "cpu" else
+                          f" Run on the GPU ({args.device}): unset means {unset} there."),
+            "", *lines, ""]))
         print(f"wrote the quantization section of {args.output}")
 
 

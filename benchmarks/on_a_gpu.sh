@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# What to run on a machine with a CUDA GPU, in the repository root, each step under its own
+# time limit so that one that hangs leaves the others their time; everything lands in OUT:
+#
+#   1. the tests that need a GPU (CUDA graphs, bitsandbytes and torchao configuration);
+#   2. a decode step three ways: the model's forward, djl-stream's step, and that step
+#      replayed from CUDA graphs (python -m benchmarks.decode_step --device cuda);
+#   3. make bench's run on the GPU (python -m benchmarks.run --device cuda), as served by
+#      default (option.decode_step=auto: CUDA graphs) and with option.decode_step=forward;
+#   4. option.quantize's methods on the GPU (python -m benchmarks.quantization --device cuda).
+#
+# MODEL_DIR is the model served (default: model/). Where its weights cannot be copied to
+# the GPU machine, RANDOM_WEIGHTS=1 makes a copy of it with random weights of the same
+# shapes (benchmarks/random_weights.py): its speed figures hold, its text means nothing.
+#
+# Usage: benchmarks/on_a_gpu.sh OUT [MODEL_DIR]
+set -u
+out=${1:?usage: benchmarks/on_a_gpu.sh OUT [MODEL_DIR]}
+model=${2:-model}
+python=${PYTHON:-python3}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+step() {  # step NAME SECONDS COMMAND...: run it, its output into OUT/NAME.log
+    local name=$1 seconds=$2; shift 2
+    echo "== $name ($(date +%T), at most ${seconds} s): $*"
+    timeout --kill-after=10 "$seconds" "$@" >"$out/$name.log" 2>&1
+    echo "== $name: exit $? at $(date +%T)"
+    tail -n 25 "$out/$name.log"
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  $python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+} >"$out/machine.txt" 2>&1
+cat "$out/machine.txt"
+
+if [ "${RANDOM_WEIGHTS:-0}" = 1 ]; then
+    random=/tmp/djl-stream-random-weights
+    step random_weights 120 $python -m benchmarks.random_weights "$model" "$random" --dtype bf16
+    model=$random
+fi
+
+step tests 240 $python -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py \
+    tests/test_quantization.py tests/test_llama_decode.py
+step decode_step 150 $python -m benchmarks.decode_step --model-dir "$model" --device cuda \
+    --rows 1,4,16,64 --steps 40 --repetitions 3
+step bench 300 $python -m benchmarks.run --model-dir "$model" --device cuda \
+    --concurrency 1,4,16,64 --repetitions 3 --output "$out/BENCHMARKS.md" \
+    --plot "$out/concurrency.png"
+forward=/tmp/djl-stream-forward
+rm -rf "$forward" && cp -r "$model" "$forward" && echo "option.decode_step=forward" >>"$forward/serving.properties"
+step bench_forward 240 $python -m benchmarks.run --model-dir "$forward" --device cuda \
+    --concurrency 1,4,16,64 --repetitions 2 --output "$out/BENCHMARKS-forward.md" \
+    --plot "$out/concurrency-forward.png"
+step quantization 200 $python -m benchmarks.quantization --model-dir "$model" --device cuda \
+    --methods none,int8,bitsandbytes8,bitsandbytes4 --tokens 16 --steps 24 --repetitions 2 \
+    --output "$out/quantization.md"
