@@ -40,8 +40,8 @@ if [ "${RANDOM_WEIGHTS:-0}" = 1 ]; then
     model=$random
 fi
 
-step tests 240 $python -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py \
-    tests/test_quantization.py tests/test_llama_decode.py
+step tests 180 $python -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py \
+    tests/test_quantization.py
 step decode_step 150 $python -m benchmarks.decode_step --model-dir "$model" --device cuda \
     --rows 1,4,16,64 --steps 40 --repetitions 3
 step bench 300 $python -m benchmarks.run --model-dir "$model" --device cuda \
