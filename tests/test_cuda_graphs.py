@@ -255,3 +255,28 @@ def test_a_gpu_server_replays_graphs_and_eager_switches_them_off(tiny_model_dir)
             {"model_dir": str(tiny_model_dir), "decode_step": value}))
         step = llama_decode.step_of(model)
         assert step is not None and (step.graphs is not None) is replayed
+
+
+def test_replayed_steps_do_not_pace_the_prompts_read_beside_them(smollm2_tokenizer):
+    # A replayed step costs a fraction of the eager mixed pass that reads a prompt beside
+    # the running batch (3.3 ms against 18 for SmolLM2's shapes on an H200): timed as the
+    # running batch's step, it would cut every such prompt into chunks of a column or two.
+    from djl_stream.generation.engines.accelerate import build_sequences, encode_prompts
+    from djl_stream.generation.scheduler import Scheduler
+
+    for replayed in (True, False):
+        model = build_tiny_llama(len(smollm2_tokenizer), seed=14)
+        step = padded_steps(model, smollm2_tokenizer)
+        if not replayed:
+            step.graphs = None
+        scheduler = Scheduler(model, pad_token_id=2, device="cpu", prefill_stall_steps=1.5)
+        try:
+            stream = scheduler.submit(build_sequences(
+                model, smollm2_tokenizer, encode_prompts(smollm2_tokenizer, PROMPTS[:1]),
+                max_new_tokens=6))
+            steps = sum(1 for _ in stream)
+        finally:
+            scheduler.shutdown()
+        assert steps == 6 and step.last_step_replayed is replayed
+        # the eager steps were timed; the replayed ones were not (no bound: the budget)
+        assert (scheduler._pacer.step_seconds is None) is replayed

@@ -428,11 +428,13 @@ def step_of(model) -> Optional[LlamaDecodeStep]:
     return getattr(model, _ATTRIBUTE, None)
 
 
-def last_step_compiled(model) -> bool:
-    """Whether ``model``'s last decode step ran its compiled one-row program (a pass that
-    reads a prompt beside the running batch never does: it runs the eager step)."""
+def last_step_ran_apart(model) -> bool:
+    """Whether ``model``'s last decode step ran a way that a pass reading a prompt beside
+    the running batch (a mixed pass, always eager) cannot: the compiled one-row program or
+    a replayed CUDA graph. Such a step's time says little of what a mixed pass costs, so
+    the prefill pacer leaves it out (:meth:`~djl_stream.generation.prefill_pacing.PrefillPacer.decode_step`)."""
     step = step_of(model)
-    return step is not None and step.last_step_compiled
+    return step is not None and (step.last_step_compiled or step.last_step_replayed)
 
 
 def attach(model, tokenizer, *, one_row=None, cuda_graphs: bool = False

@@ -300,7 +300,11 @@ class PrefillPacer:
         of SmolLM2 where the eager step that every mixed pass runs took 36, so counted,
         it made the bound tighter than a mixed pass's own decode step (16 clients
         arriving together were read a column or two a pass: 2 s to their first tokens,
-        against 0.8 s with the eager step). With no step counted, the bound is off."""
+        against 0.8 s with the eager step). A step replayed from a CUDA graph is left out
+        alike: SmolLM2's took 3.3 ms on an H200 where the eager step took 18 (measured with
+        random weights of its shapes, ``benchmarks/on_a_gpu.sh``), so counted, the bound
+        would split every prompt read beside a stream into chunks each costing a whole
+        eager pass. With no step counted, the bound is off."""
         timing = StepTiming()
         start = self.clock()
         yield timing

@@ -675,7 +675,7 @@ class Scheduler:
         try:
             with self._pacer.decode_step(len(batch)) as timing:
                 generations, self._running = generate_token(self.model, batch)
-                timing.counted = not llama_decode.last_step_compiled(self.model)
+                timing.counted = not llama_decode.last_step_ran_apart(self.model)
         except Exception as error:  # noqa: BLE001 - find who caused it, keep serving
             self._running = None
             self._decode_apart(batch, cached, error)
