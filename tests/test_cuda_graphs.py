@@ -62,6 +62,7 @@ def padded_steps(model, tokenizer, **options):
     graph records them, without capturing (what a CPU can check)."""
     step = llama_decode.attach(model, tokenizer)
     assert step is not None
+    options.setdefault("capture_after", 1)  # every step through the padded step
     step.graphs = cuda_graphs.CudaGraphSteps(step, capture=False, **options)
     return step
 
@@ -157,6 +158,27 @@ def test_padding_rows_over_rows_lent_to_a_prefill_leave_its_prompt_as_written(
         assert seq.generated_ids == alone(prompt, 12)
 
 
+def test_a_graph_is_made_at_its_third_step_the_ones_before_run_eagerly(smollm2_tokenizer,
+                                                                       small_windows):
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=15)
+    step = padded_steps(model, smollm2_tokenizer, capture_after=cuda_graphs.CAPTURE_AFTER)
+    assert cuda_graphs.CAPTURE_AFTER == 3
+    (seq,) = sequences(smollm2_tokenizer, PROMPTS[:1], 30)  # 6 + 30 columns: 3 windows
+    batch = CausalLMBatch.from_sequences([seq], pad_token_id=2, device="cpu")
+    _, batch = generate_token(model, batch)  # the prefill
+    replayed, windows = [], []
+    while batch is not None:
+        windows.append(cuda_graphs.column_window(batch.past_key_values._slabs[0].end + 1,
+                                                 10 ** 6))
+        _, batch = generate_token(model, batch)
+        replayed.append(step.last_step_replayed)
+    # within each window of 16 columns, the first two steps eager, the rest replayed
+    for window in sorted(set(windows)):
+        flags = [r for r, w in zip(replayed, windows) if w == window]
+        assert flags == [False, False] + [True] * (len(flags) - 2), (window, flags)
+    assert len(step.graphs) == sum(windows.count(w) >= 3 for w in set(windows)) >= 2
+
+
 def test_graphs_beyond_the_limit_are_dropped_least_recently_replayed_first(
         smollm2_tokenizer, small_windows):
     model = build_tiny_llama(len(smollm2_tokenizer), seed=10)
@@ -220,7 +242,7 @@ def test_replayed_graphs_give_the_forward_s_greedy_tokens_on_a_gpu(smollm2_token
     assert step is not None and step.graphs is not None
     tokens, _ = leave_and_join(model, smollm2_tokenizer, "cuda", room_for_rows=5)
     assert tokens == expected
-    assert step.graphs.stats.captured >= 2 and step.graphs.stats.replayed > 40
+    assert step.graphs.stats.captured >= 2 and step.graphs.stats.replayed > 20
     assert step.last_step_replayed
 
 
@@ -242,7 +264,7 @@ def test_in_half_precision_a_replay_gives_what_the_same_step_gives_run_eagerly(
     assert tokens == expected
     for theirs, ours in zip(expected_keys, keys):
         torch.testing.assert_close(ours, theirs)
-    assert step.graphs.stats.replayed > 40
+    assert step.graphs.stats.replayed > 20
 
 
 @NEEDS_CUDA

@@ -23,9 +23,11 @@ arguments, and replays them all with one launch. What it recorded must not chang
   they hold (``real`` in :func:`~djl_stream.generation.llama_decode._decode_logits`), and
   their logits are dropped.
 
-A graph is captured the first time a (bucket, window, buffers) is met: a warm-up run on a
-side stream, then the capture, both with every row marked padding, so that they change no
-cache. Capturing SmolLM2-135M's step takes tens of milliseconds; see ``stats``.
+A graph is captured at the :data:`CAPTURE_AFTER`-th step of a (bucket, window, buffers),
+the steps before it run eagerly: a capture (two warm-up runs on a side stream, then the
+recording, all with every row marked padding, so that they change no cache) took 86 ms of
+SmolLM2-135M's step on an H200, about 5 eager steps, and a burst of arrivals passes through
+bucket sizes and cache buffers that last a step or two. See ``stats``.
 
 Example (on a CUDA machine)::
 
@@ -48,7 +50,7 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +66,9 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 COLUMN_WINDOW = 256
 #: How many captured graphs are kept (the least recently replayed go first).
 MAX_GRAPHS = 64
+#: The step of a (bucket, window, buffers) at which its graph is captured; the ones before
+#: run eagerly, so that shapes and buffers that last a step or two cost no capture.
+CAPTURE_AFTER = 3
 
 
 def row_bucket(rows: int, capacity: int) -> int:
@@ -151,14 +156,19 @@ class CudaGraphSteps:
     replayed from CUDA graphs: see the module docstring.
 
     ``capture=False`` runs the padded, windowed step eagerly instead of capturing it (on
-    a CPU, for tests of the padding and the windows; never to serve).
+    a CPU, for tests of the padding and the windows; never to serve). ``capture_after``
+    is :data:`CAPTURE_AFTER` unless given.
     """
 
     def __init__(self, step, *, capture: bool = True, max_graphs: int = MAX_GRAPHS,
+                 capture_after: Optional[int] = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.step = step
         self.capture = capture
         self.max_graphs = max_graphs
+        self.capture_after = CAPTURE_AFTER if capture_after is None else capture_after
+        #: Steps run so far of each (bucket, window, buffers) not captured yet.
+        self._pending: Dict[tuple, int] = {}
         self.stats = GraphStats()
         self._clock = clock
         self._graphs: "collections.OrderedDict[tuple, _StaticStep]" = collections.OrderedDict()
@@ -169,11 +179,14 @@ class CudaGraphSteps:
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                attention_mask: torch.Tensor, keys: Sequence[torch.Tensor],
-               values: Sequence[torch.Tensor], start: int, column: int) -> torch.Tensor:
+               values: Sequence[torch.Tensor], start: int, column: int
+               ) -> Optional[torch.Tensor]:
         """The logits ``(rows, vocab)`` of a decode step of ``input_ids`` (``(rows, 1)``)
         whose cache buffers are ``keys``/``values`` (each layer's whole buffers), its
         columns in use from ``start`` and its new column ``column``; the step writes that
-        column of the batch's rows, as the eager step does."""
+        column of the batch's rows, as the eager step does. ``None`` (nothing run) for
+        the steps before a graph's capture (:data:`CAPTURE_AFTER`): the caller runs
+        them eagerly."""
         rows = input_ids.shape[0]
         bucket = row_bucket(rows, keys[0].shape[0])
         window = column_window(column + 1, keys[0].shape[2])
@@ -181,6 +194,12 @@ class CudaGraphSteps:
                tuple(t.data_ptr() for t in keys), tuple(t.data_ptr() for t in values))
         static = self._graphs.get(key)
         if static is None:
+            seen = self._pending.pop(key, 0) + 1
+            if seen < self.capture_after:
+                if len(self._pending) >= 4 * self.max_graphs:
+                    self._pending.clear()  # (keys of buffers long gone)
+                self._pending[key] = seen
+                return None
             static = self._new_graph(key, bucket, window, keys, values)
         else:
             self._graphs.move_to_end(key)

@@ -516,13 +516,15 @@ def _checked_graphs(step: LlamaDecodeStep, model, tokenizer):
     """A :class:`~djl_stream.generation.cuda_graphs.CudaGraphSteps` for ``step`` if its
     replays agree with the model's forward on the probes of 1 and 3 rows, else ``None``
     (logged)."""
-    from djl_stream.generation.cuda_graphs import CudaGraphSteps, cuda_graphs_unavailable
+    from djl_stream.generation.cuda_graphs import (CAPTURE_AFTER, CudaGraphSteps,
+                                                   cuda_graphs_unavailable)
 
     reason = cuda_graphs_unavailable(model)
     if reason:
         logger.info("decode steps are not replayed from CUDA graphs: %s", reason)
         return None
-    step.graphs = CudaGraphSteps(step)
+    # each probe runs one step: captured at once, not at the step serving would
+    step.graphs = graphs = CudaGraphSteps(step, capture_after=1)
     try:
         for rows in (1, 3):
             if not (_agrees(step, model, tokenizer, rows) and step.last_step_replayed):
@@ -530,7 +532,8 @@ def _checked_graphs(step: LlamaDecodeStep, model, tokenizer):
                                "model's forward on a probe of %d rows; decode steps run eagerly",
                                rows)
                 return None
-        return step.graphs
+        graphs.capture_after = CAPTURE_AFTER
+        return graphs
     finally:
         step.graphs = None
 
