@@ -3,7 +3,8 @@
 ``make bench`` rewrites the file; ``make bench-peers`` (``benchmarks.peers``) and
 ``python -m benchmarks.quantization`` each own a section between two HTML comments,
 ``<!-- name -->`` and ``<!-- /name -->``, which they replace in place and ``make bench``
-keeps (at the end, in the order found).
+keeps (at the end, in the order found). So is the ``gpu`` section, written from what
+``benchmarks/on_a_gpu.sh`` measured on a machine this one is not.
 
 Example::
 
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import List, Optional
 
 #: The sections ``make bench`` keeps, by name.
-KEPT = ("peers", "quantization")
+KEPT = ("peers", "quantization", "gpu")
 
 
 def markers(name: str) -> tuple:

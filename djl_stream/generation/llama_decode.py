@@ -23,7 +23,8 @@ own cache, the chunk's with a causal mask. On a CPU a pass of SmolLM2 costs abou
 
 It knows one architecture, ``LlamaForCausalLM`` (Llama 2 and 3, SmolLM2, TinyLlama and
 others) without biases, on a CPU; :func:`unsupported_reason` says why another model keeps
-its forward. On a GPU the model's forward runs, as before: this step has not run on one.
+its forward. On one CUDA GPU it runs too, and is replayed from CUDA graphs
+(:mod:`~djl_stream.generation.cuda_graphs`, ``option.decode_step`` ``auto``).
 
 ``option.decode_step=compiled`` adds a program for the decode step of one row, compiled
 ahead of time by AOTInductor and kept on disk

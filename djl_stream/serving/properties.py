@@ -132,8 +132,10 @@ class ModelProperties:
             compiled ahead of time by AOTInductor at the first load and kept in
             ``$TORCHINDUCTOR_CACHE_DIR``: about 1.9x faster for one stream; see
             :mod:`djl_stream.generation.compiled_decode`) or ``auto``
-            (``eager`` where the model is a Llama-architecture one on a CPU, ``forward``
-            elsewhere; see :mod:`djl_stream.generation.llama_decode`).
+            (``eager`` where the model is a Llama-architecture one on a CPU; on one CUDA
+            GPU that step replayed from CUDA graphs, :mod:`djl_stream.generation.cuda_graphs`,
+            which ``compiled`` means there too; ``forward`` elsewhere; see
+            :mod:`djl_stream.generation.llama_decode`).
         compiled_weights: what the compiled one-row step reads: ``copy`` (a copy of the
             weights packed for its own C++ kernels, the fastest: the weights' size again in
             memory) or ``shared`` (the model's own weights, no memory of its own; the
