@@ -302,3 +302,26 @@ def test_replayed_steps_do_not_pace_the_prompts_read_beside_them(smollm2_tokeniz
         assert steps == 6 and step.last_step_replayed is replayed
         # the eager steps were timed; the replayed ones were not (no bound: the budget)
         assert (scheduler._pacer.step_seconds is None) is replayed
+
+
+def test_an_emptied_batch_keeps_the_gpu_blocks_its_graphs_were_captured_on(monkeypatch):
+    # (contract: CUDA's calls are recorded, not run) PyTorch's allocator hands the next
+    # batch of the same shape the same blocks only if they stay in its cache.
+    from djl_stream.generation import scheduler
+
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    scheduler.release_cached_memory(keep_gpu_blocks=True)
+    assert emptied == []
+    scheduler.release_cached_memory()
+    assert emptied == [True]
+
+
+def test_a_model_replays_graphs_only_where_its_step_has_them(smollm2_tokenizer):
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=16)
+    assert not llama_decode.replays_graphs(model)
+    step = padded_steps(model, smollm2_tokenizer)
+    assert llama_decode.replays_graphs(model)
+    step.graphs = None
+    assert not llama_decode.replays_graphs(model)

@@ -15,8 +15,10 @@ arguments, and replays them all with one launch. What it recorded must not chang
   out of one it owns. The cache's buffers are read and written in place (a copy would cost
   more than the step), so a graph belongs to one cache's buffers and is kept under their
   addresses and shapes: a cache that grows, or the cache of a new running batch, gets
-  graphs of its own, unless PyTorch's caching allocator handed back the same blocks (it
-  does for a batch of the same shape once the last one is freed). :data:`MAX_GRAPHS`
+  graphs of its own, unless PyTorch's caching allocator handed back the same blocks (as
+  it can for a batch of the same shape once the last one is freed: the scheduler keeps
+  freed blocks in that cache where graphs are replayed,
+  :func:`~djl_stream.generation.scheduler.release_cached_memory`). :data:`MAX_GRAPHS`
   graphs are kept, the least recently replayed dropped first, all in one memory pool;
 * **padding rows change nothing**: the slots above the batch's rows (free, or lent to a
   prompt being prefilled) are computed with the others but write back the cache column

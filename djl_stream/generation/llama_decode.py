@@ -429,6 +429,12 @@ def step_of(model) -> Optional[LlamaDecodeStep]:
     return getattr(model, _ATTRIBUTE, None)
 
 
+def replays_graphs(model) -> bool:
+    """Whether ``model``'s decode steps are replayed from CUDA graphs."""
+    step = step_of(model)
+    return step is not None and step.graphs is not None
+
+
 def last_step_ran_apart(model) -> bool:
     """Whether ``model``'s last decode step ran a way that a pass reading a prompt beside
     the running batch (a mixed pass, always eager) cannot: the compiled one-row program or

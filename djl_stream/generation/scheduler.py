@@ -453,7 +453,7 @@ class Scheduler:
                 self._publish_running()
                 if self._running is None and not self._busy():
                     # The batch just emptied (the loop only gets here with work done).
-                    release_cached_memory()
+                    release_cached_memory(keep_gpu_blocks=llama_decode.replays_graphs(self.model))
             except Exception as error:  # noqa: BLE001 - the loop must outlive any bug
                 # Whatever went wrong, no request may wait forever: fail every request
                 # admitted (those in a batch, and any caught between two, a prefill
@@ -859,17 +859,21 @@ def _synchronizer(device):
     return None
 
 
-def release_cached_memory() -> None:
+def release_cached_memory(*, keep_gpu_blocks: bool = False) -> None:
     """Give freed KV-cache memory back to the system once the batch is empty.
 
     On CPU, glibc keeps large freed blocks in the decode thread's malloc arena, so the
     server's resident size would stay at its peak after a burst; ``malloc_trim`` returns
-    them. On GPU, PyTorch's caching allocator holds them until ``empty_cache``.
+    them. On GPU, PyTorch's caching allocator holds them until ``empty_cache``, which runs
+    unless ``keep_gpu_blocks``: decode steps replayed from CUDA graphs are kept under
+    their KV cache's addresses, and the next batch of the same shape gets the same
+    addresses from the allocator's cache; given back to the driver, its blocks may come
+    back elsewhere, and every graph would be captured again.
     """
     try:
         import torch
 
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and not keep_gpu_blocks:
             torch.cuda.empty_cache()
     except Exception:  # noqa: BLE001 - best effort
         pass
