@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 # `make conformance` runs and reads; see ../shared/djl-serving/README.md.
 DJL_SERVING_SRC ?= ../shared/djl-serving
 
-.PHONY: install model serve test conformance bench bench-peers bench-quantization reliability clean help
+.PHONY: install model serve test conformance bench bench-peers bench-quantization bench-gpu reliability clean help
 
 help:
 	@echo "make serve   - set up .venv, prepare the embedded model, serve $(MODEL_DIR)/ on $(HOST):$(PORT)"
@@ -19,6 +19,7 @@ help:
 	@echo "make bench   - run the benchmarks and write BENCHMARKS.md"
 	@echo "make bench-peers - djl-stream beside llama.cpp, transformers serve and Ray Serve (sets them up in .peers/); writes BENCHMARKS.md's peers section"
 	@echo "make bench-quantization - option.quantize's methods against float32 (speed, greedy agreement); writes BENCHMARKS.md's quantization section"
+	@echo "make bench-gpu - on a CUDA machine, with GPU_PYTHON's CUDA torch: GPU tests and benchmarks into GPU_OUT (benchmarks/on_a_gpu.sh)"
 	@echo "make reliability - hostile clients against a real server; writes RELIABILITY.md"
 
 install: $(STAMP)
@@ -52,8 +53,9 @@ conformance: $(STAMP) model
 	       "to a folder holding 0.33.0-dlc/ and 0.30.0-dlc/ (see README, Conformance)" >&2; exit 2; }
 	DJL_SERVING_SRC="$(abspath $(DJL_SERVING_SRC))" $(BIN)/python -m pytest -q conformance
 
+# BENCH_FLAGS: more flags for benchmarks.run (--device cuda, --concurrency 1,4,16,64, ...).
 bench: $(STAMP) model
-	$(BIN)/python -m benchmarks.run --model-dir $(MODEL_DIR)
+	$(BIN)/python -m benchmarks.run --model-dir $(MODEL_DIR) $(BENCH_FLAGS)
 
 # Each peer in its own venv under .peers/ (git-ignored), set up on first use.
 bench-peers: $(STAMP) model
@@ -62,6 +64,14 @@ bench-peers: $(STAMP) model
 # option.quantize's methods against float32, into BENCHMARKS.md's quantization section.
 bench-quantization: $(STAMP) model
 	$(BIN)/python -m benchmarks.quantization --model-dir $(MODEL_DIR)
+
+# On a machine with a CUDA GPU: .venv holds torch's CPU build, so this runs GPU_PYTHON, an
+# interpreter with a CUDA build of torch and djl-stream's dependencies (RANDOM_WEIGHTS=1
+# where the model's weights are not there: see benchmarks/on_a_gpu.sh).
+GPU_PYTHON ?= python3
+GPU_OUT ?= gpu-bench
+bench-gpu:
+	PYTHON=$(GPU_PYTHON) benchmarks/on_a_gpu.sh $(GPU_OUT) $(MODEL_DIR)
 
 reliability: $(STAMP) model
 	$(BIN)/python -m reliability.run --model-dir $(MODEL_DIR)
