@@ -16,45 +16,19 @@ import pytest
 import torch
 
 from conftest import build_tiny_llama
+from test_llama_decode import PROMPTS, run_continuous_batch, sequences
 from djl_stream.generation import cuda_graphs, kv_cache, llama_decode
 from djl_stream.generation.batch import CausalLMBatch, generate_token, prefill_chunk
-from djl_stream.generation.sequence import GenerationSequence
-
-PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, there lived",
-           "1, 2, 3,", "A very long list of things to remember: milk, eggs, bread, butter,"]
 
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="capturing and replaying CUDA graphs needs a CUDA GPU")
 
 
-def sequences(tokenizer, prompts, new_tokens, first_id=0):
-    return [GenerationSequence(first_id + i, tokenizer(p)["input_ids"], tokenizer,
-                               max_new_tokens=new_tokens, eos_token_ids=set(), ignore_eos=True)
-            for i, p in enumerate(prompts)]
-
-
 def leave_and_join(model, tokenizer, device, *, room_for_rows=0):
-    """Three prompts in one batch; after 3 steps the middle one leaves, after 5 a fourth
-    (longer) one joins; all decode to the end. Every sequence's tokens, and the keys of
-    the last step's rows."""
-    running = sequences(tokenizer, PROMPTS[:3], 40)
-    batch = CausalLMBatch.from_sequences(running, pad_token_id=2, device=device,
-                                         room_for_rows=room_for_rows)
-    _, batch = generate_token(model, batch)
-    for _ in range(3):
-        _, batch = generate_token(model, batch)
-    batch = batch.filter([running[0].request_id, running[2].request_id])
-    for _ in range(2):
-        _, batch = generate_token(model, batch)
-    late = sequences(tokenizer, PROMPTS[3:], 20, first_id=10)
-    newcomer = CausalLMBatch.from_sequences(late, pad_token_id=2, device=device)
-    _, newcomer = generate_token(model, newcomer)
-    batch = CausalLMBatch.concatenate([batch, newcomer])
-    keys = None
-    while batch is not None:
-        keys = [layer.keys.clone() for layer in kv_cache.layers(batch.past_key_values)]
-        _, batch = generate_token(model, batch)
-    return [seq.generated_ids for seq in running + late], keys
+    """test_llama_decode's rows leaving and joining, long enough to cross several windows
+    (40 new tokens for the first three prompts, 20 for the one that joins)."""
+    return run_continuous_batch(model, tokenizer, device=device, room_for_rows=room_for_rows,
+                                new_tokens=(40, 20))
 
 
 def padded_steps(model, tokenizer, **options):

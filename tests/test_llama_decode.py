@@ -26,25 +26,28 @@ def sequences(tokenizer, prompts, new_tokens, first_id=0):
             for i, p in enumerate(prompts)]
 
 
-def run_continuous_batch(model, tokenizer, logits_seen):
-    """Three prompts decode in one left-padded batch; after 3 steps the middle one leaves,
-    after 5 a fourth prompt (longer than the running rows) joins, and all decode to the
-    end. Returns every sequence's tokens and the final cache's keys of the last step's
-    rows; ``logits_seen`` gets each step's logits."""
-    hook = model.register_forward_hook(
+def run_continuous_batch(model, tokenizer, logits_seen=None, *, device="cpu", room_for_rows=0,
+                         new_tokens=(12, 6)):
+    """Three prompts decode in one left-padded batch (``new_tokens[0]`` each); after 3 steps
+    the middle one leaves, after 5 a fourth prompt (longer than the running rows,
+    ``new_tokens[1]``) joins, and all decode to the end. Returns every sequence's tokens
+    and the final cache's keys of the last step's rows; ``logits_seen`` gets each
+    forward's logits."""
+    hook = None if logits_seen is None else model.register_forward_hook(
         lambda module, args, kwargs, output: logits_seen.append(output.logits[:, -1].clone()),
         with_kwargs=True)
     try:
-        running = sequences(tokenizer, PROMPTS[:3], 12)
-        batch = CausalLMBatch.from_sequences(running, pad_token_id=2, device="cpu")
+        running = sequences(tokenizer, PROMPTS[:3], new_tokens[0])
+        batch = CausalLMBatch.from_sequences(running, pad_token_id=2, device=device,
+                                             room_for_rows=room_for_rows)
         _, batch = generate_token(model, batch)
         for _ in range(3):
             _, batch = generate_token(model, batch)
         batch = batch.filter([running[0].request_id, running[2].request_id])
         for _ in range(2):
             _, batch = generate_token(model, batch)
-        late = sequences(tokenizer, PROMPTS[3:], 6, first_id=10)
-        newcomer = CausalLMBatch.from_sequences(late, pad_token_id=2, device="cpu")
+        late = sequences(tokenizer, PROMPTS[3:], new_tokens[1], first_id=10)
+        newcomer = CausalLMBatch.from_sequences(late, pad_token_id=2, device=device)
         _, newcomer = generate_token(model, newcomer)
         batch = CausalLMBatch.concatenate([batch, newcomer])
         keys = None
@@ -52,7 +55,8 @@ def run_continuous_batch(model, tokenizer, logits_seen):
             keys = [layer.keys.clone() for layer in kv_cache.layers(batch.past_key_values)]
             _, batch = generate_token(model, batch)
     finally:
-        hook.remove()
+        if hook is not None:
+            hook.remove()
     return [seq.generated_ids for seq in running + late], keys
 
 

@@ -388,29 +388,32 @@ class LlamaDecodeStep:
         return logits
 
     def _replayed_logits(self, batch, keys, values, start: int, column: int):
-        """The logits of a step replayed from a CUDA graph, or ``None`` where capturing or
-        replaying failed (the graphs are dropped then: the eager step writes the same
-        column again)."""
-        try:
-            return self.graphs.logits(batch.input_ids, batch.position_ids, batch.attention_mask,
-                                      keys, values, start, column)
-        except Exception as error:  # noqa: BLE001 - the eager step serves instead
-            logger.warning("replaying the decode step from a CUDA graph failed (%s: %s); decode "
-                           "steps run eagerly from now on", type(error).__name__,
-                           str(error).splitlines()[0] if str(error) else "")
-            self.graphs = None
-            return None
+        """The logits of a step replayed from a CUDA graph, or ``None`` where none was
+        (not captured yet) or capturing or replaying failed (the graphs are dropped then:
+        the eager step writes the same column again)."""
+        return self._unless_it_fails(
+            "graphs", "replaying the decode step from a CUDA graph failed",
+            "decode steps run eagerly from now on",
+            lambda: self.graphs.logits(batch.input_ids, batch.position_ids,
+                                       batch.attention_mask, keys, values, start, column))
 
     def _one_row_logits(self, inputs, keys, values, column: int, start: int):
         """The compiled program's logits of a one-row step, or ``None`` where it failed (it
         is dropped then: the eager step writes the same column again)."""
+        return self._unless_it_fails(
+            "one_row", "the compiled one-row decode step failed",
+            "one-row steps run the eager step from now on",
+            lambda: self.one_row.run(*_one_row_arguments(inputs, keys, values, column, start)))
+
+    def _unless_it_fails(self, attribute: str, failed: str, instead: str, run):
+        """``run()``, or ``None`` where it raised: the way it ran (``attribute``) is then
+        dropped, logged as ``failed`` and what runs ``instead``."""
         try:
-            return self.one_row.run(*_one_row_arguments(inputs, keys, values, column, start))
+            return run()
         except Exception as error:  # noqa: BLE001 - the eager step serves instead
-            logger.warning("the compiled one-row decode step failed (%s: %s); one-row steps "
-                           "run the eager step from now on", type(error).__name__,
-                           str(error).splitlines()[0] if str(error) else "")
-            self.one_row = None
+            logger.warning("%s (%s: %s); %s", failed, type(error).__name__,
+                           str(error).splitlines()[0] if str(error) else "", instead)
+            setattr(self, attribute, None)
             return None
 
     @staticmethod
