@@ -7,7 +7,9 @@
 #      replayed from CUDA graphs (python -m benchmarks.decode_step --device cuda);
 #   3. make bench's run on the GPU (python -m benchmarks.run --device cuda), as served by
 #      default (option.decode_step=auto: CUDA graphs) and with option.decode_step=forward;
-#   4. option.quantize's methods on the GPU (python -m benchmarks.quantization --device cuda).
+#   4. option.quantize's methods on the GPU (python -m benchmarks.quantization --device cuda);
+#   5. the tests of servers, isolation and concurrent clients, whose tiny model loads on
+#      the GPU where there is one (its decode steps replayed from CUDA graphs).
 #
 # MODEL_DIR is the model served (default: model/). Where its weights cannot be copied to
 # the GPU machine, RANDOM_WEIGHTS=1 makes a copy of it with random weights of the same
@@ -55,3 +57,5 @@ step bench_forward 240 $python -m benchmarks.run --model-dir "$forward" --device
 step quantization 200 $python -m benchmarks.quantization --model-dir "$model" --device cuda \
     --methods none,int8,bitsandbytes8,bitsandbytes4 --tokens 16 --steps 24 --repetitions 2 \
     --output "$out/quantization.md"
+step batching_tests 300 $python -m pytest -q -p no:cacheprovider tests/test_isolation.py \
+    tests/test_server_concurrency.py tests/test_server.py
