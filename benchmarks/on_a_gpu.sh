@@ -57,5 +57,5 @@ step bench_forward 240 $python -m benchmarks.run --model-dir "$forward" --device
 step quantization 200 $python -m benchmarks.quantization --model-dir "$model" --device cuda \
     --methods none,int8,bitsandbytes8,bitsandbytes4 --tokens 16 --steps 24 --repetitions 2 \
     --output "$out/quantization.md"
-step batching_tests 300 $python -m pytest -q -p no:cacheprovider tests/test_isolation.py \
+step server_tests 300 $python -m pytest -q -p no:cacheprovider tests/test_isolation.py \
     tests/test_server_concurrency.py tests/test_server.py
