@@ -234,11 +234,12 @@ def test_in_half_precision_a_replay_gives_what_the_same_step_gives_run_eagerly(
     model = build_tiny_llama(len(smollm2_tokenizer), seed=13).to("cuda", dtype)
     step = llama_decode.attach(model, smollm2_tokenizer, cuda_graphs=True)
     assert step is not None and step.graphs is not None
+    step.graphs.capture_after = 1  # every step replayed, as every step above was padded
     tokens, keys = leave_and_join(model, smollm2_tokenizer, "cuda", room_for_rows=5)
     assert tokens == expected
     for theirs, ours in zip(expected_keys, keys):
         torch.testing.assert_close(ours, theirs)
-    assert step.graphs.stats.replayed > 20
+    assert step.graphs.stats.replayed > 40
 
 
 @NEEDS_CUDA
