@@ -866,7 +866,7 @@ def release_cached_memory(*, keep_gpu_blocks: bool = False) -> None:
     server's resident size would stay at its peak after a burst; ``malloc_trim`` returns
     them. On GPU, PyTorch's caching allocator holds them until ``empty_cache``, which runs
     unless ``keep_gpu_blocks``: decode steps replayed from CUDA graphs are kept under
-    their KV cache's addresses, and the next batch of the same shape gets the same
+    their KV cache's addresses, and the next batch of the same shape can get the same
     addresses from the allocator's cache; given back to the driver, its blocks may come
     back elsewhere, and every graph would be captured again.
     """
