@@ -16,6 +16,7 @@ import shutil
 import tempfile
 import threading
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -299,6 +300,65 @@ def test_without_a_compiler_or_a_writable_cache_the_eager_step_runs(smollm2_toke
     step = llama_decode.attach(model, smollm2_tokenizer, one_row=one_row)
     assert step is not None and not step.compiled
     assert decode_alone(model, smollm2_tokenizer, 12)[0] == expected
+
+
+def read_only(monkeypatch, root):
+    """Make every lock under ``root`` fail to open as on a read-only mount (this suite runs
+    as root, whom file modes do not stop)."""
+    real_lock = compiled_decode.exclusive_lock
+
+    def lock(path, **kwargs):
+        if Path(root) in Path(path).parents:
+            raise OSError(30, "Read-only file system", str(path))
+        return real_lock(path, **kwargs)
+
+    monkeypatch.setattr(compiled_decode, "exclusive_lock", lock)
+
+
+def test_a_read_only_cache_is_read_without_its_lock(smollm2_tokenizer, tmp_path, monkeypatch,
+                                                    one_row_cache, caplog):
+    # a cache baked into an image, say, and mounted read-only
+    caplog.set_level(logging.INFO)
+    compiled = compiled_decode.compile_one_row(
+        build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED), share_weights=True)
+    assert compiled is not None
+    baked = tmp_path / "baked"
+    shutil.copytree(compiled.path, baked / compiled.path.name)
+    before = {p: p.stat().st_mtime_ns for p in baked.rglob("*")}
+    read_only(monkeypatch, baked)
+    forbid_compiling(monkeypatch)
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED + 5)
+    expected, _ = decode_alone(model, smollm2_tokenizer, 12)
+    one_row = compiled_decode.compile_one_row(model, share_weights=True, cache=baked)
+    assert one_row is not None and one_row.path == baked / compiled.path.name
+    assert "is read-only" in caplog.text
+    assert {p: p.stat().st_mtime_ns for p in baked.rglob("*")} == before  # untouched
+    step = llama_decode.attach(model, smollm2_tokenizer, one_row=one_row)
+    assert step.compiled and decode_alone(model, smollm2_tokenizer, 12)[0] == expected
+
+
+def test_a_read_only_cache_without_the_program_compiles_into_a_temporary_directory(
+        smollm2_tokenizer, tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO)
+    baked = tmp_path / "baked"
+    baked.mkdir()
+    read_only(monkeypatch, baked)
+    compiled_into = []
+
+    def no_compiler(graph, entry, **kwargs):  # where it would compile, then Inductor's error
+        compiled_into.append(entry.directory)
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(compiled_decode, "_compile_into", no_compiler)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temporary"))
+    (tmp_path / "temporary").mkdir()
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED + 6)
+    assert compiled_decode.compile_one_row(model, cache=baked) is None
+    assert "holds no program for this model" in caplog.text
+    (directory,) = compiled_into
+    assert (tmp_path / "temporary") in directory.parents  # not into the read-only cache
+    assert not list((tmp_path / "temporary").iterdir())  # and removed
+    assert not list(baked.iterdir())
 
 
 def test_option_decode_step_compiled_compiles_before_packing(tiny_model_dir, one_row_cache):

@@ -51,6 +51,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -444,24 +445,40 @@ def _cached_or_compiled(graph: OneRowGraph, key: str,
                         started: float) -> CompiledOneRow:
     """The program of ``key`` from the cache ``cache`` (:func:`cache_root` by default), or
     compiled into it (into a temporary directory where it cannot be written); then the
-    least recently used entries beyond :func:`kept_entries` are evicted."""
+    least recently used entries beyond :func:`kept_entries` are evicted.
+
+    A cache whose key lock cannot be created (a directory mounted read-only, or baked into
+    an image and owned by another user) is read without the lock: nobody can be writing it
+    then. Its program is taken where it holds one; else the program is compiled into a
+    temporary directory, as for a cache that cannot be created."""
     temporary = one_row = None
+    writable = False
     try:
         try:
             root = Path(cache) if cache is not None else cache_root()
             root.mkdir(parents=True, exist_ok=True)
         except OSError as error:
-            root = temporary = Path(tempfile.mkdtemp(prefix="djl_stream_one_row-"))
-            logger.warning("the one-row program's cache cannot be written (%s); compiling "
-                           "into a temporary directory, removed once it is loaded", error)
+            root = temporary = _temporary_cache(f"the one-row program's cache cannot be "
+                                                f"written ({error})")
         entry = CacheEntry(root / key)
-        # workers starting together compile once: the others wait, then load it
-        with exclusive_lock(root / f"{key}.lock"):
+        with contextlib.ExitStack() as held:
+            try:
+                # workers starting together compile once: the others wait, then load it
+                held.enter_context(exclusive_lock(root / f"{key}.lock"))
+                writable = temporary is None
+            except OSError as error:
+                logger.info("the one-row program's cache %s is read-only (%s): read without "
+                            "its lock", root, error)
             one_row = _loaded(entry, started, weights, where="the cache",
                               otherwise="compiling it again")
             if one_row is not None:
-                _mark_used(entry)
+                if writable:
+                    _mark_used(entry)
                 return one_row
+            if not writable and temporary is None:
+                root = temporary = _temporary_cache(f"the read-only cache {root} holds no "
+                                                    "program for this model")
+                entry = CacheEntry(root / key)
             if entry.directory.exists():  # incomplete, or does not load (logged)
                 shutil.rmtree(entry.directory, ignore_errors=True)
             _compile_into(graph, entry, share_weights=weights is not None)
@@ -470,12 +487,19 @@ def _cached_or_compiled(graph: OneRowGraph, key: str,
     finally:
         if temporary is not None:  # what the loaded program maps stays until it is unmapped
             shutil.rmtree(temporary, ignore_errors=True)
-        elif one_row is not None:
+        elif one_row is not None and writable:
             evict_unused(root, kept_entries())
     logger.info("the one-row decode program was compiled in %.0f s%s (%.0f MB)",
                 time.perf_counter() - started,
                 "" if temporary else f" and kept in {entry.directory}", kept)
     return one_row
+
+
+def _temporary_cache(why: str) -> Path:
+    """A temporary directory to compile into (removed once the program is loaded), and
+    ``why`` logged."""
+    logger.warning("%s; compiling into a temporary directory, removed once it is loaded", why)
+    return Path(tempfile.mkdtemp(prefix="djl_stream_one_row-"))
 
 
 def _loaded(entry: CacheEntry, started: float, weights: Optional[Dict[str, torch.Tensor]],
