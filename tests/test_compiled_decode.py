@@ -573,3 +573,52 @@ def test_djl_stream_compile_ships_the_program_a_server_then_loads(tiny_model_dir
     model, _ = load_model_and_tokenizer(props)
     step = llama_decode.step_of(model)
     assert step is not None and step.compiled and step.one_row.path == entry
+
+
+# -- called with the GIL released (aoti_call) -------------------------------------------
+
+def test_the_program_is_called_through_ctypes_and_gives_the_loader_s_logits(
+        smollm2_tokenizer, one_row_cache):
+    import ctypes
+
+    from djl_stream.generation.aoti_call import ReleasedGilProgram
+
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
+    one_row = compiled_decode.compile_one_row(model)
+    assert isinstance(one_row._program, ReleasedGilProgram)
+    # ctypes releases the GIL around a CDLL's functions (a PyDLL's keep it)
+    assert type(one_row._program._library) is ctypes.CDLL
+    loader = torch._inductor.aoti_load_package(str(one_row.path / "program.pt2"))
+    loader.load_constants(one_row._constants, check_full_update=True, user_managed=True)
+    step = llama_decode.LlamaDecodeStep(model)
+    batch = CausalLMBatch.from_sequences(
+        [GenerationSequence(0, smollm2_tokenizer("Once upon a time")["input_ids"],
+                            smollm2_tokenizer, max_new_tokens=4, eos_token_ids=set(),
+                            ignore_eos=True)], pad_token_id=2, device="cpu")
+    _, batch = generate_token(model, batch)
+    keys, values, start, column = batch.past_key_values.next_columns_buffers(1)
+    with torch.inference_mode():
+        inputs = step._inputs(batch.input_ids, batch.position_ids, batch.attention_mask)
+        arguments = llama_decode._one_row_arguments(inputs, keys, values, column, start)
+        ours = one_row._program(*arguments[:-1], torch.empty(start + compiled_decode._START_OFFSET))
+        theirs = loader(*arguments[:-1], torch.empty(start + compiled_decode._START_OFFSET))
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_where_the_library_cannot_be_called_directly_pytorch_s_loader_runs_it(
+        smollm2_tokenizer, monkeypatch, one_row_cache, caplog):
+    from djl_stream.generation import aoti_call
+
+    def missing(library):
+        raise AttributeError("undefined symbol: "
+                             "AOTInductorModelContainerUpdateUserManagedConstantBufferPairs")
+
+    monkeypatch.setattr(aoti_call, "_declare", missing)
+    caplog.set_level(logging.INFO)
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
+    expected, _ = decode_alone(model, smollm2_tokenizer, 12)
+    one_row = compiled_decode.compile_one_row(model)
+    assert not isinstance(one_row._program, aoti_call.ReleasedGilProgram)
+    assert "runs through PyTorch's loader, which holds the GIL" in caplog.text
+    step = llama_decode.attach(model, smollm2_tokenizer, one_row=one_row)
+    assert step.compiled and decode_alone(model, smollm2_tokenizer, 12)[0] == expected

@@ -71,6 +71,7 @@ from typing import Dict, List, Optional
 import torch
 
 from djl_stream.file_lock import exclusive_lock
+from djl_stream.generation.aoti_call import released_gil_program
 from djl_stream.generation import llama_decode
 
 logger = logging.getLogger(__name__)
@@ -355,7 +356,6 @@ class CacheEntry:
         """The program with its constants: for a program that reads the model's weights,
         ``weights`` (:func:`model_weights`, which must match ``shared.json``); else those
         it reads mapped from ``constants.pt``, the others untouched anonymous memory."""
-        program = torch._inductor.aoti_load_package(str(self.program))
         if self.shared.is_file():
             _check_weights(weights, json.loads(self.shared.read_text()))
             constants = dict(weights)
@@ -363,7 +363,11 @@ class CacheEntry:
             constants = torch.load(self.constants, mmap=True, weights_only=True)
             for name, (shape, dtype) in json.loads(self.unread.read_text()).items():
                 constants[name] = _untouched(shape, getattr(torch, dtype))
-        program.load_constants(constants, check_full_update=True, user_managed=True)
+        # called with the GIL released where this PyTorch allows it (see aoti_call)
+        program = released_gil_program(self.program, constants)
+        if program is None:
+            program = torch._inductor.aoti_load_package(str(self.program))
+            program.load_constants(constants, check_full_update=True, user_managed=True)
         return CompiledOneRow(program, constants, self.directory, from_cache,
                               shares_weights=self.shared.is_file())
 
