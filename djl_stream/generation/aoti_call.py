@@ -79,9 +79,11 @@ def _declare(library: ctypes.CDLL) -> None:
 
 # torch._C._aoti's helpers pass AtenTensorHandles as unnamed PyCapsules
 _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_pointer.argtypes, _capsule_pointer.restype = [ctypes.py_object, ctypes.c_char_p], ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capsule_pointer.restype = ctypes.c_void_p
 _new_capsule = ctypes.pythonapi.PyCapsule_New
-_new_capsule.argtypes, _new_capsule.restype = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p], ctypes.py_object
+_new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+_new_capsule.restype = ctypes.py_object
 
 
 def _handles(tensors: List[torch.Tensor]) -> List[int]:
@@ -110,7 +112,7 @@ class ReleasedGilProgram:
         # extracted for the loading only: once loaded, the library stays mapped
         folder = Path(tempfile.mkdtemp(prefix="djl_stream_aoti-"))
         try:
-            library_path = _extract_model(package, folder)
+            library_path = _extract_library(package, folder)
             library = ctypes.CDLL(str(library_path))  # CDLL, not PyDLL: calls release the GIL
             _declare(library)
             container = ctypes.c_void_p()
@@ -175,18 +177,17 @@ def _constant_names(library, container) -> Dict[str, str]:
     return names
 
 
-def _extract_model(package: Path, folder: Path) -> Path:
-    """The package's model files (``data/aotinductor/model/``) extracted into ``folder``;
-    the path of its shared library."""
+def _extract_library(package: Path, folder: Path) -> Path:
+    """The package's shared library (``data/aotinductor/model/*.so``: a CPU program needs
+    nothing else, its constants are given), extracted into ``folder``."""
     with zipfile.ZipFile(package) as archive:
-        members = [name for name in archive.namelist() if "/data/aotinductor/model/" in name]
-        libraries = [name for name in members if name.endswith(".so")]
+        libraries = [name for name in archive.namelist()
+                     if "/data/aotinductor/model/" in name and name.endswith(".so")]
         if len(libraries) != 1:
             raise ValueError(f"{package} holds {len(libraries)} shared libraries, not one")
-        for name in members:
-            target = folder / Path(name).name
-            target.write_bytes(archive.read(name))
-    return folder / Path(libraries[0]).name
+        target = folder / Path(libraries[0]).name
+        target.write_bytes(archive.read(libraries[0]))
+    return target
 
 
 def _release(library, container, constant_handles: List[int]) -> None:

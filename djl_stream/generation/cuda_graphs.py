@@ -110,10 +110,6 @@ class _StaticStep:
                    column=torch.zeros(1, dtype=torch.long, device=device),
                    real=torch.zeros((rows, 1, 1, 1), dtype=torch.bool, device=device))
 
-    @property
-    def rows(self) -> int:
-        return self.ids.shape[0]
-
     def fill(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
              attention_mask: torch.Tensor, start: int, column: int) -> None:
         """Copy a step's inputs in: the batch's rows first, then padding rows, which see
@@ -230,11 +226,11 @@ class CudaGraphSteps:
         if self.capture:
             started = self._clock()
             self._capture(static, keys, values)
+            seconds = self._clock() - started
             self.stats.captured += 1
-            self.stats.capture_seconds += self._clock() - started
+            self.stats.capture_seconds += seconds
             logger.info("captured the decode step of %d rows over %d columns in a CUDA graph "
-                        "in %.0f ms (%s)", bucket, window, (self._clock() - started) * 1e3,
-                        describe(self.stats))
+                        "in %.0f ms (%s)", bucket, window, seconds * 1e3, describe(self.stats))
         self._graphs[key] = static
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)

@@ -50,6 +50,8 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
+from djl_stream.generation.cuda_graphs import (CAPTURE_AFTER, ROW_BUCKETS, CudaGraphSteps,
+                                               cuda_graphs_unavailable)
 from djl_stream.generation.kv_cache import PreallocatedCache
 
 logger = logging.getLogger(__name__)
@@ -94,8 +96,9 @@ def unsupported_reason(model) -> Optional[str]:
     devices = {p.device for p in model.parameters()}
     if len(devices) > 1:
         return "spread over several devices (device_map): the step reads every weight in place"
-    if any(device.type not in ("cpu", "cuda") for device in devices):
-        return f"on {next(iter(devices)).type}, not a CPU or a CUDA GPU"
+    device = next(iter(devices), torch.device("cpu"))
+    if device.type not in ("cpu", "cuda"):
+        return f"on {device.type}, not a CPU or a CUDA GPU"
     return None
 
 
@@ -492,7 +495,7 @@ def attach(model, tokenizer, *, one_row=None, cuda_graphs: bool = False
     if step.graphs is not None:
         logger.info("decode steps are replayed from CUDA graphs (batches padded to %s rows); "
                     "mixed passes run djl-stream's Llama decode step",
-                    ", ".join(map(str, _graph_buckets())))
+                    ", ".join(map(str, ROW_BUCKETS)))
     elif step.compiled:
         logger.info("one-row decode steps run the compiled program; other steps run "
                     "djl-stream's Llama decode step")
@@ -516,19 +519,10 @@ def _checked_one_row(step: LlamaDecodeStep, model, tokenizer, one_row):
         step.one_row = None
 
 
-def _graph_buckets():
-    from djl_stream.generation.cuda_graphs import ROW_BUCKETS
-
-    return ROW_BUCKETS
-
-
 def _checked_graphs(step: LlamaDecodeStep, model, tokenizer):
     """A :class:`~djl_stream.generation.cuda_graphs.CudaGraphSteps` for ``step`` if its
     replays agree with the model's forward on the probes of 1 and 3 rows, else ``None``
     (logged)."""
-    from djl_stream.generation.cuda_graphs import (CAPTURE_AFTER, CudaGraphSteps,
-                                                   cuda_graphs_unavailable)
-
     reason = cuda_graphs_unavailable(model)
     if reason:
         logger.info("decode steps are not replayed from CUDA graphs: %s", reason)
