@@ -149,10 +149,15 @@ def test_greedy_rows_stay_in_the_batched_argmax(tiny_model, smollm2_tokenizer, m
     run(tiny_model, smollm2_tokenizer, [([PROMPTS[0]], dict(max_new_tokens=8)),
                                         ([PROMPTS[1]], dict(max_new_tokens=8, top_logprobs=4))])
     assert calls == []
-    # min_new_tokens needs the processor only until that many tokens are out
+    # a greedy min_new_tokens bars end-of-sequence ids within the batched argmax
     run(tiny_model, smollm2_tokenizer, [([PROMPTS[0]], dict(max_new_tokens=8)),
                                         ([PROMPTS[1]], dict(max_new_tokens=8, min_new_tokens=3))])
-    assert len(calls) == 3
+    assert calls == []
+    # beside another processor (a penalty that stays) the row takes its own path each step
+    run(tiny_model, smollm2_tokenizer, [([PROMPTS[0]], dict(max_new_tokens=8)),
+                                        ([PROMPTS[1]], dict(max_new_tokens=8, min_new_tokens=3,
+                                                            repetition_penalty=1.1))])
+    assert len(calls) == 8
 
 
 def test_token_logprobs_leaves_rows_that_did_not_ask_alone():
@@ -254,6 +259,49 @@ def test_max_new_tokens_still_ends_a_sequence_below_min_new_tokens(tiny_model, s
                               min_new_tokens=10)
     assert len(generations) == 3 and EOS not in [g.token_id for g in generations]
     assert generations[-1].finish_reason == "length"
+
+
+def test_greedy_rows_barring_eos_choose_in_the_batch_what_the_processor_chooses():
+    """Rows whose only processor is a pending min_new_tokens take the batched argmax with
+    their end-of-sequence ids barred: each row's token is the one transformers'
+    processor gives it, beside plain greedy, penalised and sampled rows."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    logits[:, 7] = 10.0  # eos (7) is every row's argmax
+    logits[4, 9] = 11.0  # except here: a barred row whose best token is not eos
+    eos = {7}
+    choosers = [
+        TokenChooser(),
+        TokenChooser(min_new_tokens=3, eos_token_ids=eos, prompt_length=2),
+        TokenChooser(min_new_tokens=3, eos_token_ids={7, 8}, prompt_length=1),
+        TokenChooser(min_new_tokens=3, eos_token_ids=eos, prompt_length=2, repetition_penalty=1.3),
+        TokenChooser(min_new_tokens=3, eos_token_ids=eos, prompt_length=2),
+        TokenChooser(min_new_tokens=3, eos_token_ids={7, 500}, prompt_length=2),  # 500: no such id
+    ]
+    all_ids = [[1, 2], [1, 2], [1], [1, 2], [1, 2], [1, 2]]
+    assert [c.barred_ids for c in choosers] == [(), (7,), (7, 8), (), (7,), (7, 500)]
+    before = logits.clone()
+    tokens, failures = sampling.choose_next_tokens(choosers, logits, all_ids)
+    assert failures == {} and torch.equal(logits, before)  # raw logits kept for logprobs
+    one_by_one = [c.choose(torch.tensor([ids]), logits[row:row + 1])
+                  for row, (c, ids) in enumerate(zip(choosers, all_ids))]
+    assert tokens == one_by_one
+    assert tokens[0] == 7 and tokens[4] == 9 and 7 not in tokens[1:]
+    assert tokens[2] != 8
+
+
+def test_a_row_that_may_end_again_leaves_the_barred_rows():
+    chooser = TokenChooser(min_new_tokens=2, eos_token_ids={7}, prompt_length=1)
+    logits = torch.zeros(1, 10)
+    logits[0, 7] = 1.0
+    assert sampling.choose_next_tokens([chooser], logits, [[1]])[0] == [0]
+    chooser.note_generated(1)
+    assert sampling.choose_next_tokens([chooser], logits, [[1, 0]])[0] == [0]
+    chooser.note_generated(2)
+    assert chooser.barred_ids == () and chooser.is_greedy
+    assert sampling.choose_next_tokens([chooser], logits, [[1, 0, 0]])[0] == [7]
+    sampled = TokenChooser(min_new_tokens=2, eos_token_ids={7}, do_sample=True, manual_seed=1)
+    assert sampled.barred_ids == ()  # a draw keeps its own processors
 
 
 # -- ignore_eos --------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -76,7 +77,10 @@ class TokenChooser:
     ids it is given minus ``prompt_length``; so the sequence hands it prompt and generated
     ids together (``needs_input_ids``), and tells the chooser after every token
     (:meth:`note_generated`) so that the processor, once it has nothing left to forbid,
-    leaves and a greedy row goes back to the batched argmax.
+    leaves and a greedy row goes back to the batched argmax. Until then a greedy row with
+    no other processor is still chosen in the batch (:attr:`barred_ids`): the processor's
+    own pass over a row costs a dozen vocabulary-wide operations, which at sixteen rows
+    made each decode step of SmolLM2 12 ms (18 %) longer on a 2-core CPU.
 
     ``logprobs`` / ``top_logprobs`` (at most :data:`MAX_TOP_LOGPROBS`) ask
     :func:`token_logprobs` for the chosen token's log-probability and that many most
@@ -85,8 +89,10 @@ class TokenChooser:
     >>> chooser = TokenChooser(min_new_tokens=2, eos_token_ids={2}, prompt_length=3)
     >>> chooser.choose(torch.tensor([[5, 6, 7]]), torch.tensor([[0.0, 1.0, 9.0]]))  # eos barred
     1
-    >>> chooser.note_generated(2); chooser.is_greedy
-    True
+    >>> chooser.barred_ids
+    (2,)
+    >>> chooser.note_generated(2); chooser.is_greedy, chooser.barred_ids
+    (True, ())
     """
 
     def __init__(
@@ -154,6 +160,16 @@ class TokenChooser:
         """True when the choice is a plain argmax of the raw logits."""
         return not self.do_sample and not self.processors
 
+    @property
+    def barred_ids(self) -> Tuple[int, ...]:
+        """The end-of-sequence ids that a greedy row's argmax must skip while its
+        ``min_new_tokens`` is pending and it has no other processor (what
+        :func:`choose_next_tokens` does for such rows in one batched operation); ``()``
+        for every other row."""
+        if self.do_sample or self._min_new_tokens is None or len(self.processors) != 1:
+            return ()
+        return tuple(int(i) for i in self._min_new_tokens.eos_token_id.tolist())
+
     def note_generated(self, count: int) -> None:
         """The sequence now holds ``count`` new tokens: drop the ``min_new_tokens``
         processor once it can no longer forbid anything (it would be a no-op)."""
@@ -185,15 +201,28 @@ def choose_next_tokens(
     """Next token of every row of ``logits`` (``(batch, vocab)``), and the rows that
     could not choose one, with why.
 
-    Greedy rows share one batched argmax and a single device-to-host copy; the others go
-    through their own processors, one row at a time. A row whose processors or draw
-    raise (:class:`UnusableScores`, or anything else its parameters cause) is reported
-    instead of failing the batch: a request's parameters can only end that request.
+    Greedy rows share one batched argmax and a single device-to-host copy, and so do
+    greedy rows whose only processor is a pending ``min_new_tokens``
+    (:attr:`TokenChooser.barred_ids`: their argmax skips the end-of-sequence ids); the
+    others go through their own processors, one row at a time. A row whose processors or
+    draw raise (:class:`UnusableScores`, or anything else its parameters cause) is
+    reported instead of failing the batch: a request's parameters can only end that
+    request.
+
+    >>> logits = torch.tensor([[0.0, 5.0, 9.0], [0.0, 5.0, 9.0]])
+    >>> barring = TokenChooser(min_new_tokens=4, eos_token_ids={2}, prompt_length=1)
+    >>> choose_next_tokens([TokenChooser(), barring], logits, [[7], [7]])
+    ([2, 1], {})
     """
     tokens = logits.argmax(dim=-1).tolist()
     failures: Dict[int, Exception] = {}
+    barring = {row: chooser.barred_ids for row, chooser in enumerate(choosers)
+               if chooser.barred_ids}
+    if barring:
+        for row, token in zip(barring, _argmax_barring(logits, barring)):
+            tokens[row] = token
     for row, chooser in enumerate(choosers):
-        if chooser.is_greedy:
+        if chooser.is_greedy or row in barring:
             continue
         try:
             ids = None
@@ -204,6 +233,21 @@ def choose_next_tokens(
         except Exception as error:  # noqa: BLE001 - this row fails, its batch mates go on
             failures[row] = error
     return tokens, failures
+
+
+def _argmax_barring(logits: torch.Tensor, barring: Dict[int, Tuple[int, ...]]) -> List[int]:
+    """The argmax of each row of ``barring`` (row -> ids it bars) over ``logits`` with
+    those ids at -inf, as ``MinNewTokensLengthLogitsProcessor`` sets them (a copy: the
+    raw logits stay as they are for :func:`token_logprobs`); an id beyond the vocabulary,
+    which the processor's mask would not match, is skipped."""
+    vocab = logits.shape[-1]
+    barring = {row: [t for t in ids if 0 <= t < vocab] for row, ids in barring.items()}
+    rows = list(barring)
+    scores = logits.index_select(0, torch.tensor(rows, device=logits.device)).float()
+    at_row = [i for i, row in enumerate(rows) for _ in barring[row]]
+    at_id = [token for row in rows for token in barring[row]]
+    scores[at_row, at_id] = -math.inf
+    return scores.argmax(dim=-1).tolist()
 
 
 @dataclasses.dataclass(frozen=True)
