@@ -304,6 +304,59 @@ def test_a_row_that_may_end_again_leaves_the_barred_rows():
     assert sampled.barred_ids == ()  # a draw keeps its own processors
 
 
+# -- sampling rows drawn together ---------------------------------------------------------------
+
+WARPINGS = [dict(temperature=0.7, top_p=0.9), dict(top_k=5), dict()]
+
+
+def test_sampling_rows_with_the_same_warpers_draw_what_each_would_draw_alone():
+    """Rows of one warping go through the warpers stacked; each row's token is the one
+    it draws alone with the same seed, whichever rows it shares the batch with."""
+    torch.manual_seed(0)
+    logits = torch.randn(7, 300) * 3
+    rows = [dict(WARPINGS[i % 3], do_sample=True, manual_seed=10 + i) for i in range(6)]
+    rows.append(dict(do_sample=True, manual_seed=99, repetition_penalty=1.3))  # on its own
+    choosers = [TokenChooser(**r) for r in rows]
+    assert len({c.warping for c in choosers[:6]}) == 3 and choosers[6].warping is None
+    tokens, failures = [], {}
+    for _ in range(5):  # five steps: each row's generator moves on as it would alone
+        step, failed = sampling.choose_next_tokens(choosers, logits, [[1, 2]] * 7)
+        tokens.append(step)
+        failures.update(failed)
+    assert failures == {}
+    for row, kwargs in enumerate(rows):
+        alone = TokenChooser(**kwargs)
+        drawn = [alone.choose(torch.tensor([[1, 2]]), logits[row:row + 1]) for _ in range(5)]
+        assert [step[row] for step in tokens] == drawn, row
+    # and the stacked warpers are those of each row alone, to the bit
+    stacked = choosers[0].processors(None, logits[[0, 3]].clone())
+    for i, row in enumerate((0, 3)):
+        assert torch.equal(stacked[i], choosers[row].processors(None, logits[row:row + 1].clone())[0])
+
+
+def test_a_draw_follows_the_distribution_and_never_takes_a_barred_token():
+    chooser = TokenChooser(do_sample=True, top_k=3, manual_seed=5)
+    logits = torch.log(torch.tensor([[0.05, 0.15, 0.3, 0.5]]))  # top_k=3 bars token 0
+    draws = torch.tensor([sampling.choose_next_tokens([chooser], logits, [[]])[0][0]
+                          for _ in range(4000)])
+    counts = torch.bincount(draws, minlength=4).tolist()
+    assert counts[0] == 0
+    expected = [0, 0.15 / 0.95, 0.3 / 0.95, 0.5 / 0.95]
+    for token in (1, 2, 3):  # within 4 standard deviations of a seeded draw's count
+        sd = (4000 * expected[token] * (1 - expected[token])) ** 0.5
+        assert abs(counts[token] - 4000 * expected[token]) < 4 * sd, (token, counts)
+
+
+def test_an_overflowing_row_fails_alone_among_rows_of_its_warping():
+    logits = torch.tensor([[0.5, 2.0, 1.0], [3.0, 1.0, 0.0]])
+    choosers = [TokenChooser(do_sample=True, temperature=1e-40, manual_seed=1),
+                TokenChooser(do_sample=True, temperature=1e-40, manual_seed=2)]
+    logits[1] = torch.tensor([0.0, 0.0, 0.0])  # all equal: divided, still finite
+    tokens, failures = sampling.choose_next_tokens(choosers, logits, [[], []])
+    assert list(failures) == [0] and isinstance(failures[0], sampling.UnusableScores)
+    assert tokens[1] in (0, 1, 2)
+
+
 # -- ignore_eos --------------------------------------------------------------------------------
 
 

@@ -2,10 +2,11 @@
 
 Each request in a batch keeps its own sampling parameters and its own random generator, so
 batch mates never change each other's results: a seeded request samples the same tokens
-alone or among fifteen others. Greedy rows without a repetition penalty or a pending
-``min_new_tokens`` need no processor at all, and :func:`choose_next_tokens` takes their
-argmax for the whole batch in one call. :func:`token_logprobs` reports log-probabilities
-for the rows that asked for them, and only for those.
+alone or among fifteen others. Greedy rows without a repetition penalty need no processor
+at all, and :func:`choose_next_tokens` takes their argmax for the whole batch in one call
+(a pending ``min_new_tokens`` bars the end-of-sequence ids there); sampling rows with the
+same warpers go through them in one call and draw apart. :func:`token_logprobs` reports
+log-probabilities for the rows that asked for them, and only for those.
 
 Example::
 
@@ -143,6 +144,7 @@ class TokenChooser:
             if typical_p < 1.0:
                 processors.append(TypicalLogitsWarper(mass=typical_p))
         self.processors = processors
+        self._warpers = (temperature, top_k, top_p, typical_p) if do_sample else None
         self._repetition_penalty = repetition_penalty != 1.0
         self.needs_input_ids = self._repetition_penalty or self._min_new_tokens is not None
         self.top_logprobs = top_logprobs
@@ -170,6 +172,17 @@ class TokenChooser:
             return ()
         return tuple(int(i) for i in self._min_new_tokens.eos_token_id.tolist())
 
+    @property
+    def warping(self) -> Optional[Tuple[float, int, float, float]]:
+        """``(temperature, top_k, top_p, typical_p)`` of a sampling row whose processors
+        are those warpers alone (no repetition penalty, no pending ``min_new_tokens``):
+        rows with the same warping share one pass of the warpers in
+        :func:`choose_next_tokens`, each drawing from its own row with its own generator.
+        ``None`` for every other row."""
+        if self._warpers is None or self.needs_input_ids:
+            return None
+        return self._warpers
+
     def note_generated(self, count: int) -> None:
         """The sequence now holds ``count`` new tokens: drop the ``min_new_tokens``
         processor once it can no longer forbid anything (it would be a no-op)."""
@@ -186,11 +199,38 @@ class TokenChooser:
         scores = scores.float()
         if self.processors:
             scores = self.processors(input_ids, scores)
+        return self.pick(scores)
+
+    def pick(self, scores: torch.Tensor) -> int:
+        """The token chosen from ``scores`` (``(1, vocab)``) its processors have already
+        been through: their argmax, or a draw with this row's generator
+        (:func:`draw_from`)."""
         check_scores(scores)
         if not self.do_sample:
             return int(scores.argmax(dim=-1).item())
-        probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator).item())
+        return draw_from(torch.softmax(scores, dim=-1), self.generator)
+
+
+def draw_from(probs: torch.Tensor, generator: Optional[torch.Generator]) -> int:
+    """One token drawn from ``probs`` (``(1, vocab)``, summing to 1): where a uniform
+    draw falls on their cumulative sum.
+
+    ``torch.multinomial``, which ``generate()`` calls, took 0.9 ms for SmolLM2's 49,152
+    tokens on a 2-core CPU, with or without replacement (an exponential or a comparison
+    per token), against 0.03 ms for this: 14 ms of every step where 16 rows sample. The
+    uniform is kept below the total, so a token of probability 0 (cut by top-k or top-p)
+    is never the one drawn.
+
+    >>> probs = torch.tensor([[0.0, 0.25, 0.0, 0.75]])
+    >>> sorted({draw_from(probs, torch.Generator().manual_seed(s)) for s in range(50)})
+    [1, 3]
+    """
+    cumulative = probs.cumsum(dim=-1)
+    total = cumulative[:, -1:]
+    uniform = torch.rand(total.shape, generator=generator, device=probs.device,
+                         dtype=probs.dtype) * total
+    uniform = torch.minimum(uniform, torch.nextafter(total, torch.zeros_like(total)))
+    return int(torch.searchsorted(cumulative, uniform, right=True).item())
 
 
 def choose_next_tokens(
@@ -203,8 +243,11 @@ def choose_next_tokens(
 
     Greedy rows share one batched argmax and a single device-to-host copy, and so do
     greedy rows whose only processor is a pending ``min_new_tokens``
-    (:attr:`TokenChooser.barred_ids`: their argmax skips the end-of-sequence ids); the
-    others go through their own processors, one row at a time. A row whose processors or
+    (:attr:`TokenChooser.barred_ids`: their argmax skips the end-of-sequence ids).
+    Sampling rows whose processors are the same warpers (:attr:`TokenChooser.warping`)
+    go through them together, then each draws with its own generator; the others (a
+    repetition penalty, a pending ``min_new_tokens`` while sampling) go through their own
+    processors, one row at a time. A row whose processors or
     draw raise (:class:`UnusableScores`, or anything else its parameters cause) is
     reported instead of failing the batch: a request's parameters can only end that
     request.
@@ -221,8 +264,15 @@ def choose_next_tokens(
     if barring:
         for row, token in zip(barring, _argmax_barring(logits, barring)):
             tokens[row] = token
+    warped: Dict[Tuple[float, int, float, float], List[int]] = {}
     for row, chooser in enumerate(choosers):
-        if chooser.is_greedy or row in barring:
+        if chooser.warping is not None:
+            warped.setdefault(chooser.warping, []).append(row)
+    for rows in warped.values():
+        _draw_warped(choosers, rows, logits, tokens, failures)
+    done = set(barring).union(*warped.values())
+    for row, chooser in enumerate(choosers):
+        if chooser.is_greedy or row in done:
             continue
         try:
             ids = None
@@ -233,6 +283,28 @@ def choose_next_tokens(
         except Exception as error:  # noqa: BLE001 - this row fails, its batch mates go on
             failures[row] = error
     return tokens, failures
+
+
+def _draw_warped(choosers: Sequence[TokenChooser], rows: List[int], logits: torch.Tensor,
+                 tokens: List[int], failures: Dict[int, Exception]) -> None:
+    """Draw the tokens of ``rows``, sampling rows with the same warping
+    (:attr:`TokenChooser.warping`): their warpers run once over the rows stacked (top-p
+    sorts each row of the vocabulary: 33 ms for 16 rows of SmolLM2 on a 2-core CPU, 51
+    one row at a time), then each row draws with its own generator."""
+    try:
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        scores = logits.index_select(0, index).float()
+        processors = choosers[rows[0]].processors
+        if processors:
+            scores = processors(None, scores)
+    except Exception as error:  # noqa: BLE001 - these rows fail, the others go on
+        failures.update((row, error) for row in rows)
+        return
+    for i, row in enumerate(rows):
+        try:
+            tokens[row] = choosers[row].pick(scores[i : i + 1])
+        except Exception as error:  # noqa: BLE001 - this row fails, its batch mates go on
+            failures[row] = error
 
 
 def _argmax_barring(logits: torch.Tensor, barring: Dict[int, Tuple[int, ...]]) -> List[int]:
