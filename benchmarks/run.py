@@ -121,7 +121,9 @@ def _server_env(settings: Settings) -> Dict[str, str]:
 
 def start_servers(settings: Settings, workdir: Path,
                   stack: contextlib.ExitStack) -> Dict[str, http_load.ServerProcess]:
-    """Both servers, loading side by side, each warmed up by one short request."""
+    """Both servers, one after the other, each warmed up by one short request before the
+    next starts: what a server measures while it loads (djl-stream's packing trial) then
+    sees the machine as it would alone (:func:`benchmarks.peers.run.start_servers`)."""
     servers = {}
     for mode, options in SERVER_OPTIONS.items():
         if settings.dtype != "auto":
@@ -131,14 +133,13 @@ def start_servers(settings: Settings, workdir: Path,
                                          env=_server_env(settings))
         stack.callback(server.stop)
         server.launch()
-        servers[mode] = server
-    for mode, server in servers.items():
         server.wait_ready()
         warm = http_load.stream_once(server.url, http_load.request_body(PROMPTS[0], settings.warmup_tokens))
         if warm.error:
             raise RuntimeError(f"the {mode} server failed its warm-up request: {warm.error}\n"
                                f"{server.log_tail()}")
         log(f"server ({mode}) ready on {server.url}, pid {server.pid}")
+        servers[mode] = server
     return servers
 
 

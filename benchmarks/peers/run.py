@@ -2,7 +2,7 @@
 ``transformers serve`` and Ray Serve, in one run, written into ``BENCHMARKS.md``.
 
 The run sets up each peer's environment and GGUF files (once; the time each took is
-reported), starts every server at once, warms each up, and then:
+reported), starts the servers one after the other, warms each up, and then:
 
 1. the greedy-text check: each prompt once per server, its text compared with djl-stream's;
 2. the load rows, interleaved: for each repetition and each client count (1, 4, 16
@@ -165,18 +165,18 @@ class Paused:
 
 def start_servers(peers: Sequence[Peer], files: Dict[str, Path], args, workdir: Path,
                   results: Dict[str, PeerResult], stack: contextlib.ExitStack) -> Dict[str, object]:
-    """Every peer's server, started together and each warmed up by one short request; a
-    peer that fails to start is reported and left out."""
-    servers = {}
+    """Every peer's server, started one after the other (each ready and warmed up by one
+    short request before the next starts), so that what a server measures while it loads
+    sees the machine as it would alone: started together, eleven servers loading on two
+    cores made djl-stream's packing trial pack the Xeon's layers, where packing slows a
+    single stream (36 ms a token against 29). A peer that fails to start is reported and
+    left out."""
+    ready = {}
     for peer in peers:
         server = peer.server(Path(args.model_dir), ROOT, files, workdir)
         stack.callback(server.stop)
-        server.launch()
-        servers[peer.name] = server
-    ready = {}
-    for peer in peers:
-        server = servers[peer.name]
         try:
+            server.launch()
             server.wait_ready()
             warm = stream_once(server.url, _body(peer, args, PROMPT_TEXTS[0], 4), read=peer.read)
             if warm.error:
@@ -266,7 +266,8 @@ def report(results: List[PeerResult], setup: Dict[str, tuple], args, machine: Di
              f"in {elapsed / 60:.0f} min, on {machine.get('cpu')} (GPU: {machine.get('gpu')}). "
              f"Every server: the same prompts (SmolLM2's chat template applied by the client), "
              f"greedy, exactly {args.new_tokens} new tokens (end-of-sequence ids barred: "
-             "`ignore_eos`, `min_tokens` or `min_new_tokens`). All servers run at once and are "
+             "`ignore_eos`, `min_tokens` or `min_new_tokens`). The servers are started one after "
+             "the other (each loads on an otherwise idle machine), then all run at once and are "
              "measured in turn, row by row (each repetition, each client count, each server), "
              "so that a machine that slows down slows every peer alike; "
              + ("the servers not being measured are paused (SIGSTOP, their whole process "
