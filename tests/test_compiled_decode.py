@@ -375,6 +375,29 @@ def test_option_decode_step_compiled_compiles_before_packing(tiny_model_dir, one
     assert not step.one_row.shares_weights  # packed: the program has its own copy
 
 
+def test_with_the_program_s_own_copy_the_packing_trial_times_a_batch(tiny_model_dir,
+                                                                     one_row_cache, monkeypatch):
+    """option.decode_step=compiled: the program runs every one-row step, so the layers'
+    packing trial times a batch of packed_linear.BATCH_HINT rows; an eager load times one."""
+    from djl_stream.generation import packed_linear
+    from djl_stream.generation.loading import load_model_and_tokenizer
+
+    asked = []
+
+    def slower_packed_at_one_row(pairs, repetitions=7, rows=1):  # as on the Intel Xeon
+        asked.append(rows)
+        return packed_linear.PackingTrial(0.020, 0.030 if rows == 1 else 0.018, rows)
+
+    monkeypatch.setattr(packed_linear, "packing_trial", slower_packed_at_one_row)
+    compiled, _ = load_model_and_tokenizer(ModelProperties.from_init_properties(
+        {"model_dir": str(tiny_model_dir), "decode_step": "compiled"}))
+    assert llama_decode.step_of(compiled).compiled
+    eager, _ = load_model_and_tokenizer(ModelProperties(model_dir=str(tiny_model_dir)))
+    assert asked == [packed_linear.BATCH_HINT, 1]
+    assert isinstance(compiled.model.layers[0].mlp.up_proj, packed_linear.PackedLinear)
+    assert type(eager.model.layers[0].mlp.up_proj) is torch.nn.Linear
+
+
 def test_option_compiled_weights_shared_reads_the_layers_weights_and_leaves_them_plain(
         tiny_model_dir, one_row_cache):
     from djl_stream.generation.loading import load_model_and_tokenizer

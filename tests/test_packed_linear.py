@@ -101,11 +101,11 @@ def _trial_saying(monkeypatch, plain_ms: float, packed_ms: float):
     the pairs it was handed are kept."""
     handed = []
 
-    def trial(pairs, repetitions=7):
+    def trial(pairs, repetitions=7, rows=1):
         handed.extend(pairs)
-        return packed_linear.PackingTrial(plain_ms / 1e3, packed_ms / 1e3)
+        return packed_linear.PackingTrial(plain_ms / 1e3, packed_ms / 1e3, rows)
 
-    monkeypatch.setattr(packed_linear, "one_row_trial", trial)
+    monkeypatch.setattr(packed_linear, "packing_trial", trial)
     return handed
 
 
@@ -130,7 +130,7 @@ def test_with_option_prepack_weights_unset_the_load_packs_where_one_row_is_not_s
         assert "option.prepack_weights=true packs them anyway" in caplog.text
 
 
-def test_one_row_trial_times_both_ways_over_every_layer_and_keeps_each_layers_fastest_time():
+def test_the_packing_trial_times_both_ways_over_every_layer_and_keeps_each_layers_fastest_time():
     # a clock that only the layers advance: a plain layer "takes" 1 s, a packed one 2 s,
     # and in every timed round one plain layer is slowed by 10 s (another process on the
     # cores; layer i in round i): no round is whole, so keeping the fastest round would
@@ -151,7 +151,7 @@ def test_one_row_trial_times_both_ways_over_every_layer_and_keeps_each_layers_fa
     for pair in pairs:
         for module in pair:
             module.register_forward_pre_hook(advancing)
-    trial = packed_linear.one_row_trial(pairs, repetitions=3, clock=lambda: now[0])
+    trial = packed_linear.packing_trial(pairs, repetitions=3, clock=lambda: now[0])
     assert (trial.plain_seconds, trial.packed_seconds) == (3.0, 6.0)
     assert not trial.pays
     assert set(calls.values()) == {4}  # one untimed pass, three timed, each layer each way

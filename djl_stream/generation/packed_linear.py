@@ -23,9 +23,11 @@ rows       ``nn.Linear``   prepacked
 Not on every CPU: on a 2-core Intel Xeon (480 MB of L3 cache) MKL read a plain weight
 with one row at 24 GB/s, packed ones at 16.5 GB/s, and packing gained 6-11% from four
 rows. So where ``option.prepack_weights`` is unset the load times one row through every
-layer both ways (:func:`one_row_trial`) and keeps the layers unpacked where packing makes
+layer both ways (:func:`packing_trial`) and keeps the layers unpacked where packing makes
 it :data:`SLOWER_AT_ONE_ROW` times slower or worse (``pack_linear_layers(model,
-only_where_it_pays=True)``).
+only_where_it_pays=True)``). Where a compiled program with its own copy of the weights
+runs the one-row steps (``option.decode_step=compiled``), the layers serve batches and
+prompts only, and the trial times :data:`BATCH_HINT` rows instead (``trial_rows``).
 
 This is what TorchInductor's ``freezing`` does to a compiled CPU graph (in bf16) and what
 Intel's extension for PyTorch did as ``ipex.optimize``; here it is done once at load, in
@@ -167,11 +169,12 @@ def _agrees(packed: PackedLinear, linear: torch.nn.Linear) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class PackingTrial:
-    """One row through every layer to be packed, with ``nn.Linear`` and packed: the sum
-    of each layer's fastest call, each way (:func:`one_row_trial`)."""
+    """``rows`` rows through every layer to be packed, with ``nn.Linear`` and packed: the
+    sum of each layer's fastest call, each way (:func:`packing_trial`)."""
 
     plain_seconds: float
     packed_seconds: float
+    rows: int = 1
 
     @property
     def pays(self) -> bool:
@@ -181,13 +184,14 @@ class PackingTrial:
         return self.packed_seconds < self.plain_seconds * SLOWER_AT_ONE_ROW
 
     def __str__(self) -> str:
-        return (f"one row through the layers: {self.plain_seconds * 1e3:.1f} ms with "
+        rows = "one row" if self.rows == 1 else f"{self.rows} rows"
+        return (f"{rows} through the layers: {self.plain_seconds * 1e3:.1f} ms with "
                 f"nn.Linear, {self.packed_seconds * 1e3:.1f} ms packed")
 
 
-def one_row_trial(pairs, repetitions: int = 7,
-                  clock: Callable[[], float] = time.perf_counter) -> PackingTrial:
-    """Time one row through each ``(nn.Linear, PackedLinear)`` of ``pairs``, all the
+def packing_trial(pairs, repetitions: int = 7,
+                  clock: Callable[[], float] = time.perf_counter, rows: int = 1) -> PackingTrial:
+    """Time ``rows`` rows through each ``(nn.Linear, PackedLinear)`` of ``pairs``, all the
     plain layers then all the packed ones, ``repetitions`` times in turns (after one
     untimed pass each), and sum each layer's fastest time, each way: another process on
     the same cores (a second worker loading beside this one, say) only ever slows a call,
@@ -200,16 +204,16 @@ def one_row_trial(pairs, repetitions: int = 7,
 
     >>> layer = torch.nn.Linear(16, 16)
     >>> packed = PackedLinear.from_linear(layer)
-    >>> packed is None or one_row_trial([(layer, packed)], repetitions=1).plain_seconds >= 0
+    >>> packed is None or packing_trial([(layer, packed)], repetitions=1).plain_seconds >= 0
     True
     """
-    rows = {}  # one input row per width and dtype, shared by the layers that take it
+    inputs = {}  # one input per width and dtype, shared by the layers that take it
     for plain, _ in pairs:
         key = (plain.in_features, plain.weight.dtype)
-        if key not in rows:
-            rows[key] = torch.randn(1, plain.in_features,
-                                    generator=torch.Generator().manual_seed(0)).to(key[1])
-    calls = [(plain, packed, rows[(plain.in_features, plain.weight.dtype)])
+        if key not in inputs:
+            inputs[key] = torch.randn(rows, plain.in_features,
+                                      generator=torch.Generator().manual_seed(0)).to(key[1])
+    calls = [(plain, packed, inputs[(plain.in_features, plain.weight.dtype)])
              for plain, packed in pairs]
     fastest = ([math.inf] * len(calls), [math.inf] * len(calls))
 
@@ -226,18 +230,20 @@ def one_row_trial(pairs, repetitions: int = 7,
         for _ in range(repetitions):
             for way in (0, 1):
                 timed_round(way)
-    return PackingTrial(sum(fastest[0]), sum(fastest[1]))
+    return PackingTrial(sum(fastest[0]), sum(fastest[1]), rows)
 
 
-def pack_linear_layers(model: torch.nn.Module, *, only_where_it_pays: bool = False) -> int:
+def pack_linear_layers(model: torch.nn.Module, *, only_where_it_pays: bool = False,
+                       trial_rows: int = 1) -> int:
     """Replace every float32 CPU ``nn.Linear`` in ``model`` (bfloat16 too, on a CPU that
     multiplies it natively) by its :class:`PackedLinear`,
     in place, and return how many were replaced: all of them, or none (a layer whose
     packed output differs from its own on a probe leaves the model as it was, logged).
 
-    ``only_where_it_pays``: first time one row through every layer both ways
-    (:func:`one_row_trial`, while the packed copies exist anyway), and leave the model as
-    it was where packing does not pay (:attr:`PackingTrial.pays`; logged either way).
+    ``only_where_it_pays``: first time ``trial_rows`` rows (one, unless a compiled
+    program runs the one-row steps) through every layer both ways (:func:`packing_trial`,
+    while the packed copies exist anyway), and leave the model as it was where packing
+    does not pay (:attr:`PackingTrial.pays`; logged either way).
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     >>> pack_linear_layers(model) in (0, 2)
@@ -256,8 +262,8 @@ def pack_linear_layers(model: torch.nn.Module, *, only_where_it_pays: bool = Fal
             return 0
         replacements.append((parent, name, packed))
     if only_where_it_pays and replacements:
-        trial = one_row_trial([(getattr(parent, name), packed)
-                               for parent, name, packed in replacements])
+        trial = packing_trial([(getattr(parent, name), packed)
+                               for parent, name, packed in replacements], rows=trial_rows)
         if not trial.pays:
             logger.info("linear layers left unpacked: oneDNN's packed layers are slower on "
                         "this CPU (%s; option.prepack_weights=true packs them anyway)", trial)

@@ -124,7 +124,8 @@ class ModelProperties:
             once at load into the layout its kernels read fastest (1.5-2x faster decode
             steps on SmolLM2 on an AMD EPYC; see :mod:`djl_stream.generation.packed_linear`);
             ``None`` (``auto``) does so unless a trial at load finds it slows one row's
-            products on this CPU (it does on some Intel Xeons), ``True`` always (where
+            products on this CPU (it does on some Intel Xeons; 16 rows' where a compiled
+            program with its own copy runs the one-row steps), ``True`` always (where
             this PyTorch can), ``False`` never.
         decode_step: who runs a decode step: ``forward`` (the model's forward),
             ``eager`` (djl-stream's Llama decode step, written for its KV cache: about 12 %
