@@ -260,24 +260,27 @@ def choose_next_tokens(
     """
     tokens = logits.argmax(dim=-1).tolist()
     failures: Dict[int, Exception] = {}
-    barring = {}
+    # one pass sorts the rows: greedy (done above), barring, warped together, alone
+    barring: Dict[int, Tuple[int, ...]] = {}
+    warped: Dict[Tuple[float, int, float, float], List[int]] = {}
+    alone: List[int] = []
     for row, chooser in enumerate(choosers):
-        ids = chooser.barred_ids
-        if ids:
-            barring[row] = ids
+        if chooser.is_greedy:
+            continue
+        barred, warping = chooser.barred_ids, chooser.warping
+        if barred:
+            barring[row] = barred
+        elif warping is not None:
+            warped.setdefault(warping, []).append(row)
+        else:
+            alone.append(row)
     if barring:
         for row, token in zip(barring, _argmax_barring(logits, barring)):
             tokens[row] = token
-    warped: Dict[Tuple[float, int, float, float], List[int]] = {}
-    for row, chooser in enumerate(choosers):
-        if chooser.warping is not None:
-            warped.setdefault(chooser.warping, []).append(row)
     for rows in warped.values():
         _draw_warped(choosers, rows, logits, tokens, failures)
-    done = set(barring).union(*warped.values())
-    for row, chooser in enumerate(choosers):
-        if chooser.is_greedy or row in done:
-            continue
+    for row in alone:
+        chooser = choosers[row]
         try:
             ids = None
             if chooser.needs_input_ids:
