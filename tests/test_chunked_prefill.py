@@ -18,7 +18,7 @@ from djl_stream.generation.batch import CausalLMBatch, generate_token, prefill_c
 from djl_stream.generation.errors import GenerationFailed
 from djl_stream.generation.forward_kwargs import cache_in
 from djl_stream.generation.prefill_pacing import PrefillPacer
-from djl_stream.generation.scheduler import (CANCELLED, BatchState, Scheduler,
+from djl_stream.generation.scheduler import (BURST_RATIO, CANCELLED, BatchState, Scheduler,
                                              IDLE_PREFILL_FACTOR, attention_parity_context,
                                              prefill_columns,
                                              SchedulerObserver)
@@ -294,6 +294,145 @@ def test_while_a_stream_decodes_a_pass_takes_at_most_the_stall_bound_of_its_step
                for rows, columns, _ in passes), (passes, bound)
     assert all(columns <= budget for (_, columns, _), budget in zip(passes, by_budget))
     assert any(columns < budget for (_, columns, _), budget in zip(passes, by_budget))
+
+
+class HeldDecodeStep:
+    """Holds the scheduler inside its next decode step (a forward pass of one column)
+    while the ``with`` block runs: requests submitted in it all wait for the same
+    admission, whatever the threads' timing."""
+
+    def __init__(self, model):
+        self.model = model
+        self.holding = threading.Event()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def _hold(self, module, args, kwargs):
+        if self.holding.is_set() and kwargs["input_ids"].shape[1] == 1:
+            self.holding.clear()
+            self.entered.set()
+            self.release.wait(60)
+
+    def __enter__(self):
+        self._handle = self.model.model.register_forward_pre_hook(self._hold, with_kwargs=True)
+        self.holding.set()
+        assert self.entered.wait(60), "the scheduler never took a decode step"
+        return self
+
+    def __exit__(self, *exc):
+        self.release.set()
+        self._handle.remove()
+
+
+def burst_beside_running(scheduler, model, tokenizer, forwards, prompts, running_prompts):
+    """``running_prompts`` decode (one request each, until closed); while the scheduler
+    is held in one of their steps, ``prompts`` arrive (one request each, 4 new tokens)
+    and are read to their end. Returns their sequences; the prefill passes ``forwards``
+    saw before are cleared."""
+    running = [scheduler.submit(sequences(model, tokenizer, [prompt], max_new_tokens=100_000,
+                                          ignore_eos=True)) for prompt in running_prompts]
+    for stream in running:
+        next(stream)  # decoding
+    with HeldDecodeStep(model):
+        forwards.passes.clear()
+        arrived = [sequences(model, tokenizer, [prompt], max_new_tokens=4) for prompt in prompts]
+        streams = [scheduler.submit(seqs) for seqs in arrived]
+    for stream in streams:
+        collect(stream)
+    for stream in running:
+        stream.close()
+    settled(scheduler)
+    return arrived
+
+
+def test_a_burst_beside_a_stream_is_admitted_and_read_with_the_idle_budget(
+        make_scheduler, tiny_model, smollm2_tokenizer):
+    # Four requests arrive while one stream decodes: 4 >= BURST_RATIO x 1 rows. Together
+    # their prompts pass the budget (so they would be admitted two by two and read a few
+    # columns a pass), not the idle budget: they are admitted together and read at once.
+    prompts = [SHORT, "Hi there", "Name three rivers", "Tell me a joke"]
+    expected = one_pass_ids(make_scheduler, tiny_model, smollm2_tokenizer, prompts,
+                            max_new_tokens=4)
+    scheduler = make_scheduler(max_batch_prefill_tokens=BUDGET, max_batch_size=8)
+    forwards = Forwards(tiny_model)
+    try:
+        arrived = burst_beside_running(scheduler, tiny_model, smollm2_tokenizer, forwards,
+                                       prompts, [SHORT])
+    finally:
+        forwards.remove()
+    assert [seqs[0].generated_ids for seqs in arrived] == expected
+    longest = max(len(seqs[0].prompt_ids) for seqs in arrived)
+    assert len(prompts) >= BURST_RATIO * 1
+    assert len(prompts) * longest > BUDGET
+    assert forwards.prefill_passes == [(len(prompts), longest, 0)]
+
+
+def test_a_request_beside_as_many_streams_is_not_a_burst(make_scheduler, tiny_model,
+                                                          smollm2_tokenizer):
+    # Two requests arrive while two streams decode (2 < BURST_RATIO x 2): the running
+    # streams are protected, as for a single arrival: each pass within the budget.
+    prompts = [LONG[:60], LONG[:45]]
+    expected = one_pass_ids(make_scheduler, tiny_model, smollm2_tokenizer, prompts,
+                            max_new_tokens=4)
+    scheduler = make_scheduler(max_batch_prefill_tokens=BUDGET, max_batch_size=8)
+    forwards = Forwards(tiny_model)
+    try:
+        arrived = burst_beside_running(scheduler, tiny_model, smollm2_tokenizer, forwards,
+                                       prompts, [SHORT, "Hi there"])
+    finally:
+        forwards.remove()
+    assert [seqs[0].generated_ids for seqs in arrived] == expected
+    assert len(prompts) * max(len(seqs[0].prompt_ids) for seqs in arrived) > BUDGET
+    passes = forwards.prefill_passes
+    assert len(passes) >= 2
+    assert all(rows * columns <= BUDGET for rows, columns, _ in passes), passes
+
+
+def test_a_burst_of_long_prompts_is_paced_as_any_prefill(make_scheduler, tiny_model,
+                                                        smollm2_tokenizer):
+    # Two long prompts beside one stream are a burst, but they do not fit in one pass of
+    # the idle budget: each is read within the budget, the running stream between.
+    prompts = [LONG, LONG[:-40]]
+    scheduler = make_scheduler(max_batch_prefill_tokens=BUDGET, max_batch_size=8)
+    forwards = Forwards(tiny_model)
+    try:
+        arrived = burst_beside_running(scheduler, tiny_model, smollm2_tokenizer, forwards,
+                                       prompts, [SHORT])
+    finally:
+        forwards.remove()
+    assert len(arrived[0][0].prompt_ids) > scheduler.max_idle_prefill_tokens
+    passes = forwards.prefill_passes
+    assert len(passes) > 2 * len(arrived[0][0].prompt_ids) // scheduler.max_idle_prefill_tokens
+    assert all(rows * columns <= BUDGET for rows, columns, _ in passes), passes
+
+
+def test_requests_waiting_while_nothing_decodes_are_admitted_with_the_idle_budget(
+        make_scheduler, tiny_model, smollm2_tokenizer):
+    # Nobody waits between tokens: three prompts past the budget together (but within the
+    # idle budget) are one prefill pass, as one request of three prompts would be.
+    prompts = [SHORT, LONG[:60], LONG[:45]]
+    expected = one_pass_ids(make_scheduler, tiny_model, smollm2_tokenizer, prompts,
+                            max_new_tokens=4)
+    scheduler = make_scheduler(max_batch_prefill_tokens=BUDGET, max_batch_size=8)
+    forwards = Forwards(tiny_model, hold_first_chunk=True)
+    try:
+        first = sequences(tiny_model, smollm2_tokenizer, ["Hi there"], max_new_tokens=1)
+        first_stream = scheduler.submit(first)
+        assert forwards.chunk_started.wait(60)  # the scheduler is inside its prefill
+        arrived = [sequences(tiny_model, smollm2_tokenizer, [prompt], max_new_tokens=4)
+                   for prompt in prompts]
+        streams = [scheduler.submit(seqs) for seqs in arrived]
+        forwards.release.set()
+        collect(first_stream)  # one token: it ends at its prefill, nothing decodes after
+        for stream in streams:
+            collect(stream)
+        settled(scheduler)
+    finally:
+        forwards.remove()
+    assert [seqs[0].generated_ids for seqs in arrived] == expected
+    longest = max(len(seqs[0].prompt_ids) for seqs in arrived)
+    assert len(prompts) * longest > BUDGET
+    assert (len(prompts), longest, 0) in forwards.prefill_passes
 
 
 def test_a_request_cancelled_mid_prefill_leaves_with_its_cache(make_scheduler, tiny_model,
