@@ -115,9 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     from djl_stream.serving.properties import COMPILED_WEIGHTS
 
     compile_step = commands.add_parser(
-        "compile", help="compile the one-row decode step into MODEL_DIR for this kind of CPU",
+        "compile", help="compile the decode step into MODEL_DIR for this kind of CPU",
         description="Load MODEL_DIR as the server does with option.decode_step=compiled and "
-                    "copy its compiled one-row program into MODEL_DIR/compiled_decode/. A "
+                    "copy its compiled one-row program (and, with --weights shared, its "
+                    "16-row program) into MODEL_DIR/compiled_decode/. A "
                     "server or container loading MODEL_DIR on a machine with the same CPU "
                     "model and PyTorch then takes it from there instead of compiling (about "
                     "a minute for SmolLM2); elsewhere it compiles as usual. Set "
@@ -407,15 +408,19 @@ def _compile(args: argparse.Namespace) -> int:
         print("djl-stream compile: this model got no compiled decode step here (the log above "
               "says why)", file=sys.stderr)
         return 1
+    # (with option.compiled_weights=shared, the batch program too)
+    programs = [p for p in (step.one_row, step.batch_program) if p is not None]
     try:
-        target = compiled_decode.ship(step.one_row, Path(args.model_dir))
+        targets = [compiled_decode.ship(program, Path(args.model_dir)) for program in programs]
     except (ValueError, OSError) as error:
         print(f"djl-stream compile: {error}", file=sys.stderr)
         return 1
-    size = compiled_decode.CacheEntry(target).megabytes()
-    print(f"wrote {target} ({size:.1f} MB): loaded instead of compiling on a machine with "
-          "this CPU model and PyTorch, with option.decode_step=compiled"
-          + ("" if not step.one_row.shares_weights else " and option.compiled_weights=shared"))
+    for target in targets:
+        size = compiled_decode.CacheEntry(target).megabytes()
+        print(f"wrote {target} ({size:.1f} MB): loaded instead of compiling on a machine with "
+              "this CPU model and PyTorch, with option.decode_step=compiled"
+              + ("" if not step.one_row.shares_weights
+                 else " and option.compiled_weights=shared"))
     return 0
 
 

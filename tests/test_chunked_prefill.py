@@ -18,7 +18,7 @@ from djl_stream.generation.batch import CausalLMBatch, generate_token, prefill_c
 from djl_stream.generation.errors import GenerationFailed
 from djl_stream.generation.forward_kwargs import cache_in
 from djl_stream.generation.prefill_pacing import PrefillPacer
-from djl_stream.generation.scheduler import (BURST_RATIO, CANCELLED, BatchState, Scheduler,
+from djl_stream.generation.scheduler import (BURST_PASSES, BURST_RATIO, CANCELLED, BatchState, Scheduler,
                                              IDLE_PREFILL_FACTOR, attention_parity_context,
                                              prefill_columns,
                                              SchedulerObserver)
@@ -367,6 +367,30 @@ def test_a_burst_beside_a_stream_is_admitted_and_read_with_the_idle_budget(
     assert forwards.prefill_passes == [(len(prompts), longest, 0)]
 
 
+def test_a_burst_past_one_idle_pass_is_read_together_in_idle_passes(
+        make_scheduler, tiny_model, smollm2_tokenizer):
+    # Four prompts that take more than one pass of the idle budget, and no more than
+    # BURST_PASSES: admitted together, every pass reads all four rows, each pass within
+    # the idle budget.
+    prompts = [LONG[:200], LONG[:190], LONG[:180], LONG[:170]]
+    expected = one_pass_ids(make_scheduler, tiny_model, smollm2_tokenizer, prompts,
+                            max_new_tokens=4)
+    scheduler = make_scheduler(max_batch_prefill_tokens=BUDGET, max_batch_size=8)
+    forwards = Forwards(tiny_model)
+    try:
+        arrived = burst_beside_running(scheduler, tiny_model, smollm2_tokenizer, forwards,
+                                       prompts, [SHORT])
+    finally:
+        forwards.remove()
+    assert [seqs[0].generated_ids for seqs in arrived] == expected
+    idle = scheduler.max_idle_prefill_tokens
+    longest = max(len(seqs[0].prompt_ids) for seqs in arrived)
+    assert idle < len(prompts) * longest <= BURST_PASSES * idle
+    passes = forwards.prefill_passes
+    assert 2 <= len(passes) <= BURST_PASSES + 1, passes  # (+1: a last column alone)
+    assert all(rows == len(prompts) and rows * columns <= idle for rows, columns, _ in passes)
+
+
 def test_a_request_beside_as_many_streams_is_not_a_burst(make_scheduler, tiny_model,
                                                           smollm2_tokenizer):
     # Two requests arrive while two streams decode (2 < BURST_RATIO x 2): the running
@@ -390,9 +414,10 @@ def test_a_request_beside_as_many_streams_is_not_a_burst(make_scheduler, tiny_mo
 
 def test_a_burst_of_long_prompts_is_paced_as_any_prefill(make_scheduler, tiny_model,
                                                         smollm2_tokenizer):
-    # Two long prompts beside one stream are a burst, but they do not fit in one pass of
-    # the idle budget: each is read within the budget, the running stream between.
-    prompts = [LONG, LONG[:-40]]
+    # Two long prompts beside one stream are a burst, but the first alone does not fit in
+    # BURST_PASSES passes of the idle budget: each is read within the budget, the running
+    # stream between.
+    prompts = [LONG * 2, LONG]
     scheduler = make_scheduler(max_batch_prefill_tokens=BUDGET, max_batch_size=8)
     forwards = Forwards(tiny_model)
     try:
@@ -400,7 +425,7 @@ def test_a_burst_of_long_prompts_is_paced_as_any_prefill(make_scheduler, tiny_mo
                                        prompts, [SHORT])
     finally:
         forwards.remove()
-    assert len(arrived[0][0].prompt_ids) > scheduler.max_idle_prefill_tokens
+    assert len(arrived[0][0].prompt_ids) > BURST_PASSES * scheduler.max_idle_prefill_tokens
     passes = forwards.prefill_passes
     assert len(passes) > 2 * len(arrived[0][0].prompt_ids) // scheduler.max_idle_prefill_tokens
     assert all(rows * columns <= BUDGET for rows, columns, _ in passes), passes

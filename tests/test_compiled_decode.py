@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import COMPILED_SEED, StepLogits, build_tiny_llama
+from conftest import COMPILED_SEED, StepLogits, build_tiny_llama, greedy_in_one_batch
 from djl_stream.file_lock import exclusive_lock
 from djl_stream.generation import compiled_decode, llama_decode
 from djl_stream.generation.int8_linear import int8_matmul_unavailable, quantize_linear_layers
@@ -585,8 +585,10 @@ def test_djl_stream_compile_ships_the_program_a_server_then_loads(tiny_model_dir
     model_dir = tmp_path / "tiny"
     shutil.copytree(tiny_model_dir, model_dir)
     assert main(["compile", str(model_dir), "--weights", "shared"]) == 0
-    (entry,) = (model_dir / compiled_decode.SHIPPED_FOLDER).iterdir()
-    assert f"wrote {entry}" in capsys.readouterr().out
+    # the one-row program and the batch program that option.compiled_weights=shared adds
+    entries = sorted((model_dir / compiled_decode.SHIPPED_FOLDER).iterdir())
+    out = capsys.readouterr().out
+    assert len(entries) == 2 and all(f"wrote {entry}" in out for entry in entries)
 
     # a machine with an empty cache: it loads the shipped program and compiles nothing
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "empty-cache"))
@@ -595,7 +597,8 @@ def test_djl_stream_compile_ships_the_program_a_server_then_loads(tiny_model_dir
         {"model_dir": str(model_dir), "decode_step": "compiled", "compiled_weights": "shared"})
     model, _ = load_model_and_tokenizer(props)
     step = llama_decode.step_of(model)
-    assert step is not None and step.compiled and step.one_row.path == entry
+    assert step is not None and step.compiled and step.batch_program is not None
+    assert sorted([step.one_row.path, step.batch_program.path]) == entries
 
 
 # -- called with the GIL released (aoti_call) -------------------------------------------
@@ -645,3 +648,106 @@ def test_where_the_library_cannot_be_called_directly_pytorch_s_loader_runs_it(
     assert "runs through PyTorch's loader, which holds the GIL" in caplog.text
     step = llama_decode.attach(model, smollm2_tokenizer, one_row=one_row)
     assert step.compiled and decode_alone(model, smollm2_tokenizer, 12)[0] == expected
+
+
+# -- the batch program (option.compiled_weights=shared) --------------------------------
+
+BATCH_PROMPTS = ["Hello there", "The quick brown fox jumps over", "Once upon a time",
+                 "A", "Water boils at"]
+
+
+def decode_in_one_batch(model, tokenizer, prompts, new_tokens, room_for_rows):
+    """``prompts`` decoded greedily in one batch whose cache has ``room_for_rows`` more
+    rows (a scheduler's cache reserves rows on a CPU); each row's tokens, and whether each
+    decode step ran the batch program."""
+    sequences = [GenerationSequence(i, tokenizer(p)["input_ids"], tokenizer,
+                                    max_new_tokens=new_tokens, eos_token_ids=set(),
+                                    ignore_eos=True) for i, p in enumerate(prompts)]
+    batch = CausalLMBatch.from_sequences(sequences, pad_token_id=2, device="cpu",
+                                         room_for_rows=room_for_rows)
+    _, batch = generate_token(model, batch)  # the prefill: the model's forward
+    ran = []
+    while batch is not None:
+        _, batch = generate_token(model, batch)
+        ran.append(llama_decode.step_of(model).last_step_batch_program)
+    return [seq.generated_ids for seq in sequences], ran
+
+
+@pytest.fixture()
+def batch_step(smollm2_tokenizer, one_row_cache):
+    """The tiny Llama's step with a 4-row batch program reading its plain weights (from
+    the session's cache after the first compile), and the tokens the eager step gives
+    each batch of :data:`BATCH_PROMPTS` first."""
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
+    program = compiled_decode.compile_batch(model, rows=4)
+    assert program is not None and program.rows == 4 and program.shares_weights
+    eager = llama_decode.attach(model, smollm2_tokenizer)
+    expected = {rows: greedy_in_one_batch(model, smollm2_tokenizer, BATCH_PROMPTS[:rows], 10)
+                for rows in (2, 3, 4, 5)}
+    step = llama_decode.attach(model, smollm2_tokenizer, batch_program=program)
+    assert eager is not None and step is not None and step.batch_program is program
+    return model, step, expected
+
+
+@pytest.mark.parametrize("rows,runs_program", [(2, False), (3, True), (4, True), (5, False)])
+def test_batches_of_more_than_half_the_program_s_rows_run_it_padded_with_the_same_tokens(
+        smollm2_tokenizer, batch_step, rows, runs_program):
+    model, step, expected = batch_step
+    tokens, ran = decode_in_one_batch(model, smollm2_tokenizer, BATCH_PROMPTS[:rows], 10,
+                                      room_for_rows=8)
+    assert tokens == expected[rows]
+    assert ran == [runs_program] * 9
+
+
+def test_a_batch_program_leaves_the_rows_past_the_batch_as_they_were(smollm2_tokenizer,
+                                                                     batch_step):
+    model, step, _ = batch_step
+    sequences = [GenerationSequence(i, smollm2_tokenizer(p)["input_ids"], smollm2_tokenizer,
+                                    max_new_tokens=4, eos_token_ids=set(), ignore_eos=True)
+                 for i, p in enumerate(BATCH_PROMPTS[:3])]
+    batch = CausalLMBatch.from_sequences(sequences, pad_token_id=2, device="cpu",
+                                         room_for_rows=5)
+    _, batch = generate_token(model, batch)
+    keys, values, _, _ = batch.past_key_values.next_columns_buffers(len(batch))
+    with torch.inference_mode():
+        for buffer in keys + values:  # a slot lent to a prompt being read, say
+            buffer[3:].fill_(7.0)
+    _, batch = generate_token(model, batch)
+    assert step.last_step_batch_program
+    assert all(bool((buffer[3:] == 7.0).all()) for buffer in keys + values)
+    assert not any(bool((buffer[:3] == 7.0).all()) for buffer in keys)
+
+
+def test_a_batch_program_that_fails_gives_way_to_the_eager_step(smollm2_tokenizer, batch_step,
+                                                                monkeypatch, caplog):
+    model, step, expected = batch_step
+
+    def failing(*inputs):
+        raise RuntimeError("the program failed")
+
+    monkeypatch.setattr(step.batch_program, "_program", failing)
+    tokens, ran = decode_in_one_batch(model, smollm2_tokenizer, BATCH_PROMPTS[:4], 10,
+                                      room_for_rows=8)
+    assert tokens == expected[4]
+    assert step.batch_program is None and not any(ran)
+    assert "batch steps run the eager step from now on" in caplog.text
+
+
+def test_option_compiled_weights_shared_adds_a_batch_program_reading_the_same_weights(
+        tiny_model_dir, one_row_cache):
+    from djl_stream.generation.loading import load_model_and_tokenizer
+
+    props = ModelProperties.from_init_properties(
+        {"model_dir": str(tiny_model_dir), "decode_step": "compiled", "compiled_weights": "shared"})
+    model, _ = load_model_and_tokenizer(props)
+    step = llama_decode.step_of(model)
+    assert step is not None and step.batch_program is not None
+    assert step.batch_program.rows == compiled_decode.BATCH_ROWS
+    q_weight = model.model.layers[0].self_attn.q_proj.weight
+    assert any(t.data_ptr() == q_weight.data_ptr()
+               for t in step.batch_program._constants.values())
+    # with its own copy of the weights (packed layers), no batch program
+    props = ModelProperties.from_init_properties(
+        {"model_dir": str(tiny_model_dir), "decode_step": "compiled"})
+    model, _ = load_model_and_tokenizer(props)
+    assert llama_decode.step_of(model).batch_program is None

@@ -29,7 +29,8 @@ its forward. On one CUDA GPU it runs too, and is replayed from CUDA graphs
 ``option.decode_step=compiled`` adds a program for the decode step of one row, compiled
 ahead of time by AOTInductor and kept on disk
 (:mod:`~djl_stream.generation.compiled_decode`): one-row steps run it, and batches of
-several rows and mixed passes run this eager step.
+several rows and mixed passes run this eager step; with ``option.compiled_weights=shared``
+a second program runs the steps of 9 to 16 rows, padded to 16.
 
 Example::
 
@@ -221,10 +222,13 @@ class LlamaDecodeStep:
 
     ``one_row`` (a :class:`~djl_stream.generation.compiled_decode.CompiledOneRow`) runs
     the steps of one-row batches; if it ever fails, it is dropped (logged) and the eager
-    step runs them.
+    step runs them. ``batch_program`` (one from
+    :func:`~djl_stream.generation.compiled_decode.compile_batch`, of ``rows`` rows) runs
+    the steps of batches of more than half its rows, up to all of them, padded up to them;
+    if it ever fails, it is dropped alike.
     """
 
-    def __init__(self, model, *, one_row=None):
+    def __init__(self, model, *, one_row=None, batch_program=None):
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(reason)
@@ -237,8 +241,11 @@ class LlamaDecodeStep:
                                    [_norms_of(layer) for layer in decoder.layers])
         self.lm_head = model.lm_head
         self.one_row = one_row
-        #: Whether the last decode step's logits came from the compiled program.
+        self.batch_program = batch_program
+        #: Whether the last decode step's logits came from the compiled one-row program.
         self.last_step_compiled = False
+        #: Whether the last decode step's logits came from the batch program.
+        self.last_step_batch_program = False
         #: On a CUDA GPU, a :class:`~djl_stream.generation.cuda_graphs.CudaGraphSteps` that
         #: replays decode steps from CUDA graphs (:func:`attach` with ``cuda_graphs``).
         self.graphs = None
@@ -378,11 +385,15 @@ class LlamaDecodeStep:
                 logits = self._replayed_logits(batch, keys, values, start, column)
             self.last_step_replayed = logits is not None
             self.last_step_compiled = False
+            self.last_step_batch_program = False
             if logits is None:
                 inputs = self._inputs(batch.input_ids, batch.position_ids, batch.attention_mask)
                 if self.one_row is not None and len(batch) == 1:
                     logits = self._one_row_logits(inputs, keys, values, column, start)
                 self.last_step_compiled = logits is not None
+                if logits is None and self._runs_batch_program(len(batch), keys):
+                    logits = self._batch_program_logits(inputs, keys, values, column, start)
+                    self.last_step_batch_program = logits is not None
             if logits is None:
                 logits = _decode_logits(self.geometry, self.layers, self.final_norm, self.lm_head,
                                         *inputs, keys, values,
@@ -407,6 +418,35 @@ class LlamaDecodeStep:
             "one_row", "the compiled one-row decode step failed",
             "one-row steps run the eager step from now on",
             lambda: self.one_row.run(*_one_row_arguments(inputs, keys, values, column, start)))
+
+    def _runs_batch_program(self, rows: int, keys) -> bool:
+        """Whether a step of ``rows`` rows over the buffers ``keys`` runs the batch
+        program: more than half its rows (a step of fewer costs the eager step less than
+        the program's of all of them), at most all, and buffers with a row for each."""
+        program = self.batch_program
+        return (program is not None and program.rows // 2 < rows <= program.rows
+                and keys[0].shape[0] >= program.rows)
+
+    def _batch_program_logits(self, inputs, keys, values, column: int, start: int):
+        """The batch program's logits of a step of ``inputs``' rows, padded up to its
+        rows (zeros, which its padding rows read: their columns are left as they were),
+        or ``None`` where it failed (it is dropped then: the eager step writes the same
+        column again)."""
+        size, rows = self.batch_program.rows, inputs[0].shape[0]
+
+        def padded(tensor):
+            if rows == size:
+                return tensor
+            return torch.cat([tensor, tensor.new_zeros(size - rows, *tensor.shape[1:])])
+
+        real = torch.arange(size, device=inputs[0].device).view(size, 1, 1, 1) < rows
+        logits = self._unless_it_fails(
+            "batch_program", "the compiled batch decode step failed",
+            "batch steps run the eager step from now on",
+            lambda: self.batch_program.run(
+                *(padded(tensor) for tensor in inputs), [k[:size] for k in keys],
+                [v[:size] for v in values], torch.tensor([column]), start, real))
+        return None if logits is None else logits[:rows]
 
     def _unless_it_fails(self, attribute: str, failed: str, instead: str, run):
         """``run()``, or ``None`` where it raised: the way it ran (``attribute``) is then
@@ -450,7 +490,7 @@ def last_step_ran_apart(model) -> bool:
     return step is not None and (step.last_step_compiled or step.last_step_replayed)
 
 
-def attach(model, tokenizer, *, one_row=None, cuda_graphs: bool = False
+def attach(model, tokenizer, *, one_row=None, batch_program=None, cuda_graphs: bool = False
            ) -> Optional[LlamaDecodeStep]:
     """Build ``model``'s :class:`LlamaDecodeStep`, check it against the model's forward on
     probe batches of 1 and 3 rows and on a mixed pass, and attach it, so that
@@ -459,7 +499,11 @@ def attach(model, tokenizer, *, one_row=None, cuda_graphs: bool = False
     With ``one_row`` (a :class:`~djl_stream.generation.compiled_decode.CompiledOneRow`,
     compiled before the model's layers were packed), one-row steps run it once it agrees
     with the forward on the one-row probe; where it does not, the eager step runs them
-    (logged). With ``cuda_graphs`` (a model on one CUDA GPU), decode steps are replayed
+    (logged). With ``batch_program`` (from
+    :func:`~djl_stream.generation.compiled_decode.compile_batch`), batches of more than
+    half its rows run it once it agrees with the forward on a probe of that many rows;
+    where it does not, they run the eager step (logged). With ``cuda_graphs`` (a model on
+    one CUDA GPU), decode steps are replayed
     from CUDA graphs (:mod:`~djl_stream.generation.cuda_graphs`) once those agree with the
     forward on the probes of 1 and 3 rows; where they do not, the eager step runs (logged).
 
@@ -484,6 +528,8 @@ def attach(model, tokenizer, *, one_row=None, cuda_graphs: bool = False
             return None
         if one_row is not None:
             step.one_row = _checked_one_row(step, model, tokenizer, one_row)
+        if batch_program is not None:
+            step.batch_program = _checked_batch_program(step, model, tokenizer, batch_program)
         if cuda_graphs:
             step.graphs = _checked_graphs(step, model, tokenizer)
     except Exception as error:  # noqa: BLE001 - serving goes on without the step
@@ -496,9 +542,13 @@ def attach(model, tokenizer, *, one_row=None, cuda_graphs: bool = False
         logger.info("decode steps are replayed from CUDA graphs (batches padded to %s rows); "
                     "mixed passes run djl-stream's Llama decode step",
                     ", ".join(map(str, ROW_BUCKETS)))
-    elif step.compiled:
-        logger.info("one-row decode steps run the compiled program; other steps run "
-                    "djl-stream's Llama decode step")
+    elif step.compiled or step.batch_program is not None:
+        ran = (["one-row"] if step.compiled else []) + (
+            [f"{step.batch_program.rows // 2 + 1}- to {step.batch_program.rows}-row"]
+            if step.batch_program is not None else [])
+        logger.info("%s decode steps run the compiled program%s; other steps run "
+                    "djl-stream's Llama decode step", " and ".join(ran),
+                    "s" if len(ran) > 1 else "")
     else:
         logger.info("decode steps run djl-stream's Llama decode step%s",
                     " (no compiled one-row step)" if one_row is not None else "")
@@ -517,6 +567,22 @@ def _checked_one_row(step: LlamaDecodeStep, model, tokenizer, one_row):
         return None
     finally:
         step.one_row = None
+
+
+def _checked_batch_program(step: LlamaDecodeStep, model, tokenizer, program):
+    """``program`` if its logits on a probe of more than half its rows (padded up to
+    them) agree with the model's forward, else ``None`` (logged)."""
+    step.batch_program = program
+    try:
+        rows = program.rows // 2 + 1
+        if (_agrees(step, model, tokenizer, rows, room_for_rows=program.rows - rows)
+                and step.last_step_batch_program):
+            return program
+        logger.warning("the compiled %d-row decode step differs from the model's forward on "
+                       "a probe; batch steps run the eager step", program.rows)
+        return None
+    finally:
+        step.batch_program = None
 
 
 def _checked_graphs(step: LlamaDecodeStep, model, tokenizer):
@@ -553,9 +619,9 @@ def detach(model) -> None:
         delattr(model, _ATTRIBUTE)
 
 
-def _probe_prompts(model, tokenizer, rows: int):
+def _probe_prompts(model, tokenizer, rows: int, room_for_rows: int = 0):
     """A batch of ``rows`` prompts of different lengths (so that some are padded), before
-    its prefill."""
+    its prefill; its cache has ``room_for_rows`` more rows."""
     from djl_stream.generation.batch import CausalLMBatch
     from djl_stream.generation.sequence import GenerationSequence
 
@@ -565,15 +631,16 @@ def _probe_prompts(model, tokenizer, rows: int):
                                     ignore_eos=True)
                  for row in range(rows)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return CausalLMBatch.from_sequences(sequences, pad_token_id=pad, device=model.device)
+    return CausalLMBatch.from_sequences(sequences, pad_token_id=pad, device=model.device,
+                                        room_for_rows=room_for_rows)
 
 
-def _probe_batch(model, tokenizer, rows: int):
+def _probe_batch(model, tokenizer, rows: int, room_for_rows: int = 0):
     """:func:`_probe_prompts` past its prefill (the model's forward), at its first decode
     step."""
     from djl_stream.generation.batch import generate_token
 
-    _, batch = generate_token(model, _probe_prompts(model, tokenizer, rows))
+    _, batch = generate_token(model, _probe_prompts(model, tokenizer, rows, room_for_rows))
     return batch
 
 
@@ -594,10 +661,10 @@ def _close(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
     return bool(torch.isfinite(ours).all()) and float((ours - theirs).abs().max()) <= tolerance * scale
 
 
-def _agrees(step: LlamaDecodeStep, model, tokenizer, rows: int) -> bool:
+def _agrees(step: LlamaDecodeStep, model, tokenizer, rows: int, room_for_rows: int = 0) -> bool:
     from djl_stream.generation.batch import forward_logits
 
-    ours = step.logits(_probe_batch(model, tokenizer, rows))
+    ours = step.logits(_probe_batch(model, tokenizer, rows, room_for_rows))
     return _close(ours, forward_logits(model, _probe_batch(model, tokenizer, rows)))
 
 

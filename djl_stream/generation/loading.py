@@ -250,43 +250,49 @@ def prepare_for_decoding(model, tokenizer, props: ModelProperties, *, on_gpu: bo
     before they are packed: by default it packs its own copy of their weights for its C++
     kernels; with ``option.compiled_weights=shared`` it reads the plain weights
     themselves, and the layers are left plain (packed copies beside them would be the
-    memory sharing saves) unless ``option.prepack_weights=true``. A program the model
-    directory ships (``djl-stream compile``) comes first where it was compiled for this
-    CPU and PyTorch. Returns the step or ``None``."""
+    memory sharing saves) unless ``option.prepack_weights=true``; a program for batches
+    of :data:`~djl_stream.generation.compiled_decode.BATCH_ROWS` rows then reads them too
+    (:func:`~djl_stream.generation.compiled_decode.compile_batch`), where they are left
+    plain. A program the model directory ships (``djl-stream compile``) comes first where
+    it was compiled for this CPU and PyTorch. Returns the step or ``None``."""
     from djl_stream.generation import compiled_decode
     from djl_stream.generation.packed_linear import BATCH_HINT
 
-    one_row = None
+    one_row = batch_program = None
     share = props.compiled_weights == "shared"
+    shipped = Path(props.model_dir) / compiled_decode.SHIPPED_FOLDER
     if not on_gpu and props.decode_step == "compiled":
-        one_row = compiled_decode.compile_one_row(
-            model, share_weights=share,
-            shipped=Path(props.model_dir) / compiled_decode.SHIPPED_FOLDER)
+        one_row = compiled_decode.compile_one_row(model, share_weights=share, shipped=shipped)
     if not on_gpu:
         if one_row is not None and share and props.prepack_weights is None:
             logger.info("linear layers left unpacked: the compiled one-row step reads their "
                         "weights (option.compiled_weights=shared)")
+            # (a program reads plain weights: not where the layers are packed)
+            batch_program = compiled_decode.compile_batch(model, shipped=shipped)
         else:
             # With its own copy, the program runs every one-row step: the layers serve
             # batches and prompts only, so the trial times a batch (on the Xeon, packing
             # slows one row but gave a compiled server 15 % more tokens/s at 4 clients).
             prepack_for_cpu(model, props, trial_rows=1 if one_row is None else BATCH_HINT)
     return attach_decode_step(model, tokenizer, props, one_row=one_row,
+                              batch_program=batch_program,
                               cuda_graphs=on_gpu and props.decode_step in ("auto", "compiled"))
 
 
 def attach_decode_step(model, tokenizer, props: ModelProperties, one_row=None,
-                       cuda_graphs: bool = False):
+                       batch_program=None, cuda_graphs: bool = False):
     """Give ``model`` djl-stream's Llama decode step unless ``option.decode_step`` is
     ``forward`` (or the model is not one it runs: then its forward runs, logged); with
     ``one_row`` (``option.decode_step=compiled``: see :func:`prepare_for_decoding`), its
-    one-row steps run that program; with ``cuda_graphs`` (``auto`` or ``compiled`` on a
-    GPU), its steps are replayed from CUDA graphs. Returns the step or ``None``."""
+    one-row steps run that program, with ``batch_program`` its steps of most of that
+    program's rows; with ``cuda_graphs`` (``auto`` or ``compiled`` on a GPU), its steps
+    are replayed from CUDA graphs. Returns the step or ``None``."""
     from djl_stream.generation import llama_decode
 
     if props.decode_step == "forward":
         return None
-    return llama_decode.attach(model, tokenizer, one_row=one_row, cuda_graphs=cuda_graphs)
+    return llama_decode.attach(model, tokenizer, one_row=one_row, batch_program=batch_program,
+                               cuda_graphs=cuda_graphs)
 
 
 def prepack_for_cpu(model, props: ModelProperties, trial_rows: int = 1) -> int:

@@ -11,8 +11,8 @@ so it feeds fewer columns (:func:`prefill_columns`), and while requests decode a
 also kept within ``prefill_stall_steps`` of their decode steps, as timed
 (:mod:`~djl_stream.generation.prefill_pacing`); with nothing decoding, the budget is wider
 (``max_idle_prefill_tokens``), and so it is for a burst: requests waiting with
-:data:`BURST_RATIO` times the running rows or more are admitted and read as if nothing
-were decoding. Where the model runs djl-stream's Llama step, a chunk read
+:data:`BURST_RATIO` times the running rows or more are admitted (up to
+:data:`BURST_PASSES` passes of that budget) and read as if nothing were decoding. Where the model runs djl-stream's Llama step, a chunk read
 while requests decode shares one forward pass with their decode step (a mixed pass,
 :func:`~djl_stream.generation.batch.mixed_pass`): the weights are read once for both, so
 the streams wait for that pass alone and a short prompt is read in one pass. Once its
@@ -99,10 +99,15 @@ IDLE_PREFILL_FACTOR = 8
 #: ones' first tokens coming one prompt per pass. 16 clients released together on SmolLM2
 #: (2-core Xeon, 44-token chat prompts): the first request was read alone, and the 15
 #: others one per pass beside the running batch, about 110 ms each, the last first token
-#: after 1.9-2.1 s; the 16 prompts read in one pass take 0.6 s. A burst whose prompts do
-#: not fit in one pass of the idle budget is paced as any other prefill: the running
-#: streams wait for one such pass at most.
+#: after 1.9-2.1 s; the 16 prompts read in one pass take 0.6 s.
 BURST_RATIO = 1.2
+#: A burst takes the waiting requests whose prompts fit in this many passes of the idle
+#: budget (rows × the longest prompt), read in as many passes; a burst whose first prompt
+#: alone does not fit is paced as any other prefill. The running streams wait for that
+#: many passes at most, a decode step in each. With one pass, 11 of the 15 44-token
+#: prompts above fitted (512 tokens on a CPU) and the 4 others were read one per pass
+#: after them, their first tokens 0.2-0.6 s after the 11 others'.
+BURST_PASSES = 2
 
 _END = object()
 
@@ -510,14 +515,14 @@ class Scheduler:
             if self._prefilling:
                 return  # a request is admitted when its prefill can start at once
             burst = self._is_burst()
+            burst_tokens = BURST_PASSES * self.max_idle_prefill_tokens
             admitted = self._admit(self.max_batch_size - self.running_size,
-                                   self.max_idle_prefill_tokens if burst
-                                   else self.max_batch_prefill_tokens)
+                                   burst_tokens if burst else self.max_batch_prefill_tokens)
             if admitted:
-                # A burst's prompts are read in one idle pass at most, so that the running
-                # streams wait once; a longer prompt is paced as any other.
-                self._prefilling.append(_Prefill(admitted, burst and _padded_tokens(admitted)
-                                                 <= self.max_idle_prefill_tokens))
+                # a long prompt at the head of a burst is paced as any other (see
+                # BURST_PASSES): the running streams would wait for pass after pass
+                self._prefilling.append(_Prefill(
+                    admitted, burst and _padded_tokens(admitted) <= burst_tokens))
 
     def _is_burst(self) -> bool:
         """Under ``self._wakeup``: whether the waiting requests are read as if nothing were

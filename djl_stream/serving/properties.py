@@ -140,7 +140,8 @@ class ModelProperties:
         compiled_weights: what the compiled one-row step reads: ``copy`` (a copy of the
             weights packed for its own C++ kernels, the fastest: the weights' size again in
             memory) or ``shared`` (the model's own weights, no memory of its own; the
-            layers are then left unpacked unless ``prepack_weights`` is ``True``).
+            layers are then left unpacked unless ``prepack_weights`` is ``True``, and a
+            second program, for steps of 9 to 16 rows, reads them too).
         tensor_parallel_degree: number of GPUs to spread the model over; ``None`` means
             ``max`` (all visible GPUs). Ignored on CPU.
         enable_streaming: stream by default when a request does not say ``"stream"``.
