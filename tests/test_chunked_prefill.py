@@ -345,26 +345,37 @@ def burst_beside_running(scheduler, model, tokenizer, forwards, prompts, running
     return arrived
 
 
+def burst_passes(make_scheduler, model, tokenizer, prompts, running_prompts, *,
+                 same_ids=True):
+    """:func:`burst_beside_running` on a scheduler of budget :data:`BUDGET` and 8 rows:
+    the scheduler, the arrivals' sequences and the prefill passes they were read in;
+    with ``same_ids``, checks that each arrival generated what it generates alone."""
+    expected = one_pass_ids(make_scheduler, model, tokenizer, prompts,
+                            max_new_tokens=4) if same_ids else None
+    scheduler = make_scheduler(max_batch_prefill_tokens=BUDGET, max_batch_size=8)
+    forwards = Forwards(model)
+    try:
+        arrived = burst_beside_running(scheduler, model, tokenizer, forwards, prompts,
+                                       running_prompts)
+    finally:
+        forwards.remove()
+    if same_ids:
+        assert [seqs[0].generated_ids for seqs in arrived] == expected
+    return scheduler, arrived, forwards.prefill_passes
+
+
 def test_a_burst_beside_a_stream_is_admitted_and_read_with_the_idle_budget(
         make_scheduler, tiny_model, smollm2_tokenizer):
     # Four requests arrive while one stream decodes: 4 >= BURST_RATIO x 1 rows. Together
     # their prompts pass the budget (so they would be admitted two by two and read a few
     # columns a pass), not the idle budget: they are admitted together and read at once.
     prompts = [SHORT, "Hi there", "Name three rivers", "Tell me a joke"]
-    expected = one_pass_ids(make_scheduler, tiny_model, smollm2_tokenizer, prompts,
-                            max_new_tokens=4)
-    scheduler = make_scheduler(max_batch_prefill_tokens=BUDGET, max_batch_size=8)
-    forwards = Forwards(tiny_model)
-    try:
-        arrived = burst_beside_running(scheduler, tiny_model, smollm2_tokenizer, forwards,
-                                       prompts, [SHORT])
-    finally:
-        forwards.remove()
-    assert [seqs[0].generated_ids for seqs in arrived] == expected
+    _, arrived, passes = burst_passes(make_scheduler, tiny_model, smollm2_tokenizer, prompts,
+                                      [SHORT])
     longest = max(len(seqs[0].prompt_ids) for seqs in arrived)
     assert len(prompts) >= BURST_RATIO * 1
     assert len(prompts) * longest > BUDGET
-    assert forwards.prefill_passes == [(len(prompts), longest, 0)]
+    assert passes == [(len(prompts), longest, 0)]
 
 
 def test_a_burst_past_one_idle_pass_is_read_together_in_idle_passes(
@@ -373,20 +384,11 @@ def test_a_burst_past_one_idle_pass_is_read_together_in_idle_passes(
     # BURST_PASSES: admitted together, every pass reads all four rows, each pass within
     # the idle budget.
     prompts = [LONG[:200], LONG[:190], LONG[:180], LONG[:170]]
-    expected = one_pass_ids(make_scheduler, tiny_model, smollm2_tokenizer, prompts,
-                            max_new_tokens=4)
-    scheduler = make_scheduler(max_batch_prefill_tokens=BUDGET, max_batch_size=8)
-    forwards = Forwards(tiny_model)
-    try:
-        arrived = burst_beside_running(scheduler, tiny_model, smollm2_tokenizer, forwards,
-                                       prompts, [SHORT])
-    finally:
-        forwards.remove()
-    assert [seqs[0].generated_ids for seqs in arrived] == expected
+    scheduler, arrived, passes = burst_passes(make_scheduler, tiny_model, smollm2_tokenizer,
+                                              prompts, [SHORT])
     idle = scheduler.max_idle_prefill_tokens
     longest = max(len(seqs[0].prompt_ids) for seqs in arrived)
     assert idle < len(prompts) * longest <= BURST_PASSES * idle
-    passes = forwards.prefill_passes
     assert 2 <= len(passes) <= BURST_PASSES + 1, passes  # (+1: a last column alone)
     assert all(rows == len(prompts) and rows * columns <= idle for rows, columns, _ in passes)
 
@@ -396,18 +398,9 @@ def test_a_request_beside_as_many_streams_is_not_a_burst(make_scheduler, tiny_mo
     # Two requests arrive while two streams decode (2 < BURST_RATIO x 2): the running
     # streams are protected, as for a single arrival: each pass within the budget.
     prompts = [LONG[:60], LONG[:45]]
-    expected = one_pass_ids(make_scheduler, tiny_model, smollm2_tokenizer, prompts,
-                            max_new_tokens=4)
-    scheduler = make_scheduler(max_batch_prefill_tokens=BUDGET, max_batch_size=8)
-    forwards = Forwards(tiny_model)
-    try:
-        arrived = burst_beside_running(scheduler, tiny_model, smollm2_tokenizer, forwards,
-                                       prompts, [SHORT, "Hi there"])
-    finally:
-        forwards.remove()
-    assert [seqs[0].generated_ids for seqs in arrived] == expected
+    _, arrived, passes = burst_passes(make_scheduler, tiny_model, smollm2_tokenizer, prompts,
+                                      [SHORT, "Hi there"])
     assert len(prompts) * max(len(seqs[0].prompt_ids) for seqs in arrived) > BUDGET
-    passes = forwards.prefill_passes
     assert len(passes) >= 2
     assert all(rows * columns <= BUDGET for rows, columns, _ in passes), passes
 
@@ -417,16 +410,9 @@ def test_a_burst_of_long_prompts_is_paced_as_any_prefill(make_scheduler, tiny_mo
     # Two long prompts beside one stream are a burst, but the first alone does not fit in
     # BURST_PASSES passes of the idle budget: each is read within the budget, the running
     # stream between.
-    prompts = [LONG * 2, LONG]
-    scheduler = make_scheduler(max_batch_prefill_tokens=BUDGET, max_batch_size=8)
-    forwards = Forwards(tiny_model)
-    try:
-        arrived = burst_beside_running(scheduler, tiny_model, smollm2_tokenizer, forwards,
-                                       prompts, [SHORT])
-    finally:
-        forwards.remove()
+    scheduler, arrived, passes = burst_passes(make_scheduler, tiny_model, smollm2_tokenizer,
+                                              [LONG * 2, LONG], [SHORT], same_ids=False)
     assert len(arrived[0][0].prompt_ids) > BURST_PASSES * scheduler.max_idle_prefill_tokens
-    passes = forwards.prefill_passes
     assert len(passes) > 2 * len(arrived[0][0].prompt_ids) // scheduler.max_idle_prefill_tokens
     assert all(rows * columns <= BUDGET for rows, columns, _ in passes), passes
 
