@@ -12,7 +12,8 @@ also kept within ``prefill_stall_steps`` of their decode steps, as timed
 (:mod:`~djl_stream.generation.prefill_pacing`); with nothing decoding, the budget is wider
 (``max_idle_prefill_tokens``), and so it is for a burst: requests waiting with
 :data:`BURST_RATIO` times the running rows or more are admitted (up to
-:data:`BURST_PASSES` passes of that budget) and read as if nothing were decoding. Where the model runs djl-stream's Llama step, a chunk read
+:data:`BURST_PASSES` passes of that budget) and read as if nothing were decoding. Where
+the model runs djl-stream's Llama step, a chunk read
 while requests decode shares one forward pass with their decode step (a mixed pass,
 :func:`~djl_stream.generation.batch.mixed_pass`): the weights are read once for both, so
 the streams wait for that pass alone and a short prompt is read in one pass. Once its
@@ -56,7 +57,7 @@ import queue
 import sys
 import threading
 import time
-from typing import Deque, Dict, Iterator, List, Optional, Sequence
+from typing import Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from djl_stream.generation import llama_decode
 from djl_stream.generation.batch import (CausalLMBatch, generate_token, mixed_pass,
@@ -267,12 +268,6 @@ class _Prefill:
     @property
     def rows(self) -> int:
         return sum(len(job.sequences) for job in self.jobs)
-
-
-def _padded_tokens(jobs: List[_Job]) -> int:
-    """Tokens of one pass reading every prompt of ``jobs``: rows × the longest prompt."""
-    sequences = [seq for job in jobs for seq in job.sequences]
-    return len(sequences) * max(len(seq.prompt_ids) for seq in sequences)
 
 
 class GenerationStream(Iterator[List[str]]):
@@ -512,17 +507,17 @@ class Scheduler:
                 # Idle: the last word observers hear must be this state, not a busy one.
                 self._publish(0, 0)
                 self._wakeup.wait()
-            if self._prefilling:
+            if self._prefilling or not self._waiting:
                 return  # a request is admitted when its prefill can start at once
             burst = self._is_burst()
             burst_tokens = BURST_PASSES * self.max_idle_prefill_tokens
-            admitted = self._admit(self.max_batch_size - self.running_size,
-                                   burst_tokens if burst else self.max_batch_prefill_tokens)
+            admitted, tokens = self._admit(self.max_batch_size - self.running_size,
+                                           burst_tokens if burst
+                                           else self.max_batch_prefill_tokens)
             if admitted:
                 # a long prompt at the head of a burst is paced as any other (see
                 # BURST_PASSES): the running streams would wait for pass after pass
-                self._prefilling.append(_Prefill(
-                    admitted, burst and _padded_tokens(admitted) <= burst_tokens))
+                self._prefilling.append(_Prefill(admitted, burst and tokens <= burst_tokens))
 
     def _is_burst(self) -> bool:
         """Under ``self._wakeup``: whether the waiting requests are read as if nothing were
@@ -540,8 +535,9 @@ class Scheduler:
             self._waiting.remove(job)
             self._end(job, CANCELLED)
 
-    def _admit(self, room: int, budget: int) -> List[_Job]:
-        """Take the requests to prefill together off the queue (under ``self._wakeup``).
+    def _admit(self, room: int, budget: int) -> Tuple[List[_Job], int]:
+        """Take the requests to prefill together off the queue (under ``self._wakeup``),
+        and the tokens of one pass reading all their prompts (rows × the longest).
 
         Arrival order, no overtaking: a big request at the head waits for room rather
         than being starved by small ones behind it. The head is taken however long its
@@ -566,7 +562,7 @@ class Scheduler:
             job.stats.admitted_at = now
             self._notify("request_admitted", job.stats)
             admitted.append(job)
-        return admitted
+        return admitted, rows * longest
 
     def _prefill_step(self) -> bool:
         """One forward pass of the prefill under way: a chunk of its prompts, or the rest
@@ -600,10 +596,7 @@ class Scheduler:
             # With nothing decoding, nobody waits between tokens: a long prompt alone is
             # read in fewer, wider passes (its time to first token is shorter).
             rows, cached = len(batch), batch.cache_length
-            if self._running is not None and not prefill.burst:
-                width = self._pacer.columns(self.max_batch_prefill_tokens, rows, cached)
-            else:
-                width = self._idle_columns(rows, cached)
+            width = self._columns(prefill, rows, cached)
             if batch.columns_to_feed > width:
                 with self._pacer.prefill_pass(rows, width, cached):
                     prefill.batch = prefill_chunk(self.model, batch, width)
@@ -627,9 +620,8 @@ class Scheduler:
         the prefill pass and the decode step apart, each finding its own culprit."""
         running, batch = self._running, prefill.batch
         rows, cached, running_cached = len(batch), batch.cache_length, running.cache_length
-        width = min(batch.columns_to_feed, self._idle_columns(rows, cached) if prefill.burst
-                    else self._pacer.columns(self.max_batch_prefill_tokens, rows, cached,
-                                             beside_step=True))
+        width = min(batch.columns_to_feed,
+                    self._columns(prefill, rows, cached, beside_step=True))
         last_chunk = width == batch.columns_to_feed
         try:
             with self._pacer.mixed_pass(rows, width, cached):
@@ -648,10 +640,16 @@ class Scheduler:
             prefill.batch = rest
         return True
 
-    def _idle_columns(self, rows: int, cached: int) -> int:
-        """Columns of a pass read with the idle budget (nothing decoding, or a burst)."""
-        return prefill_columns(self.max_idle_prefill_tokens, rows, cached,
-                               self._pacer.parity_context)
+    def _columns(self, prefill: "_Prefill", rows: int, cached: int, *,
+                 beside_step: bool = False) -> int:
+        """Columns of ``prefill``'s next pass (``rows`` rows after ``cached`` columns): the
+        idle budget's with nothing decoding or for a burst, else the budget's within the
+        stall bound (``beside_step``: in a mixed pass, see :meth:`PrefillPacer.columns`)."""
+        if prefill.burst or self._running is None:
+            return prefill_columns(self.max_idle_prefill_tokens, rows, cached,
+                                   self._pacer.parity_context)
+        return self._pacer.columns(self.max_batch_prefill_tokens, rows, cached,
+                                   beside_step=beside_step)
 
     def _prefill_failed(self, error: Exception) -> None:
         prefill = self._prefilling.popleft()
