@@ -30,7 +30,9 @@ its forward. On one CUDA GPU it runs too, and is replayed from CUDA graphs
 ahead of time by AOTInductor and kept on disk
 (:mod:`~djl_stream.generation.compiled_decode`): one-row steps run it, and batches of
 several rows and mixed passes run this eager step; with ``option.compiled_weights=shared``
-a second program runs the steps of 9 to 16 rows, padded to 16.
+a second program runs the steps of 9 to 16 rows, padded to 16. On a CPU whose GEMM reads
+a large weight once per three rows below 16 (MKL), the eager step's products of 10 to 15
+rows are padded to 16 (:mod:`~djl_stream.generation.row_padding`, tried at load).
 
 Example::
 
@@ -54,6 +56,7 @@ import torch.nn.functional as F
 from djl_stream.generation.cuda_graphs import (CAPTURE_AFTER, ROW_BUCKETS, CudaGraphSteps,
                                                cuda_graphs_unavailable)
 from djl_stream.generation.kv_cache import PreallocatedCache
+from djl_stream.generation.row_padding import PADDED_ROWS, padded_layer, padding_trial
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +197,7 @@ _PROJECTIONS = (("q", "self_attn", "q_proj"), ("k", "self_attn", "k_proj"),
                 ("v", "self_attn", "v_proj"), ("o", "self_attn", "o_proj"),
                 ("gate", "mlp", "gate_proj"), ("up", "mlp", "up_proj"),
                 ("down", "mlp", "down_proj"))
+_PROJECTION_NAMES = frozenset(name for name, _, _ in _PROJECTIONS)
 
 
 def _projections_of(layer) -> dict:
@@ -256,6 +260,17 @@ class LlamaDecodeStep:
     def compiled(self) -> bool:
         """Whether one-row steps run the compiled program."""
         return self.one_row is not None
+
+    def pad_rows(self, trials) -> List[str]:
+        """Run the products whose weight shape ``trials`` (from
+        :func:`~djl_stream.generation.row_padding.padding_trial`) pads at some row counts
+        through a :class:`~djl_stream.generation.row_padding.RowPaddedLinear`, in the
+        eager step and its mixed passes (the compiled programs and CUDA graphs have their
+        own shapes). Returns the trials that pad, described, for the log."""
+        self.layers = [{name: padded_layer(value, trials) if name in _PROJECTION_NAMES
+                        else value for name, value in layer.items()} for layer in self.layers]
+        self.lm_head = padded_layer(self.lm_head, trials)
+        return [str(trial) for trial in trials.values() if trial.padded]
 
     def _inputs(self, input_ids, position_ids, attention_mask):
         """The embedded tokens, their rotary cos/sin and the padding mask of a step."""
@@ -492,8 +507,10 @@ def last_step_ran_apart(model) -> bool:
 
 def attach(model, tokenizer, *, one_row=None, batch_program=None, cuda_graphs: bool = False
            ) -> Optional[LlamaDecodeStep]:
-    """Build ``model``'s :class:`LlamaDecodeStep`, check it against the model's forward on
-    probe batches of 1 and 3 rows and on a mixed pass, and attach it, so that
+    """Build ``model``'s :class:`LlamaDecodeStep` (on a CPU, with its products of 10 to 15
+    rows padded to 16 where a trial finds that faster: :func:`_padded_rows`), check it
+    against the model's forward on probe batches of 1 and 3 rows (and 15 where products
+    are padded) and on a mixed pass, and attach it, so that
     :func:`~djl_stream.generation.batch.generate_token` uses it for decode steps.
 
     With ``one_row`` (a :class:`~djl_stream.generation.compiled_decode.CompiledOneRow`,
@@ -516,9 +533,10 @@ def attach(model, tokenizer, *, one_row=None, batch_program=None, cuda_graphs: b
         return None
     try:
         step = LlamaDecodeStep(model)
+        padded = _padded_rows(step) if step.embedding.device.type == "cpu" else []
         # the eager step first, one row included: it takes over one-row steps wherever
         # the program fails
-        if not all(_agrees(step, model, tokenizer, rows) for rows in (1, 3)):
+        if not all(_agrees(step, model, tokenizer, rows) for rows in (1, 3) + tuple(padded)):
             logger.warning("the Llama decode step differs from the model's forward on a "
                            "probe; decode steps run the model's forward")
             return None
@@ -553,6 +571,19 @@ def attach(model, tokenizer, *, one_row=None, batch_program=None, cuda_graphs: b
         logger.info("decode steps run djl-stream's Llama decode step%s",
                     " (no compiled one-row step)" if one_row is not None else "")
     return step
+
+
+def _padded_rows(step: LlamaDecodeStep) -> tuple:
+    """Pad the rows of ``step``'s products where this CPU's GEMM is faster at 16 rows
+    (:mod:`~djl_stream.generation.row_padding`, logged), and return the largest row count
+    padded (for a probe), or nothing."""
+    projections = [layer[name] for layer in step.layers for name in _PROJECTION_NAMES]
+    trials = padding_trial(projections + [step.lm_head], step.embedding.dtype)
+    described = step.pad_rows(trials)
+    if described:
+        logger.info("decode-step products of a few rows run padded to %d rows where this CPU "
+                    "multiplies 16 faster: %s", PADDED_ROWS, "; ".join(described))
+    return tuple(max(trial.padded) for trial in trials.values() if trial.padded)[:1]
 
 
 def _checked_one_row(step: LlamaDecodeStep, model, tokenizer, one_row):
