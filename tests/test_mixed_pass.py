@@ -20,9 +20,11 @@ from djl_stream.generation import kv_cache, llama_decode
 from djl_stream.generation.batch import (CausalLMBatch, forward_logits, generate_token,
                                          mixed_pass, mixed_pass_possible, prefill_chunk)
 from djl_stream.generation.packed_linear import pack_linear_layers, packing_unavailable
+from djl_stream.generation.row_padding import RowPaddedLinear
 from djl_stream.generation.scheduler import Scheduler
 import test_chunked_prefill as chunked
 from test_chunked_prefill import LONG, SHORT
+from test_row_padding import pad_everything
 from test_scheduler import collect, sequences
 
 RUNNING = ["The capital of France is", "Once upon a time, in a land far away, there lived"]
@@ -63,18 +65,23 @@ def real_columns(batch):
     return [layer.keys * mask for layer in kv_cache.layers(batch.past_key_values)]
 
 
-@pytest.mark.parametrize("kv_heads, packed", [
-    pytest.param(2, False, id="grouped"),
-    pytest.param(4, False, id="ungrouped"),
-    pytest.param(2, True, id="grouped-packed", marks=_NO_PACKING),
+@pytest.mark.parametrize("kv_heads, packed, padded", [
+    pytest.param(2, False, False, id="grouped"),
+    pytest.param(4, False, False, id="ungrouped"),
+    pytest.param(2, True, False, id="grouped-packed", marks=_NO_PACKING),
+    # products of 1-15 rows padded to 16 (row_padding): the first mixed pass is 12 rows
+    pytest.param(2, False, True, id="grouped-padded"),
 ])
-def test_a_mixed_pass_gives_each_batch_what_its_own_passes_give(smollm2_tokenizer,
-                                                                 kv_heads, packed):
+def test_a_mixed_pass_gives_each_batch_what_its_own_passes_give(smollm2_tokenizer, monkeypatch,
+                                                                 kv_heads, packed, padded):
     model = llama(smollm2_tokenizer, kv_heads)
     if packed:
         assert pack_linear_layers(model) > 0
+    if padded:
+        pad_everything(monkeypatch)
     step = llama_decode.attach(model, smollm2_tokenizer)
     assert step is not None
+    assert isinstance(step.lm_head, RowPaddedLinear) is padded
     chunk = 5
 
     # apart: the running rows' step through the step, the chunks through the forward
