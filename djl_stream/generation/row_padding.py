@@ -43,14 +43,11 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import time
 from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 #: The row count that products of :data:`PADDED_FROM` to 15 rows are padded up to: where
 #: MKL's single-precision GEMM leaves its few-row kernel.
