@@ -12,6 +12,7 @@ their logits are.
 Example::
 
     python -m benchmarks.row_padding --model-dir model --rows 9,12,15,16
+    python -m benchmarks.row_padding --model-dir model --rows 16 --shapes 11008x4096,32000x4096
 """
 
 from __future__ import annotations
@@ -37,14 +38,19 @@ def _unpadded(layer):
     return layer.layer if isinstance(layer, RowPaddedLinear) else layer
 
 
-def product_table(step, repetitions: int) -> List[str]:
-    """Markdown rows: per weight shape, the fastest product at each of PRODUCT_ROWS."""
+def product_table(step, repetitions: int, extra_shapes: List[tuple] = ()) -> List[str]:
+    """Markdown rows: per weight shape of the step (and per ``(out, in)`` of
+    ``extra_shapes``, random weights in the step's dtype), the fastest product at each of
+    PRODUCT_ROWS."""
     layers = {}
     for layer in [value for layer in step.layers for value in layer.values()
                   if hasattr(value, "in_features") or isinstance(value, RowPaddedLinear)
                   ] + [step.lm_head]:
         plain = _unpadded(layer)
         layers.setdefault((plain.out_features, plain.in_features), plain)
+    for out_features, in_features in extra_shapes:
+        layers[(out_features, in_features)] = torch.nn.Linear(
+            in_features, out_features, bias=False).to(step.embedding.dtype)
     lines = ["| weight | " + " | ".join(map(str, PRODUCT_ROWS)) + " |",
              "|---|" + "---|" * len(PRODUCT_ROWS)]
     with torch.inference_mode():
@@ -109,13 +115,17 @@ def main(argv: List[str] | None = None) -> None:
                         help="rows of the whole steps (default: %(default)s)")
     parser.add_argument("--repetitions", type=int, default=7, help="calls per product timing")
     parser.add_argument("--steps", type=int, default=12, help="steps per way and row count")
+    parser.add_argument("--shapes", default="",
+                        help="more weight shapes OUTxIN to time products of, random weights "
+                             "(a 7B Llama's: 11008x4096,32000x4096)")
     args = parser.parse_args(argv)
+    extra = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",") if shape]
     loaded = LoadedModel.load(args.model_dir, device="cpu", decode_step="eager")
     step = llama_decode.step_of(loaded.model)
     if step is None:
         raise SystemExit("this model has no djl-stream decode step (see the load's log)")
     print("One product's fastest call (ms) by rows:\n")
-    print("\n".join(product_table(step, args.repetitions)))
+    print("\n".join(product_table(step, args.repetitions, extra)))
     print("\nThe eager decode step (median):\n")
     print("\n".join(step_table(step, [int(r) for r in args.rows.split(",")], args.steps)))
 

@@ -12,13 +12,13 @@ rows   1-3  4-6      7-9      10-12      13-15      16   24   32
 ms     2.4  5.1-5.8  7.8-8.4  10.7-11.5  13.2-14.2  6.4  7.5  8.6
 =====  ===  =======  =======  =========  =========  ===  ===  ===
 
-and with a 7B model's shapes, the same steps (an MLP weight, 11008 x 4096: 5.5 ms at
-1-3 rows, 19.4-20.2 at 10-12, 24.1-24.6 at 13-15, 15 at 16; the LM head, 32000 x 4096:
-72-74 at 10-12, 90 at 13-15, 52 at 16). From 10 rows (four reads) the 16-row product is
-the cheaper one on every shape measured; at 7 to 9 it is about even. Where a weight stays
-in the cache, reading it again costs little and nothing changes (SmolLM2's 576 x 1536:
-0.1 ms at every row count). A whole decode step of SmolLM2 with 13 to 15 rows took 74-79
-ms, 16 rows 66.
+and with a 7B model's shapes, the same steps (``--shapes 11008x4096,32000x4096``, random
+weights: an MLP weight, 11008 x 4096, 5.6 ms at 1-3 rows, 20-21 at 10-12, 25-27 at 13-15,
+16 at 16; the LM head, 32000 x 4096, 70-73 at 10-12, 90 at 13-15, 54 at 16). From 10
+rows (four reads) the 16-row product is the cheaper one on every shape measured; at 7 to 9
+it is about even. Where a weight stays in the cache, reading it again costs little and
+nothing changes (SmolLM2's 576 x 1536: 0.1 ms at every row count). A whole decode step of
+SmolLM2 with 13 to 15 rows took 74-79 ms, 16 rows 66.
 
 :func:`padding_trial` checks, once at load, each weight shape of the step of
 :data:`MIN_WEIGHT_BYTES` or more: if 15 rows cost :data:`FEW_ROWS_PENALTY` times what
@@ -57,7 +57,7 @@ PADDED_ROWS = 16
 PADDED_FROM = 10
 #: A shape is padded where its product of 15 rows costs this many times what 16 rows cost,
 #: or more: the few-row kernel's five reads against one (2.2-2.6x on SmolLM2's LM head,
-#: 1.6x on a 7B model's MLP weight), far from a kernel without it (about 1x).
+#: 1.6-1.7x on a 7B model's MLP weight), far from a kernel without it (about 1x).
 FEW_ROWS_PENALTY = 1.3
 #: Weights below this size are not tried: the smaller a weight, the more of it a cache
 #: holds when it is read again (SmolLM2's 3.5 MB MLP weights: no difference at any row
