@@ -167,3 +167,16 @@ def test_the_step_probes_a_padded_row_count_at_attach(smollm2_tokenizer, monkeyp
     monkeypatch.setattr(llama_decode, "_agrees", recorded)
     assert llama_decode.attach(model, smollm2_tokenizer) is not None
     assert probed[:3] == [1, 3, 15]
+
+
+def test_a_trial_that_fails_leaves_the_step_unpadded_and_attached(smollm2_tokenizer, monkeypatch,
+                                                                  caplog):
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=3)
+
+    def failing(layers, dtype, time_call=None):
+        raise RuntimeError("no timing here")
+    monkeypatch.setattr(llama_decode, "padding_trial", failing)
+    step = llama_decode.attach(model, smollm2_tokenizer)
+    assert step is not None and llama_decode.step_of(model) is step
+    assert not isinstance(step.lm_head, RowPaddedLinear)
+    assert "timing the decode step's products failed (RuntimeError: no timing here)" in caplog.text

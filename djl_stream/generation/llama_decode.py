@@ -578,7 +578,13 @@ def _padded_rows(step: LlamaDecodeStep) -> tuple:
     (:mod:`~djl_stream.generation.row_padding`, logged), and return the largest row count
     padded (for a probe), or nothing."""
     projections = [layer[name] for layer in step.layers for name in _PROJECTION_NAMES]
-    trials = padding_trial(projections + [step.lm_head], step.embedding.dtype)
+    try:
+        trials = padding_trial(projections + [step.lm_head], step.embedding.dtype)
+    except Exception as error:  # noqa: BLE001 - an optimization: the step runs without it
+        logger.warning("timing the decode step's products failed (%s: %s); no product is "
+                       "padded", type(error).__name__, str(error).splitlines()[0] if str(error)
+                       else "")
+        return ()
     described = step.pad_rows(trials)
     if described:
         logger.info("decode-step products of a few rows run padded to %d rows where this CPU "
