@@ -190,11 +190,16 @@ def memory_section(results: Results) -> List[str]:
     return lines
 
 
+#: Where the README says what misses each target that is missed.
+WHY_MISSED = "README.md#targets-missed-and-why"
+
+
 def targets_section(checks: Sequence[Check]) -> List[str]:
     lines = ["## Targets", ""]
     lines += [f"- **{c.verdict}** {c.target}: {c.measured}" for c in checks]
     return lines + ["", "Computed from the medians below, never asserted: a missed target "
-                    "is reported here and the run still succeeds.", ""]
+                    "is reported here and the run still succeeds. What misses one: "
+                    f"README's [Targets missed, and why]({WHY_MISSED}).", ""]
 
 
 #: Entries of ``Results.machine`` that describe the run, reported in their own lines.

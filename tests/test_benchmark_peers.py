@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from benchmarks.http_load import LoadResult, StreamError
 from benchmarks.measure import StreamTiming
 from benchmarks.measure import process_tree
 from benchmarks.peers.run import Paused, PeerResult, targets
+from benchmarks.report import WHY_MISSED
 from benchmarks.sections import kept_sections, markers, write_section
 from benchmarks.peers.servers import PEERS, openai_completion_pieces, text_chunks
 
@@ -171,3 +173,13 @@ def test_a_djl_stream_peer_s_options_reach_its_server_even_where_serving_propert
     int8 = PEERS["djl-stream int8"].server(model_dir, tmp_path, {}, tmp_path / "int8")
     assert Path(int8.command()[int8.command().index("serve") + 1]) == model_dir
     assert int8.env["OPTION_QUANTIZE"] == "int8"
+
+
+def test_the_reports_link_to_a_readme_section_that_exists():
+    # BENCHMARKS.md's target lists send the reader to it: GitHub's anchor of a heading is
+    # its text in lower case, punctuation dropped, spaces as hyphens
+    readme, anchor = WHY_MISSED.split("#")
+    text = (Path(__file__).resolve().parent.parent / readme).read_text()
+    anchors = [re.sub(r"[^a-z0-9 -]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+               for line in text.splitlines() if line.startswith("#")]
+    assert anchor in anchors

@@ -44,6 +44,7 @@ from typing import Dict, List, Optional, Sequence
 from ..http_load import LoadResult, run_concurrent, stream_once
 from ..inprocess import LoadedModel
 from ..machine import describe
+from ..report import WHY_MISSED
 from ..measure import ProcessMemory, cpu_load, process_cpu_seconds, system_busy_cpu_seconds
 from ..results import ratio
 from ..sections import write_section
@@ -277,7 +278,8 @@ def report(results: List[PeerResult], setup: Dict[str, tuple], args, machine: Di
              "together, each on its own connection. Figures are medians over "
              f"{args.repetitions} repetitions.", ""]
     lines += ["### Targets (issue 10)", ""]
-    lines += [f"- {line}" for line in targets(by_name, args)] + [""]
+    lines += [f"- {line}" for line in targets(by_name, args)]
+    lines += ["", f"What misses a target: README's [Targets missed, and why]({WHY_MISSED}).", ""]
     lines += ["| server | weights | clients | aggregate tokens/s | TTFT p50 | ITL p50 | ITL p90 | "
               "RSS after | peak RSS |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
