@@ -155,18 +155,21 @@ def test_a_tiny_model_is_not_tried(smollm2_tokenizer):
                    for value in layer.values())
 
 
-def test_the_step_probes_a_padded_row_count_at_attach(smollm2_tokenizer, monkeypatch):
-    model = build_tiny_llama(len(smollm2_tokenizer), seed=3)
-    pad_everything(monkeypatch)
-    probed = []
-    agrees = llama_decode._agrees
+class BatchMeanLinear(torch.nn.Linear):
+    """A product whose rows depend on their batch mates (each output less the batch's mean
+    row: what activations quantized per tensor would do, more plainly)."""
 
-    def recorded(step, model, tokenizer, probe_rows, room_for_rows=0):
-        probed.append(probe_rows)
-        return agrees(step, model, tokenizer, probe_rows, room_for_rows)
-    monkeypatch.setattr(llama_decode, "_agrees", recorded)
-    assert llama_decode.attach(model, smollm2_tokenizer) is not None
-    assert probed[:3] == [1, 3, 15]
+    def forward(self, x):
+        out = super().forward(x)
+        return out - out.mean(0, keepdim=True)
+
+
+def test_a_shape_whose_padded_rows_differ_is_not_padded():
+    time_call, _ = simulated({16: 1.0, 15: 3.0})  # simulated: padding would pay
+    faithful = shape_trial(torch.nn.Linear(8, 8), torch.float32, time_call=time_call)
+    assert faithful.padded == frozenset(range(10, 16))
+    unfaithful = shape_trial(BatchMeanLinear(8, 8), torch.float32, time_call=time_call)
+    assert unfaithful.padded == frozenset() and str(unfaithful).endswith("not padded")
 
 
 def test_a_trial_that_fails_leaves_the_step_unpadded_and_attached(smollm2_tokenizer, monkeypatch,

@@ -508,9 +508,9 @@ def last_step_ran_apart(model) -> bool:
 def attach(model, tokenizer, *, one_row=None, batch_program=None, cuda_graphs: bool = False
            ) -> Optional[LlamaDecodeStep]:
     """Build ``model``'s :class:`LlamaDecodeStep` (on a CPU, with its products of 10 to 15
-    rows padded to 16 where a trial finds that faster: :func:`_padded_rows`), check it
-    against the model's forward on probe batches of 1 and 3 rows (and 15 where products
-    are padded) and on a mixed pass, and attach it, so that
+    rows padded to 16 where a trial finds that faster: :func:`_pad_rows`), check it
+    against the model's forward on probe batches of 1 and 3 rows and on a mixed pass, and
+    attach it, so that
     :func:`~djl_stream.generation.batch.generate_token` uses it for decode steps.
 
     With ``one_row`` (a :class:`~djl_stream.generation.compiled_decode.CompiledOneRow`,
@@ -533,10 +533,11 @@ def attach(model, tokenizer, *, one_row=None, batch_program=None, cuda_graphs: b
         return None
     try:
         step = LlamaDecodeStep(model)
-        padded = _padded_rows(step) if step.embedding.device.type == "cpu" else []
+        if step.embedding.device.type == "cpu":
+            _pad_rows(step)
         # the eager step first, one row included: it takes over one-row steps wherever
         # the program fails
-        if not all(_agrees(step, model, tokenizer, rows) for rows in (1, 3) + tuple(padded)):
+        if not all(_agrees(step, model, tokenizer, rows) for rows in (1, 3)):
             logger.warning("the Llama decode step differs from the model's forward on a "
                            "probe; decode steps run the model's forward")
             return None
@@ -573,10 +574,9 @@ def attach(model, tokenizer, *, one_row=None, batch_program=None, cuda_graphs: b
     return step
 
 
-def _padded_rows(step: LlamaDecodeStep) -> tuple:
+def _pad_rows(step: LlamaDecodeStep) -> None:
     """Pad the rows of ``step``'s products where this CPU's GEMM is faster at 16 rows
-    (:mod:`~djl_stream.generation.row_padding`, logged), and return the largest row count
-    padded (for a probe), or nothing."""
+    (:mod:`~djl_stream.generation.row_padding`, logged)."""
     projections = [layer[name] for layer in step.layers for name in _PROJECTION_NAMES]
     try:
         trials = padding_trial(projections + [step.lm_head], step.embedding.dtype)
@@ -584,12 +584,11 @@ def _padded_rows(step: LlamaDecodeStep) -> tuple:
         logger.warning("timing the decode step's products failed (%s: %s); no product is "
                        "padded", type(error).__name__, str(error).splitlines()[0] if str(error)
                        else "")
-        return ()
+        return
     described = step.pad_rows(trials)
     if described:
         logger.info("decode-step products of a few rows run padded to %d rows where this CPU "
                     "multiplies 16 faster: %s", PADDED_ROWS, "; ".join(described))
-    return tuple(max(trial.padded) for trial in trials.values() if trial.padded)[:1]
 
 
 def _checked_one_row(step: LlamaDecodeStep, model, tokenizer, one_row):

@@ -24,8 +24,9 @@ SmolLM2 with 13 to 15 rows took 74-79 ms, 16 rows 66.
 :data:`MIN_WEIGHT_BYTES` or more: if 15 rows cost :data:`FEW_ROWS_PENALTY` times what
 16 do or more (SmolLM2's LM head: 2.2-2.6x; a weight without the few-row kernel: about
 1x), products of that shape with :data:`PADDED_FROM` to 15 rows are padded to
-:data:`PADDED_ROWS`: :class:`RowPaddedLinear` appends zero rows and returns the real
-ones. A yes or no with a wide margin, rather than a threshold per row count, so that the
+:data:`PADDED_ROWS` (once one padded product has given its real rows what the unpadded
+one gives them): :class:`RowPaddedLinear` appends zero rows and returns the real ones. A
+yes or no with a wide margin, rather than a threshold per row count, so that the
 choice holds from one start to the next (at 7-9 rows the ratio sits near any threshold).
 Each row's result is the one a 16-row batch gives it: a GEMM's output row depends on its
 own input row only, and batches of 16 already run that kernel.
@@ -70,6 +71,9 @@ REPETITIONS = 5
 #: Timings of each row count in the trial, taking turns with the other count: right after
 #: loading, a machine ran the same product 40 % slower for a second or so.
 ROUNDS = 3
+#: How far a padded product's real rows may be from the unpadded product's, relative to the
+#: largest output, by dtype (as :data:`~djl_stream.generation.packed_linear.TOLERANCE`).
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 3e-2, torch.float16: 3e-2}
 
 
 class RowPaddedLinear:
@@ -156,7 +160,23 @@ def shape_trial(layer, dtype: torch.dtype,
             seconds[rows] = min(seconds[rows], time_call(layer, rows))
     pays = seconds[few] >= FEW_ROWS_PENALTY * seconds[PADDED_ROWS]
     padded = frozenset(range(PADDED_FROM, PADDED_ROWS)) if pays else frozenset()
+    if padded and not _pads_faithfully(layer, dtype, padded):
+        padded = frozenset()
     return ShapeTrial((layer.out_features, layer.in_features), seconds, padded)
+
+
+def _pads_faithfully(layer, dtype: torch.dtype, padded: FrozenSet[int]) -> bool:
+    """Whether ``layer``'s padded product gives its real rows what the unpadded one
+    does, within :data:`TOLERANCE` (another kernel: another summation order). A layer whose
+    rows depend on their batch mates (activations quantized per tensor, say) would not."""
+    rows = max(padded)
+    x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.no_grad():
+        expected = layer(x).float()
+        got = RowPaddedLinear(layer, padded)(x).float()
+    scale = float(expected.abs().max()) or 1.0
+    return (bool(torch.isfinite(got).all())
+            and float((got - expected).abs().max()) <= TOLERANCE.get(dtype, 1e-3) * scale)
 
 
 def padding_trial(layers: List, dtype: torch.dtype,
