@@ -44,8 +44,8 @@ from typing import Dict, List, Optional, Sequence
 from ..http_load import LoadResult, run_concurrent, stream_once
 from ..inprocess import LoadedModel
 from ..machine import describe
-from ..report import WHY_MISSED
 from ..measure import ProcessMemory, cpu_load, process_cpu_seconds, system_busy_cpu_seconds
+from ..report import WHY_MISSED
 from ..results import ratio
 from ..sections import write_section
 from ..measure import process_tree
