@@ -18,7 +18,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 from typing import Dict, List
@@ -26,7 +25,7 @@ from typing import Dict, List
 import torch
 
 from djl_stream.generation import llama_decode
-from djl_stream.generation.row_padding import PADDED_ROWS, RowPaddedLinear
+from djl_stream.generation.row_padding import PADDED_ROWS, RowPaddedLinear, fastest_call
 
 from .inprocess import LoadedModel
 
@@ -42,30 +41,21 @@ def product_table(step, repetitions: int, extra_shapes: List[tuple] = ()) -> Lis
     """Markdown rows: per weight shape of the step (and per ``(out, in)`` of
     ``extra_shapes``, random weights in the step's dtype), the fastest product at each of
     PRODUCT_ROWS."""
+    dtype = step.embedding.dtype
     layers = {}
-    for layer in [value for layer in step.layers for value in layer.values()
-                  if hasattr(value, "in_features") or isinstance(value, RowPaddedLinear)
-                  ] + [step.lm_head]:
+    for layer in [layer[name] for layer in step.layers
+                  for name in llama_decode._PROJECTION_NAMES] + [step.lm_head]:
         plain = _unpadded(layer)
         layers.setdefault((plain.out_features, plain.in_features), plain)
     for out_features, in_features in extra_shapes:
         layers[(out_features, in_features)] = torch.nn.Linear(
-            in_features, out_features, bias=False).to(step.embedding.dtype)
+            in_features, out_features, bias=False).to(dtype)
     lines = ["| weight | " + " | ".join(map(str, PRODUCT_ROWS)) + " |",
              "|---|" + "---|" * len(PRODUCT_ROWS)]
-    with torch.inference_mode():
-        for shape, layer in layers.items():
-            cells = []
-            for rows in PRODUCT_ROWS:
-                x = torch.randn(rows, layer.in_features).to(step.embedding.dtype)
-                layer(x)
-                fastest = math.inf
-                for _ in range(repetitions):
-                    started = time.perf_counter()
-                    layer(x)
-                    fastest = min(fastest, time.perf_counter() - started)
-                cells.append(f"{fastest * 1e3:.2f}")
-            lines.append(f"| {shape[0]} x {shape[1]} | " + " | ".join(cells) + " |")
+    for shape, layer in layers.items():
+        cells = [f"{fastest_call(layer, rows, dtype, repetitions) * 1e3:.2f}"
+                 for rows in PRODUCT_ROWS]
+        lines.append(f"| {shape[0]} x {shape[1]} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -56,7 +56,8 @@ import torch.nn.functional as F
 from djl_stream.generation.cuda_graphs import (CAPTURE_AFTER, ROW_BUCKETS, CudaGraphSteps,
                                                cuda_graphs_unavailable)
 from djl_stream.generation.kv_cache import PreallocatedCache
-from djl_stream.generation.row_padding import PADDED_ROWS, padded_layer, padding_trial
+from djl_stream.generation.row_padding import (PADDED_ROWS, padded_layer, padding_trial,
+                                               with_zero_rows)
 
 logger = logging.getLogger(__name__)
 
@@ -448,18 +449,12 @@ class LlamaDecodeStep:
         or ``None`` where it failed (it is dropped then: the eager step writes the same
         column again)."""
         size, rows = self.batch_program.rows, inputs[0].shape[0]
-
-        def padded(tensor):
-            if rows == size:
-                return tensor
-            return torch.cat([tensor, tensor.new_zeros(size - rows, *tensor.shape[1:])])
-
         real = torch.arange(size, device=inputs[0].device).view(size, 1, 1, 1) < rows
         logits = self._unless_it_fails(
             "batch_program", "the compiled batch decode step failed",
             "batch steps run the eager step from now on",
             lambda: self.batch_program.run(
-                *(padded(tensor) for tensor in inputs), [k[:size] for k in keys],
+                *(with_zero_rows(tensor, size) for tensor in inputs), [k[:size] for k in keys],
                 [v[:size] for v in values], torch.tensor([column]), start, real))
         return None if logits is None else logits[:rows]
 

@@ -56,6 +56,8 @@ PADDED_ROWS = 16
 #: The fewest rows padded: from four reads of the weight (10 rows) the 16-row product is
 #: cheaper on every shape measured.
 PADDED_FROM = 10
+#: The row count the trial sets against :data:`PADDED_ROWS`: the few-row kernel's worst.
+FEW_ROWS = PADDED_ROWS - 1
 #: A shape is padded where its product of 15 rows costs this many times what 16 rows cost,
 #: or more: the few-row kernel's five reads against one (2.2-2.6x on SmolLM2's LM head,
 #: 1.6-1.7x on a 7B model's MLP weight), far from a kernel without it (about 1x).
@@ -94,9 +96,8 @@ class RowPaddedLinear:
         rows = x.numel() // x.shape[-1]
         if rows not in self.padded:
             return self.layer(x)
-        padded = x.new_zeros(PADDED_ROWS, x.shape[-1])
-        padded[:rows] = x.reshape(rows, x.shape[-1])
-        return self.layer(padded)[:rows].reshape(*x.shape[:-1], -1)
+        wide = with_zero_rows(x.reshape(rows, x.shape[-1]), PADDED_ROWS)
+        return self.layer(wide)[:rows].reshape(*x.shape[:-1], -1)
 
     def __repr__(self) -> str:
         return f"RowPaddedLinear({self.layer!r}, rows {sorted(self.padded)})"
@@ -114,10 +115,21 @@ class ShapeTrial:
     def __str__(self) -> str:
         if not self.padded:
             return f"{self.shape[0]}x{self.shape[1]}: not padded"
-        few = PADDED_ROWS - 1
         return (f"{self.shape[0]}x{self.shape[1]}: {min(self.padded)}-{max(self.padded)} rows "
-                f"padded ({few} rows {self.seconds[few] * 1e3:.1f} ms, "
+                f"padded ({FEW_ROWS} rows {self.seconds[FEW_ROWS] * 1e3:.1f} ms, "
                 f"{PADDED_ROWS} rows {self.seconds[PADDED_ROWS] * 1e3:.1f} ms)")
+
+
+def with_zero_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` with zero rows appended (along its first dimension) up to ``rows``; ``x``
+    itself where it has them already.
+
+    >>> with_zero_rows(torch.ones(2, 3), 4).tolist()
+    [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    """
+    if x.shape[0] == rows:
+        return x
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
 
 
 def _weight_bytes(layer) -> int:
@@ -125,14 +137,21 @@ def _weight_bytes(layer) -> int:
     return weight.shape[0] * weight.shape[1] * weight.element_size()
 
 
-def _fastest_call(layer, rows: int, dtype: torch.dtype, clock: Callable[[], float]) -> float:
+def fastest_call(layer, rows: int, dtype: torch.dtype, repetitions: int = REPETITIONS) -> float:
+    """Seconds of ``layer``'s fastest call (of ``repetitions``, after one untimed: the
+    kernel's first call may set itself up) on ``rows`` random rows of ``dtype``.
+
+    >>> fastest_call(torch.nn.Linear(8, 8), 3, torch.float32) > 0
+    True
+    """
     x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
-    layer(x)  # untimed: the kernel's first call may set itself up
-    fastest = math.inf
-    for _ in range(REPETITIONS):
-        started = clock()
+    with torch.no_grad():
         layer(x)
-        fastest = min(fastest, clock() - started)
+        fastest = math.inf
+        for _ in range(repetitions):
+            started = time.perf_counter()
+            layer(x)
+            fastest = min(fastest, time.perf_counter() - started)
     return fastest
 
 
@@ -152,13 +171,12 @@ def shape_trial(layer, dtype: torch.dtype,
     """
     if time_call is None:
         def time_call(layer, rows):
-            return _fastest_call(layer, rows, dtype, time.perf_counter)
-    few = PADDED_ROWS - 1
-    seconds = {PADDED_ROWS: math.inf, few: math.inf}
+            return fastest_call(layer, rows, dtype)
+    seconds = {PADDED_ROWS: math.inf, FEW_ROWS: math.inf}
     for _ in range(ROUNDS):
-        for rows in (PADDED_ROWS, few):
+        for rows in (PADDED_ROWS, FEW_ROWS):
             seconds[rows] = min(seconds[rows], time_call(layer, rows))
-    pays = seconds[few] >= FEW_ROWS_PENALTY * seconds[PADDED_ROWS]
+    pays = seconds[FEW_ROWS] >= FEW_ROWS_PENALTY * seconds[PADDED_ROWS]
     padded = frozenset(range(PADDED_FROM, PADDED_ROWS)) if pays else frozenset()
     if padded and not _pads_faithfully(layer, dtype, padded):
         padded = frozenset()
