@@ -1,6 +1,6 @@
-"""``python -m benchmarks.compiled_weights``: one stream through the default server and
-through the compiled one-row step with its own copy of the weights and with the model's
-(``option.compiled_weights``), side by side.
+"""``python -m benchmarks.compiled_weights``: one stream through the eager step and through
+the compiled one-row step reading the model's weights (the default on a CPU) and with its
+own copy of them (``option.compiled_weights``), side by side.
 
 Each server is started alone in turn (``python -m djl_stream serve``, so that each has
 the machine and its caches to itself, as in use), streams one warm-up request and then
@@ -27,9 +27,9 @@ from .settings import PROMPTS
 
 #: The servers compared: their properties beside the model directory's own.
 SERVERS = {
-    "default": {},
-    "compiled, own copy": {"decode_step": "compiled"},
-    "compiled, shared": {"decode_step": "compiled", "compiled_weights": "shared"},
+    "eager": {"decode_step": "eager"},
+    "compiled, own copy": {"compiled_weights": "copy"},
+    "compiled, shared (the default)": {},
 }
 
 
@@ -69,10 +69,10 @@ def main(argv: List[str] | None = None) -> None:
                 seen[name][key] += result[key]
             seen[name]["rss"].append(result["rss"])
             print(f"{name}: {result}", flush=True)
-    base = statistics.median(seen["default"]["itl"])
+    base = statistics.median(seen["eager"]["itl"])
     print(f"\n{args.model_dir}: one stream, {args.rounds} rounds of {args.requests} requests of "
           f"{args.new_tokens} tokens per server (medians)\n")
-    print("| server | time per token (ITL p50) | vs default | TTFT | RSS after |")
+    print("| server | time per token (ITL p50) | vs eager | TTFT | RSS after |")
     print("|---|---|---|---|---|")
     for name, values in seen.items():
         itl = statistics.median(values["itl"])

@@ -53,6 +53,8 @@ COMPILED = "+compiled"
 
 def _load(model_dir: str, method: str):
     init = djl_init_properties(model_dir)
+    # (the eager step unless asked: on a CPU the defaults compile where they can)
+    init["decode_step"] = "eager"
     if method.endswith(COMPILED):
         init["decode_step"] = "compiled"
         method = method[:-len(COMPILED)]
@@ -68,7 +70,8 @@ def _row_name(method: str, unset: str = "float32") -> str:
     method = method[:-len(COMPILED)] if compiled else method
     name = (f"unset ({unset})" if method == "none"
             else f"unset, `option.dtype={method}`" if method in DTYPES else f"`{method}`")
-    return name + (", `option.decode_step=compiled`" if compiled else "")
+    return name + (", `option.decode_step=compiled`" if compiled
+                   else ", `option.decode_step=eager`")
 
 
 def _sequence(ids: Sequence[int], tokenizer, tokens: int) -> GenerationSequence:

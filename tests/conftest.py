@@ -96,6 +96,21 @@ def inductor_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("inductor-cache")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _every_load_uses_the_session_s_inductor_cache(inductor_cache):
+    """``TORCHINDUCTOR_CACHE_DIR`` set to the session's cache for the whole session, so that
+    every load (in this process, and in the servers and workers tests start) compiles into
+    and loads from it: on a CPU ``option.decode_step=auto`` compiles the Llama decode
+    programs at the first load, and the machine's cache is its users' (the embedded model's
+    programs are compiled once per session, about 90 s here, then loaded in seconds)."""
+    from djl_stream.generation.compiled_decode import KEPT_ENTRIES_VARIABLE
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache))
+        patch.setenv(KEPT_ENTRIES_VARIABLE, "0")
+        yield
+
+
 @pytest.fixture
 def one_row_cache(inductor_cache, monkeypatch) -> Path:
     """``TORCHINDUCTOR_CACHE_DIR`` set to the session's cache (so that loading and servers

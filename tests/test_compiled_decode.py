@@ -366,7 +366,8 @@ def test_option_decode_step_compiled_compiles_before_packing(tiny_model_dir, one
     from djl_stream.generation.packed_linear import PackedLinear
 
     props = ModelProperties.from_init_properties(
-        {"model_dir": str(tiny_model_dir), "decode_step": "compiled", "prepack_weights": "true"})
+        {"model_dir": str(tiny_model_dir), "decode_step": "compiled", "compiled_weights": "copy",
+         "prepack_weights": "true"})
     model, _ = load_model_and_tokenizer(props)
     step = llama_decode.step_of(model)
     assert step is not None and step.compiled
@@ -377,7 +378,7 @@ def test_option_decode_step_compiled_compiles_before_packing(tiny_model_dir, one
 
 def test_with_the_program_s_own_copy_the_packing_trial_times_a_batch(tiny_model_dir,
                                                                      one_row_cache, monkeypatch):
-    """option.decode_step=compiled: the program runs every one-row step, so the layers'
+    """option.compiled_weights=copy: the program runs every one-row step, so the layers'
     packing trial times a batch of packed_linear.BATCH_HINT rows; an eager load times one."""
     from djl_stream.generation import packed_linear
     from djl_stream.generation.loading import load_model_and_tokenizer
@@ -390,9 +391,10 @@ def test_with_the_program_s_own_copy_the_packing_trial_times_a_batch(tiny_model_
 
     monkeypatch.setattr(packed_linear, "packing_trial", slower_packed_at_one_row)
     compiled, _ = load_model_and_tokenizer(ModelProperties.from_init_properties(
-        {"model_dir": str(tiny_model_dir), "decode_step": "compiled"}))
+        {"model_dir": str(tiny_model_dir), "decode_step": "compiled", "compiled_weights": "copy"}))
     assert llama_decode.step_of(compiled).compiled
-    eager, _ = load_model_and_tokenizer(ModelProperties(model_dir=str(tiny_model_dir)))
+    eager, _ = load_model_and_tokenizer(ModelProperties(model_dir=str(tiny_model_dir),
+                                                        decode_step="eager"))
     assert asked == [packed_linear.BATCH_HINT, 1]
     assert isinstance(compiled.model.layers[0].mlp.up_proj, packed_linear.PackedLinear)
     assert type(eager.model.layers[0].mlp.up_proj) is torch.nn.Linear
@@ -507,11 +509,11 @@ def test_the_cache_keeps_the_most_recently_used_programs_and_leaves_one_in_use(t
 
 def test_the_count_of_kept_programs_is_set_by_an_environment_variable(monkeypatch, caplog):
     monkeypatch.delenv(compiled_decode.KEPT_ENTRIES_VARIABLE, raising=False)
-    assert compiled_decode.kept_entries() == compiled_decode.KEPT_ENTRIES == 4
+    assert compiled_decode.kept_entries() == compiled_decode.KEPT_ENTRIES == 8
     monkeypatch.setenv(compiled_decode.KEPT_ENTRIES_VARIABLE, "9")
     assert compiled_decode.kept_entries() == 9
     monkeypatch.setenv(compiled_decode.KEPT_ENTRIES_VARIABLE, "-1")
-    assert compiled_decode.kept_entries() == 4
+    assert compiled_decode.kept_entries() == 8
     assert "DJL_STREAM_COMPILED_CACHE_ENTRIES='-1' is not a count" in caplog.text
 
 
@@ -748,6 +750,58 @@ def test_option_compiled_weights_shared_adds_a_batch_program_reading_the_same_we
                for t in step.batch_program._constants.values())
     # with its own copy of the weights (packed layers), no batch program
     props = ModelProperties.from_init_properties(
-        {"model_dir": str(tiny_model_dir), "decode_step": "compiled"})
+        {"model_dir": str(tiny_model_dir), "decode_step": "compiled", "compiled_weights": "copy"})
     model, _ = load_model_and_tokenizer(props)
     assert llama_decode.step_of(model).batch_program is None
+
+
+# -- option.decode_step=auto on a CPU -----------------------------------------------------
+
+
+def test_by_default_a_cpu_load_compiles_both_programs_over_the_model_s_own_weights(
+        tiny_model_dir, one_row_cache, caplog):
+    from djl_stream.generation.loading import load_model_and_tokenizer
+
+    caplog.set_level(logging.INFO)
+    props = ModelProperties.from_init_properties({"model_dir": str(tiny_model_dir)})
+    assert (props.decode_step, props.compiled_weights) == ("auto", "shared")
+    model, _ = load_model_and_tokenizer(props)
+    step = llama_decode.step_of(model)
+    assert step.compiled and step.one_row.shares_weights
+    assert step.batch_program is not None and step.batch_program.rows == compiled_decode.BATCH_ROWS
+    assert step.one_row.path.parent == one_row_cache
+    assert type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear  # read by the programs
+    assert "no compiled decode steps" not in caplog.text
+
+
+def test_by_default_a_model_the_programs_do_not_run_gets_the_eager_step_without_a_warning(
+        tiny_model_dir, one_row_cache, caplog, monkeypatch):
+    from djl_stream.generation.loading import load_model_and_tokenizer
+
+    forbid_compiling(monkeypatch)
+    caplog.set_level(logging.INFO)
+    model, _ = load_model_and_tokenizer(ModelProperties.from_init_properties(
+        {"model_dir": str(tiny_model_dir), "dtype": "bf16"}))
+    step = llama_decode.step_of(model)
+    assert step is not None and not step.compiled and step.batch_program is None
+    assert "no compiled decode steps (option.decode_step=auto): Linear layers of " \
+           "torch.bfloat16" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING
+                and "compiled" in r.getMessage()]
+
+
+def test_without_a_c_compiler_the_load_gives_up_before_exporting(smollm2_tokenizer, tmp_path,
+                                                                 monkeypatch, caplog):
+    """Inductor's own compiler search (``cpp.cxx``, here a name no machine has) runs before
+    the export, which takes seconds of the load for nothing where no compiler follows."""
+    caplog.set_level(logging.INFO)
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED + 2)
+    exports = []
+    real_export = torch.export.export
+    monkeypatch.setattr(torch.export, "export",
+                        lambda *args, **kwargs: exports.append(1) or real_export(*args, **kwargs))
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("djl-stream-no-such-compiler",))
+    assert compiled_decode.compile_one_row(model, cache=tmp_path / "cache") is None
+    assert exports == []
+    assert "compiling the one-row decode step failed (InvalidCxxCompiler" in caplog.text
+    assert not list((tmp_path / "cache").glob("*/program.pt2"))

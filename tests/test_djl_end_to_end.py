@@ -18,7 +18,9 @@ PROMPT = "The quick brown fox"
 
 @pytest.fixture(scope="module")
 def handler(tiny_model_dir):
-    return init(load_entry_point(tiny_model_dir), tiny_model_dir)
+    # the eager step: LogitBias tilts the logits through a hook on lm_head, which the
+    # compiled programs (option.decode_step=auto on a CPU) run without calling
+    return init(load_entry_point(tiny_model_dir), tiny_model_dir, decode_step="eager")
 
 
 @pytest.fixture(scope="module")

@@ -118,7 +118,8 @@ def test_with_option_prepack_weights_unset_the_load_packs_where_one_row_is_not_s
         tiny_model_dir, monkeypatch, caplog, plain_ms, packed_ms, packs):
     caplog.set_level("INFO")
     handed = _trial_saying(monkeypatch, plain_ms, packed_ms)
-    model, _ = load_model_and_tokenizer(ModelProperties(model_dir=str(tiny_model_dir)))
+    model, _ = load_model_and_tokenizer(ModelProperties(model_dir=str(tiny_model_dir),
+                                                         decode_step="eager"))
     # the trial got every layer, the plain one beside its packed twin
     assert len(handed) == 2 * 7 + 1
     assert all(type(plain) is torch.nn.Linear and isinstance(twin, PackedLinear)
@@ -160,11 +161,12 @@ def test_the_packing_trial_times_both_ways_over_every_layer_and_keeps_each_layer
 def test_loading_on_a_cpu_packs_unless_option_prepack_weights_is_false(tiny_model_dir,
                                                                         monkeypatch):
     _trial_saying(monkeypatch, 40.0, 10.0)  # "packing pays on this CPU"
-    packed, _ = load_model_and_tokenizer(ModelProperties(model_dir=str(tiny_model_dir)))
+    packed, _ = load_model_and_tokenizer(ModelProperties(model_dir=str(tiny_model_dir),
+                                                         decode_step="eager"))
     assert isinstance(packed.lm_head, PackedLinear)
     assert isinstance(packed.model.layers[0].mlp.down_proj, PackedLinear)
     plain, _ = load_model_and_tokenizer(ModelProperties.from_init_properties(
-        {"model_dir": str(tiny_model_dir), "prepack_weights": "false"}))
+        {"model_dir": str(tiny_model_dir), "decode_step": "eager", "prepack_weights": "false"}))
     assert not any(isinstance(m, PackedLinear) for m in plain.modules())
     ids = torch.tensor([[1, 400, 401, 402]])
     with torch.inference_mode():

@@ -32,8 +32,11 @@ def load_entry_point(model_dir: Path):
     return module
 
 
-def init(module, model_dir: Path):
-    result = module.handle(Input(properties={**djl_init_properties(model_dir, {}), "handler": "handle"}))
+def init(module, model_dir: Path, **options: str):
+    """djl's init call on ``module``: ``model_dir``'s properties, ``options`` (``option.``
+    keys without their prefix) over them."""
+    result = module.handle(Input(properties={**djl_init_properties(model_dir, {}), **options,
+                                             "handler": "handle"}))
     assert result is None  # djl answers 204 to the init call
     return module
 

@@ -57,14 +57,15 @@ from .servers import PEERS, Peer
 #: This run's section of BENCHMARKS.md (kept by make bench, see benchmarks.sections).
 SECTION = "peers"
 ROOT = Path(".peers")
-#: The djl-stream rows the targets are computed from, its row with the compiled one-row
-#: step (the single-stream target is computed for it too), and its int8 rows (weight-only,
-#: W8A8, W8A8 compiled), each with the float32 row of the same decode step it is held
-#: against; the compiled W8A8 row is held against the default float32 row too.
-OURS, OURS_COMPILED = "djl-stream", "djl-stream compiled"
-OURS_COMPILED_SHARED = "djl-stream compiled shared"
+#: The djl-stream rows the targets are computed from: the defaults' (on a CPU, the compiled
+#: programs over the model's own weights), the program with its own copy's and the eager
+#: step's (the throughput and single-stream targets are computed for each), and its int8
+#: rows (weight-only, W8A8, W8A8 with a copy), each with the float32 row it is held
+#: against: the defaults' for all, and the copy's for W8A8's copy too.
+OURS, OURS_COPY, OURS_EAGER = "djl-stream", "djl-stream compiled copy", "djl-stream eager"
+OURS_FLOAT32 = (OURS, OURS_COPY, OURS_EAGER)
 OURS_INT8 = (("djl-stream int8", OURS), ("djl-stream w8a8", OURS),
-             ("djl-stream w8a8 compiled", OURS_COMPILED), ("djl-stream w8a8 compiled", OURS))
+             ("djl-stream w8a8 copy", OURS_COPY), ("djl-stream w8a8 copy", OURS))
 
 
 def log(message: str) -> None:
@@ -339,14 +340,14 @@ def targets(by_name: Dict[str, PeerResult], args) -> List[str]:
         out.append(f"**{'PASS' if passed else 'FAIL'}** {text}: {value:.2f}x{miss}; {detail}")
 
     llama_itl = figure("llama.cpp F32", 1, "itl_p50")
-    for name in (OURS, OURS_COMPILED, OURS_COMPILED_SHARED):
+    for name in OURS_FLOAT32:
         itl = figure(name, 1, "itl_p50")
         check(f"{name} single-stream ITL p50 <= 1.15x llama.cpp F32's", ratio(itl, llama_itl),
               1.15, True, f"{_fmt(itl, 1e3, 1, ' ms')} vs {_fmt(llama_itl, 1e3, 1, ' ms')}")
     most = max(args.clients)
     for peer, limit in (("transformers serve", 1.5), ("llama.cpp F32", 4.0)):
         theirs = figure(peer, most, "aggregate")
-        for name in (OURS, OURS_COMPILED, OURS_COMPILED_SHARED):
+        for name in OURS_FLOAT32:
             ours_many = figure(name, most, "aggregate")
             check(f"{name} aggregate tokens/s at {most} clients >= {limit}x {peer}'s",
                   ratio(ours_many, theirs), limit, False,

@@ -4,10 +4,12 @@ Every server gets the same prompt text (SmolLM2's chat template already applied,
 server renders a template of its own), greedy decoding, and a fixed number of new tokens:
 
 * **djl-stream**: ``djl-stream serve model``, OpenAI ``/v1/completions`` with
-  ``ignore_eos`` (vLLM's name for it), in float32 (with the default decode step and with
-  ``option.decode_step=compiled``, its program with its own copy of the weights or
-  reading the model's, ``option.compiled_weights=shared``), with ``option.quantize=int8`` (weight-only),
-  with ``option.quantize=w8a8`` and with ``option.dtype=bf16``;
+  ``ignore_eos`` (vLLM's name for it), in float32 (with the defaults, which on a CPU
+  compile the decode programs over the model's own weights, with the eager step,
+  ``option.decode_step=eager``, and with a program holding its own copy of the weights,
+  ``option.compiled_weights=copy``), with ``option.quantize=int8`` (weight-only), with
+  ``option.quantize=w8a8`` (its programs over the int8 weights, and with a copy) and
+  with ``option.dtype=bf16``;
 * **llama.cpp**: ``python -m llama_cpp.server`` (llama-cpp-python) on a GGUF file,
   ``/v1/completions`` with ``min_tokens`` equal to ``max_tokens``; it serves one request
   at a time (its server has no parallel slots);
@@ -182,23 +184,24 @@ def _djl_stream_peer(name: str, **how) -> Peer:
 
 
 PEERS: Dict[str, Peer] = {peer.name: peer for peer in (
-    _djl_stream_peer("djl-stream"),
-    _djl_stream_peer("djl-stream compiled",
-                     weights="float32, from model/ (option.decode_step=compiled)",
-                     options=(("decode_step", "compiled"),)),
-    _djl_stream_peer("djl-stream compiled shared",
-                     weights="float32, from model/ (option.decode_step=compiled, "
-                             "option.compiled_weights=shared)",
-                     options=(("decode_step", "compiled"), ("compiled_weights", "shared"))),
+    _djl_stream_peer("djl-stream",
+                     weights="float32, from model/ (the defaults: on a CPU the compiled "
+                             "programs over the model's weights)"),
+    _djl_stream_peer("djl-stream eager",
+                     weights="float32, from model/ (option.decode_step=eager)",
+                     options=(("decode_step", "eager"),)),
+    _djl_stream_peer("djl-stream compiled copy",
+                     weights="float32, from model/ (option.compiled_weights=copy)",
+                     options=(("compiled_weights", "copy"),)),
     _djl_stream_peer("djl-stream int8", weights="int8 weight-only (torchao), from model/",
                      options=(("quantize", "int8"),)),
     _djl_stream_peer("djl-stream w8a8",
                      weights="int8 weights and per-token int8 activations, from model/",
                      options=(("quantize", "w8a8"),)),
-    _djl_stream_peer("djl-stream w8a8 compiled",
+    _djl_stream_peer("djl-stream w8a8 copy",
                      weights="int8 weights and per-token int8 activations, from model/ "
-                             "(option.decode_step=compiled)",
-                     options=(("quantize", "w8a8"), ("decode_step", "compiled"))),
+                             "(option.compiled_weights=copy)",
+                     options=(("quantize", "w8a8"), ("compiled_weights", "copy"))),
     _djl_stream_peer("djl-stream bf16", weights="bfloat16, from model/ (option.dtype=bf16)",
                      options=(("dtype", "bf16"),)),
     Peer("llama.cpp F32", "llama-cpp", _llama_cpp("f32"), "/v1/models", "/v1/completions",

@@ -1,5 +1,5 @@
 """The one-row decode step compiled ahead of time by AOTInductor and kept on disk
-(``option.decode_step=compiled``).
+(``option.decode_step=compiled``, and on a CPU ``auto``, the default, for a model it runs).
 
 :class:`OneRowGraph` is the decode step of a batch of one row
 (:func:`~djl_stream.generation.llama_decode._decode_logits`) as a module over the model's
@@ -104,10 +104,12 @@ SHARED_WEIGHTS_OPTIONS = {"aot_inductor.package_constants_in_so": False,
 SHIPPED_FOLDER = "compiled_decode"
 
 #: How many programs a cache directory keeps, the most recently used (loaded or compiled)
-#: ones: an entry is hundreds of megabytes (519 MB for SmolLM2 in float32), and every
-#: change of weights, PyTorch or CPU makes another. ``DJL_STREAM_COMPILED_CACHE_ENTRIES``
-#: sets another count (``0``: keep every one).
-KEPT_ENTRIES = 4
+#: ones: an entry with its own copy of the weights is hundreds of megabytes (519 MB for
+#: SmolLM2 in float32), and every change of weights, PyTorch or CPU makes another; one that
+#: shares the model's weights is a few (4 MB), and such a model has two (the one-row and
+#: the 16-row program), so eight keep four models' programs. ``DJL_STREAM_COMPILED_CACHE_
+#: ENTRIES`` sets another count (``0``: keep every one).
+KEPT_ENTRIES = 8
 KEPT_ENTRIES_VARIABLE = "DJL_STREAM_COMPILED_CACHE_ENTRIES"
 
 #: The rows of the batch program that ``option.compiled_weights=shared`` adds
@@ -583,6 +585,9 @@ def _cached_or_compiled(graph: OneRowGraph, key: str,
                 entry = CacheEntry(root / key)
             if entry.directory.exists():  # incomplete, or does not load (logged)
                 shutil.rmtree(entry.directory, ignore_errors=True)
+            logger.info("compiling the %s decode program (once per machine and model "
+                        "shapes: about 45 s for SmolLM2 on a 2-core CPU; "
+                        "option.decode_step=eager goes without it)", what)
             _compile_into(graph, entry, share_weights=weights is not None)
         one_row = entry.load(from_cache=False, weights=weights)
         kept = entry.megabytes()
@@ -716,6 +721,10 @@ def _compile_into(graph: OneRowGraph, entry: CacheEntry, share_weights: bool = F
     """Export and compile ``graph``, keep what the program reads (nothing where it reads
     the model's weights: their description), and move the files into ``entry`` at once (a
     crash leaves no half-written entry behind)."""
+    # Without a C++ compiler Inductor fails only after the export: find it first.
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    get_cpp_compiler()
     work = Path(tempfile.mkdtemp(prefix=f"{entry.directory.name}.", dir=entry.directory.parent))
     try:
         example = graph.example_inputs()

@@ -26,11 +26,11 @@ others) without biases, on a CPU; :func:`unsupported_reason` says why another mo
 its forward. On one CUDA GPU it runs too, and is replayed from CUDA graphs
 (:mod:`~djl_stream.generation.cuda_graphs`, ``option.decode_step`` ``auto``).
 
-``option.decode_step=compiled`` adds a program for the decode step of one row, compiled
-ahead of time by AOTInductor and kept on disk
+On a CPU, ``option.decode_step`` ``auto`` (the default) or ``compiled`` adds a program
+for the decode step of one row, compiled ahead of time by AOTInductor and kept on disk
 (:mod:`~djl_stream.generation.compiled_decode`): one-row steps run it, and batches of
 several rows and mixed passes run this eager step; with ``option.compiled_weights=shared``
-a second program runs the steps of 9 to 16 rows, padded to 16. On a CPU whose GEMM reads
+(the default) a second program runs the steps of 9 to 16 rows, padded to 16. On a CPU whose GEMM reads
 a large weight once per three rows below 16 (MKL), the eager step's products of 10 to 15
 rows are padded to 16 (:mod:`~djl_stream.generation.row_padding`, tried at load).
 

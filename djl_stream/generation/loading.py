@@ -244,16 +244,17 @@ def _load_model_and_tokenizer(props: ModelProperties) -> Tuple[Any, Any]:
 def prepare_for_decoding(model, tokenizer, props: ModelProperties, *, on_gpu: bool):
     """What follows loading: on a CPU, prepack ``model``'s linear layers
     (:func:`prepack_for_cpu`); then attach djl-stream's Llama decode step
-    (:func:`attach_decode_step`). With ``option.decode_step=compiled``, the one-row program
+    (:func:`attach_decode_step`). With ``option.decode_step=compiled`` (or ``auto``, for a
+    model the programs run), the one-row program
     is loaded from its cache or compiled
     (:func:`~djl_stream.generation.compiled_decode.compile_one_row`) from the plain layers,
-    before they are packed: by default it packs its own copy of their weights for its C++
-    kernels; with ``option.compiled_weights=shared`` it reads the plain weights
-    themselves, and the layers are left plain (packed copies beside them would be the
-    memory sharing saves) unless ``option.prepack_weights=true``; a program for batches
-    of :data:`~djl_stream.generation.compiled_decode.BATCH_ROWS` rows then reads them too
-    (:func:`~djl_stream.generation.compiled_decode.compile_batch`), where they are left
-    plain. A program the model directory ships (``djl-stream compile``) comes first where
+    before they are packed: by default (``option.compiled_weights=shared``) it reads the
+    plain weights themselves, and the layers are left plain (packed copies beside them
+    would be the memory sharing saves) unless ``option.prepack_weights=true``; a program
+    for batches of :data:`~djl_stream.generation.compiled_decode.BATCH_ROWS` rows then
+    reads them too (:func:`~djl_stream.generation.compiled_decode.compile_batch`), where
+    they are left plain; with ``copy`` it packs its own copy of their weights for its C++
+    kernels. A program the model directory ships (``djl-stream compile``) comes first where
     it was compiled for this CPU and PyTorch. Returns the step or ``None``."""
     from djl_stream.generation import compiled_decode
     from djl_stream.generation.packed_linear import BATCH_HINT
@@ -261,7 +262,7 @@ def prepare_for_decoding(model, tokenizer, props: ModelProperties, *, on_gpu: bo
     one_row = batch_program = None
     share = props.compiled_weights == "shared"
     shipped = Path(props.model_dir) / compiled_decode.SHIPPED_FOLDER
-    if not on_gpu and props.decode_step == "compiled":
+    if not on_gpu and _compiles_on_a_cpu(model, props):
         one_row = compiled_decode.compile_one_row(model, share_weights=share, shipped=shipped)
     if not on_gpu:
         if one_row is not None and share and props.prepack_weights is None:
@@ -277,6 +278,24 @@ def prepare_for_decoding(model, tokenizer, props: ModelProperties, *, on_gpu: bo
     return attach_decode_step(model, tokenizer, props, one_row=one_row,
                               batch_program=batch_program,
                               cuda_graphs=on_gpu and props.decode_step in ("auto", "compiled"))
+
+
+def _compiles_on_a_cpu(model, props: ModelProperties) -> bool:
+    """Whether the compiled programs are wanted for ``model`` on a CPU: always with
+    ``option.decode_step=compiled`` (a model they cannot run is then a warning, from
+    :func:`~djl_stream.generation.compiled_decode.compile_one_row`); with ``auto``, where
+    the model is one they run (else its eager step or forward serves it, said at info)."""
+    from djl_stream.generation.compiled_decode import OneRowGraph
+
+    if props.decode_step == "compiled":
+        return True
+    if props.decode_step != "auto":
+        return False
+    reason = OneRowGraph.unsupported_reason(model)
+    if reason:
+        logger.info("no compiled decode steps (option.decode_step=auto): %s", reason)
+        return False
+    return True
 
 
 def attach_decode_step(model, tokenizer, props: ModelProperties, one_row=None,

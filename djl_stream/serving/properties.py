@@ -40,7 +40,7 @@ CHAT_PROTOCOLS = ("openai", "djl")
 DECODE_STEPS = ("auto", "forward", "eager", "compiled")
 #: ``option.compiled_weights``: whose weights the compiled one-row step reads (see
 #: djl_stream.generation.compiled_decode)
-COMPILED_WEIGHTS = ("copy", "shared")
+COMPILED_WEIGHTS = ("shared", "copy")
 #: Keys djl-serving itself puts in the init call (its own settings, the non-option keys of
 #: serving.properties, what LMI adds); accepted and ignored here.
 DJL_KEYS = frozenset(
@@ -129,19 +129,23 @@ class ModelProperties:
             this PyTorch can), ``False`` never.
         decode_step: who runs a decode step: ``forward`` (the model's forward),
             ``eager`` (djl-stream's Llama decode step, written for its KV cache: about 12 %
-            faster on SmolLM2 on a CPU), ``compiled`` (that step, plus a one-row step
-            compiled ahead of time by AOTInductor at the first load and kept in
-            ``$TORCHINDUCTOR_CACHE_DIR``: about 1.9x faster for one stream; see
-            :mod:`djl_stream.generation.compiled_decode`) or ``auto``
-            (``eager`` where the model is a Llama-architecture one on a CPU; on one CUDA
-            GPU that step replayed from CUDA graphs, :mod:`djl_stream.generation.cuda_graphs`,
-            which ``compiled`` means there too; ``forward`` elsewhere; see
-            :mod:`djl_stream.generation.llama_decode`).
-        compiled_weights: what the compiled one-row step reads: ``copy`` (a copy of the
-            weights packed for its own C++ kernels, the fastest: the weights' size again in
-            memory) or ``shared`` (the model's own weights, no memory of its own; the
-            layers are then left unpacked unless ``prepack_weights`` is ``True``, and a
-            second program, for steps of 9 to 16 rows, reads them too).
+            faster on SmolLM2 on a CPU), ``compiled`` (that step, plus programs for one-row
+            and 9- to 16-row steps compiled ahead of time by AOTInductor at the first load
+            and kept in ``$TORCHINDUCTOR_CACHE_DIR``: a single stream about 1.25x faster
+            than ``eager`` on SmolLM2; see :mod:`djl_stream.generation.compiled_decode`) or
+            ``auto`` (on a CPU ``compiled`` where the model is a Llama-architecture one
+            with float32 or ``w8a8`` linear layers, ``eager`` for other Llama-architecture
+            ones; on one CUDA GPU that step replayed from CUDA graphs,
+            :mod:`djl_stream.generation.cuda_graphs`, which ``compiled`` means there too;
+            ``forward`` elsewhere; see :mod:`djl_stream.generation.llama_decode`). Where
+            compiling fails (no C++ compiler, say) the eager step runs, logged.
+        compiled_weights: what the compiled steps read: ``shared`` (the model's own
+            weights, no memory of their own, and a cached program that serves any weights of
+            the same shapes; the layers are left unpacked unless ``prepack_weights`` is
+            ``True``, and a second program, for steps of 9 to 16 rows, reads them too) or
+            ``copy`` (one program, for one-row steps, with a copy of the weights packed for
+            its own C++ kernels: a few percent faster for one stream, the weights' size
+            again in memory).
         tensor_parallel_degree: number of GPUs to spread the model over; ``None`` means
             ``max`` (all visible GPUs). Ignored on CPU.
         enable_streaming: stream by default when a request does not say ``"stream"``.
@@ -208,7 +212,7 @@ class ModelProperties:
     load_in_4bit: bool = False
     prepack_weights: Optional[bool] = None
     decode_step: str = "auto"
-    compiled_weights: str = "copy"
+    compiled_weights: str = "shared"
     tensor_parallel_degree: Optional[int] = 1
     enable_streaming: bool = True
     trust_remote_code: bool = False
