@@ -493,11 +493,21 @@ def replays_graphs(model) -> bool:
 
 def last_step_ran_apart(model) -> bool:
     """Whether ``model``'s last decode step ran a way that a pass reading a prompt beside
-    the running batch (a mixed pass, always eager) cannot: the compiled one-row program or
-    a replayed CUDA graph. Such a step's time says little of what a mixed pass costs, so
-    the prefill pacer leaves it out (:meth:`~djl_stream.generation.prefill_pacing.PrefillPacer.decode_step`)."""
+    the running batch (a mixed pass, always eager) cannot come near: a replayed CUDA graph
+    (SmolLM2's shapes: 3.3 ms on an H200 against 18 ms for the eager step). Such a step's
+    time says little of what a mixed pass costs, so the prefill pacer leaves it out
+    (:meth:`~djl_stream.generation.prefill_pacing.PrefillPacer.decode_step`).
+
+    The CPU's compiled programs are counted: their steps are what the running streams
+    wait between tokens, and the eager step a mixed pass runs is not far off (SmolLM2 on
+    the 2-core Xeon: 23-25 ms a one-row step against 28). Left out, as they were until
+    the programs became the default, one stream decoding alone left the pacer with no
+    step, so no bound: a 4,000-token prompt arriving beside it was read in mixed passes of
+    110-137 ms, 4.4-5.5 of the stream's 25 ms steps, against the reliability target of 4
+    (RELIABILITY.md). Prompts arriving together (a burst) are read with the idle budget
+    either way."""
     step = step_of(model)
-    return step is not None and (step.last_step_compiled or step.last_step_replayed)
+    return step is not None and step.last_step_replayed
 
 
 def attach(model, tokenizer, *, one_row=None, batch_program=None, cuda_graphs: bool = False

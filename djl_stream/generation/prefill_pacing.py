@@ -295,16 +295,13 @@ class PrefillPacer:
         """Time the decode step run inside (the running batch's, of ``rows`` rows), unless
         the code inside sets the yielded :class:`StepTiming`'s ``counted`` to false.
 
-        A step is not counted where it ran a way that a pass beside a prompt cannot: a
-        one-row step of the compiled program (``option.decode_step=compiled``) took 22 ms
-        of SmolLM2 where the eager step that every mixed pass runs took 36, so counted,
-        it made the bound tighter than a mixed pass's own decode step (16 clients
-        arriving together were read a column or two a pass: 2 s to their first tokens,
-        against 0.8 s with the eager step). A step replayed from a CUDA graph is left out
-        alike: SmolLM2's took 3.3 ms on an H200 where the eager step took 18 (measured with
-        random weights of its shapes, ``benchmarks/on_a_gpu.sh``), so counted, the bound
-        would split every prompt read beside a stream into chunks each costing a whole
-        eager pass. With no step counted, the bound is off."""
+        A step is not counted where it ran a way that a pass beside a prompt cannot come
+        near: a step replayed from a CUDA graph took 3.3 ms of SmolLM2's shapes on an H200
+        where the eager step that every mixed pass runs took 18 (measured with random
+        weights of its shapes, ``benchmarks/on_a_gpu.sh``), so counted, the bound would
+        split every prompt read beside a stream into chunks each costing a whole eager
+        pass. With no step counted, the bound is off. (The CPU's compiled programs are
+        counted: see :func:`~djl_stream.generation.llama_decode.last_step_ran_apart`.)"""
         timing = StepTiming()
         start = self.clock()
         yield timing
