@@ -108,9 +108,11 @@ class ServerProcess:
 @contextmanager
 def serving(model_dir: Path, **options) -> Iterator[ServerProcess]:
     """A ready server for ``model_dir`` (``options`` as :class:`ServerProcess`'s), stopped on
-    leaving: what a module-scoped server fixture yields."""
+    leaving: what a module-scoped server fixture yields. Its deadline allows for a first
+    start that compiles the decode programs (about 90 s for the embedded model here) on a
+    busy machine."""
     process = ServerProcess(model_dir, **options)
     try:
-        yield process.wait_ready(timeout=300)
+        yield process.wait_ready(timeout=600)
     finally:
         process.stop()

@@ -22,7 +22,9 @@ COLOUR = "Name a primary colour."
 def server(embedded_model_dir):
     process = ServerProcess(embedded_model_dir)
     try:
-        yield process.wait_ready(timeout=180)
+        # a deadline, not a speed target: the first start of a session compiles the
+        # embedded model's decode programs (about 90 s here, longer on a busy machine)
+        yield process.wait_ready(timeout=600)
     finally:
         process.stop()
 
