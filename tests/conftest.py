@@ -102,7 +102,9 @@ def _every_load_uses_the_session_s_inductor_cache(inductor_cache):
     every load (in this process, and in the servers and workers tests start) compiles into
     and loads from it: on a CPU ``option.decode_step=auto`` compiles the Llama decode
     programs at the first load, and the machine's cache is its users' (the embedded model's
-    programs are compiled once per session, about 90 s here, then loaded in seconds)."""
+    programs are compiled once per session, about 90 s here, then loaded in seconds). It
+    keeps every program: the tests' programs outnumber the count a cache keeps by default,
+    and each one evicted would be compiled again by the next test that shares it."""
     from djl_stream.generation.compiled_decode import KEPT_ENTRIES_VARIABLE
 
     with pytest.MonkeyPatch.context() as patch:
@@ -112,15 +114,11 @@ def _every_load_uses_the_session_s_inductor_cache(inductor_cache):
 
 
 @pytest.fixture
-def one_row_cache(inductor_cache, monkeypatch) -> Path:
-    """``TORCHINDUCTOR_CACHE_DIR`` set to the session's cache (so that loading and servers
-    started by the test use it too); the one-row programs' directory in it, which keeps
-    every program (the tests' programs outnumber the count a cache keeps by default, and
-    each one evicted would be compiled again by the next test that shares it)."""
-    from djl_stream.generation.compiled_decode import KEPT_ENTRIES_VARIABLE, cache_root
+def one_row_cache() -> Path:
+    """The one-row programs' directory in the session's cache
+    (:func:`_every_load_uses_the_session_s_inductor_cache`)."""
+    from djl_stream.generation.compiled_decode import cache_root
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache))
-    monkeypatch.setenv(KEPT_ENTRIES_VARIABLE, "0")
     return cache_root()
 
 

@@ -82,7 +82,8 @@ SLOWER_AT_ONE_ROW = 1.10
 #: How far a packed layer's output may be from ``nn.Linear``'s on the probe, relative to
 #: the largest output, by weight dtype (another summation order: ~1e-6 in float32; in
 #: bfloat16 the outputs themselves are rounded to 8 bits of mantissa, 4e-3 apart).
-TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 3e-2}
+#: :func:`agrees_on_probe` holds any other kernel of a linear layer to it too.
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 3e-2, torch.float16: 3e-2}
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -155,16 +156,25 @@ class PackedLinear(torch.nn.Module):
                 f"bias={self.bias is not None}, prepacked by oneDNN")
 
 
-def _agrees(packed: PackedLinear, linear: torch.nn.Linear) -> bool:
-    dtype = linear.weight.dtype
-    probe = torch.randn(3, linear.in_features,
-                        generator=torch.Generator().manual_seed(0)).to(dtype)
+def agrees_on_probe(reference, candidate, in_features: int, dtype: torch.dtype,
+                    rows: int = 3) -> bool:
+    """Whether ``candidate`` (another way of running a linear layer) gives what
+    ``reference`` gives on ``rows`` random rows of ``dtype``: finite, and within
+    :data:`TOLERANCE` of the largest output.
+
+    >>> layer = torch.nn.Linear(8, 4)
+    >>> agrees_on_probe(layer, layer, 8, torch.float32), agrees_on_probe(
+    ...     layer, lambda x: layer(x) + 1, 8, torch.float32)
+    (True, False)
+    """
+    probe = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
     with torch.no_grad():
-        expected = linear(probe).float()
-        got = packed(probe).float()
+        expected = reference(probe).float()
+        got = candidate(probe).float()
     scale = float(expected.abs().max()) or 1.0
+    tolerance = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
     return (bool(torch.isfinite(got).all())
-            and float((got - expected).abs().max()) <= TOLERANCE[dtype] * scale)
+            and float((got - expected).abs().max()) <= tolerance * scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,7 +266,7 @@ def pack_linear_layers(model: torch.nn.Module, *, only_where_it_pays: bool = Fal
         packed = PackedLinear.from_linear(child)
         if packed is None:
             continue
-        if not _agrees(packed, child):
+        if not agrees_on_probe(child, packed, child.in_features, child.weight.dtype):
             logger.warning("oneDNN's packed %s differs from nn.Linear on a probe: "
                            "linear layers left unpacked", name)
             return 0

@@ -50,6 +50,8 @@ from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 
+from djl_stream.generation.packed_linear import agrees_on_probe
+
 #: The row count that products of :data:`PADDED_FROM` to 15 rows are padded up to: where
 #: MKL's single-precision GEMM leaves its few-row kernel.
 PADDED_ROWS = 16
@@ -73,9 +75,6 @@ REPETITIONS = 5
 #: Timings of each row count in the trial, taking turns with the other count: right after
 #: loading, a machine ran the same product 40 % slower for a second or so.
 ROUNDS = 3
-#: How far a padded product's real rows may be from the unpadded product's, relative to the
-#: largest output, by dtype (as :data:`~djl_stream.generation.packed_linear.TOLERANCE`).
-TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 3e-2, torch.float16: 3e-2}
 
 
 class RowPaddedLinear:
@@ -185,16 +184,11 @@ def shape_trial(layer, dtype: torch.dtype,
 
 def _pads_faithfully(layer, dtype: torch.dtype, padded: FrozenSet[int]) -> bool:
     """Whether ``layer``'s padded product gives its real rows what the unpadded one
-    does, within :data:`TOLERANCE` (another kernel: another summation order). A layer whose
-    rows depend on their batch mates (activations quantized per tensor, say) would not."""
-    rows = max(padded)
-    x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(1)).to(dtype)
-    with torch.no_grad():
-        expected = layer(x).float()
-        got = RowPaddedLinear(layer, padded)(x).float()
-    scale = float(expected.abs().max()) or 1.0
-    return (bool(torch.isfinite(got).all())
-            and float((got - expected).abs().max()) <= TOLERANCE.get(dtype, 1e-3) * scale)
+    does (another kernel: another summation order), as a packed layer is held to
+    (:func:`~djl_stream.generation.packed_linear.agrees_on_probe`). A layer whose rows
+    depend on their batch mates (activations quantized per tensor, say) would not."""
+    return agrees_on_probe(layer, RowPaddedLinear(layer, padded), layer.in_features, dtype,
+                           rows=max(padded))
 
 
 def padding_trial(layers: List, dtype: torch.dtype,
