@@ -7,9 +7,17 @@
 #      replayed from CUDA graphs (python -m benchmarks.decode_step --device cuda);
 #   3. make bench's run on the GPU (python -m benchmarks.run --device cuda), as served by
 #      default (option.decode_step=auto: CUDA graphs) and with option.decode_step=forward;
-#   4. option.quantize's methods on the GPU (python -m benchmarks.quantization --device cuda);
-#   5. the tests of servers, isolation and concurrent clients, whose tiny model loads on
+#   4. djl-stream beside transformers serve --continuous-batching on the GPU
+#      (python -m benchmarks.peers --device cuda --installed: both from this interpreter,
+#      whose packages must include transformers' serving extras: fastapi, openai);
+#   5. option.quantize's methods on the GPU (python -m benchmarks.quantization --device cuda);
+#   6. the tests of servers, isolation and concurrent clients, whose tiny model loads on
 #      the GPU where there is one (its decode steps replayed from CUDA graphs).
+#
+# STEPS picks some of them, by name (default: all, in this order): tests decode_step bench
+# bench_forward peers quantization server_tests. BENCH_REPETITIONS sets make bench's
+# repetitions (default 3). A lent GPU machine's minutes are few:
+#   STEPS="tests bench peers" benchmarks/on_a_gpu.sh OUT
 #
 # MODEL_DIR is the model served (default: model/). Where its weights cannot be copied to
 # the GPU machine, RANDOM_WEIGHTS=1 makes a copy of it with random weights of the same
@@ -23,8 +31,11 @@ python=${PYTHON:-python3}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-step() {  # step NAME SECONDS COMMAND...: run it, its output into OUT/NAME.log
+steps=" random_weights ${STEPS:-tests decode_step bench bench_forward peers quantization server_tests} "
+
+step() {  # step NAME SECONDS COMMAND...: run it (if STEPS names it), its output into OUT/NAME.log
     local name=$1 seconds=$2; shift 2
+    case "$steps" in *" $name "*) ;; *) return 0 ;; esac
     echo "== $name ($(date +%T), at most ${seconds} s): $*"
     timeout --kill-after=10 "$seconds" "$@" >"$out/$name.log" 2>&1
     echo "== $name: exit $? at $(date +%T)"
@@ -47,15 +58,18 @@ step tests 180 $python -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.p
 step decode_step 150 $python -m benchmarks.decode_step --model-dir "$model" --device cuda \
     --rows 1,4,16,64 --steps 40 --repetitions 3
 step bench 300 $python -m benchmarks.run --model-dir "$model" --device cuda \
-    --concurrency 1,4,16,64 --repetitions 3 --output "$out/BENCHMARKS.md" \
+    --concurrency 1,4,16,64 --repetitions "${BENCH_REPETITIONS:-3}" --output "$out/BENCHMARKS.md" \
     --plot "$out/concurrency.png"
 forward=/tmp/djl-stream-forward
 rm -rf "$forward" && cp -r "$model" "$forward" && echo "option.decode_step=forward" >>"$forward/serving.properties"
 step bench_forward 240 $python -m benchmarks.run --model-dir "$forward" --device cuda \
     --concurrency 1,4,16,64 --repetitions 2 --output "$out/BENCHMARKS-forward.md" \
     --plot "$out/concurrency-forward.png"
+step peers 240 $python -m benchmarks.peers --model-dir "$model" --device cuda --installed \
+    --peers "djl-stream,djl-stream eager,djl-stream w8a8,transformers serve" \
+    --clients 1,4,16 --repetitions 2 --output "$out/peers.md"
 step quantization 200 $python -m benchmarks.quantization --model-dir "$model" --device cuda \
-    --methods none,int8,bitsandbytes8,bitsandbytes4 --tokens 16 --steps 24 --repetitions 2 \
+    --methods none,int8,w8a8,bitsandbytes8,bitsandbytes4 --tokens 16 --steps 24 --repetitions 2 \
     --output "$out/quantization.md"
 step server_tests 300 $python -m pytest -q -p no:cacheprovider tests/test_isolation.py \
     tests/test_server_concurrency.py tests/test_server.py

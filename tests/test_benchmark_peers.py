@@ -186,3 +186,27 @@ def test_the_reports_link_to_a_readme_section_that_exists():
     anchors = [re.sub(r"[^a-z0-9 -]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
                for line in text.splitlines() if line.startswith("#")]
     assert anchor in anchors
+
+
+def test_device_puts_transformers_serve_on_the_gpu_in_djl_stream_s_dtype_and_cpu_hides_it(
+        tmp_path):
+    model_dir = Path(__file__).resolve().parent.parent / "model"
+    peer = PEERS["transformers serve"]
+    on_gpu = peer.server(model_dir, tmp_path, {}, tmp_path / "gpu", device="cuda",
+                         installed=True)
+    command = on_gpu.command()
+    # --installed: this interpreter, not an environment under .peers/
+    assert command[0] == sys.executable
+    # option.dtype=auto is bfloat16 on a GPU: both servers read the same weights
+    assert command[command.index("--device") + 1] == "cuda"
+    assert command[command.index("--dtype") + 1] == "bfloat16"
+    assert "CUDA_VISIBLE_DEVICES" not in on_gpu.env
+    on_cpu = peer.server(model_dir, tmp_path, {}, tmp_path / "cpu")
+    command = on_cpu.command()
+    assert command[0] == str(tmp_path / "transformers-serve" / "bin" / "python")
+    assert command[command.index("--device") + 1] == "cpu"
+    assert command[command.index("--dtype") + 1] == "float32"
+    # a machine with a GPU as well: djl-stream, which takes a GPU where it sees one, too
+    assert on_cpu.env["CUDA_VISIBLE_DEVICES"] == ""
+    assert PEERS["djl-stream"].server(model_dir, tmp_path, {}, tmp_path / "ours"
+                                      ).env["CUDA_VISIBLE_DEVICES"] == ""

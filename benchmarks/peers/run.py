@@ -175,7 +175,8 @@ def start_servers(peers: Sequence[Peer], files: Dict[str, Path], args, workdir: 
     left out."""
     ready = {}
     for peer in peers:
-        server = peer.server(Path(args.model_dir), ROOT, files, workdir)
+        server = peer.server(Path(args.model_dir), ROOT, files, workdir, device=args.device,
+                             installed=args.installed)
         stack.callback(server.stop)
         try:
             server.launch()
@@ -265,7 +266,8 @@ def report(results: List[PeerResult], setup: Dict[str, tuple], args, machine: Di
     by_name = {r.peer.name: r for r in results}
     lines = ["## Peers: djl-stream beside llama.cpp, transformers serve and Ray Serve", "",
              f"Measured on {machine.get('date')} with `{command}` (what `make bench-peers` runs) "
-             f"in {elapsed / 60:.0f} min, on {machine.get('cpu')} (GPU: {machine.get('gpu')}). "
+             f"in {elapsed / 60:.0f} min, on {machine.get('cpu')} (GPU: {machine.get('gpu')}), "
+             f"every server on the {'GPU' if args.device == 'cuda' else 'CPU'}. "
              f"Every server: the same prompts (SmolLM2's chat template applied by the client), "
              f"greedy, exactly {args.new_tokens} new tokens (end-of-sequence ids barred: "
              "`ignore_eos`, `min_tokens` or `min_new_tokens`). The servers are started one after "
@@ -319,6 +321,9 @@ def report(results: List[PeerResult], setup: Dict[str, tuple], args, machine: Di
         took = "time not recorded" if seconds is None else f"{seconds / 60:.1f} min"
         lines.append(f"- {name}: {took}" + (", in this run" if now else
                                            ", when it was set up (kept in `.peers/`)"))
+    if args.installed:
+        lines.append("- none: the peers were installed beside djl-stream in the benchmark's own "
+                     "interpreter (`--installed`)")
     lines += [""]
     return "\n".join(lines)
 
@@ -373,6 +378,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keep-others-running", dest="pause_others", action="store_false",
                         help="leave the other servers running (idle) while one is measured, "
                              "instead of pausing them")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where the servers run: cuda suits djl-stream and transformers "
+                             "serve (the llama.cpp and Ray environments set up here are CPU "
+                             "builds); default cpu")
+    parser.add_argument("--installed", action="store_true",
+                        help="the peers are installed in this interpreter: run them with it and "
+                             "set no environment up in .peers/ (a machine that cannot reach "
+                             "PyPI, such as a lent GPU machine)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 16 tokens, 1 and 4 clients, one repetition")
     return parser
@@ -394,14 +407,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     setup: Dict[str, tuple] = {}  # what -> (seconds it took, done in this run)
     needs_gguf = any(peer.model_file for peer in peers)
     environments = {peer.environment for peer in peers} | ({"gguf-convert"} if needs_gguf else set())
-    for name in sorted(environments - {None}):
+    for name in sorted(environments - {None}) if not args.installed else ():
         now = ENVIRONMENTS[name].ensure(ROOT, log)
         setup[f"{name} environment"] = (ENVIRONMENTS[name].setup_seconds(ROOT), now)
     files: Dict[str, Path] = {}
     if needs_gguf:
         now = not float32_gguf_path(Path(args.model_dir), ROOT).is_file()
-        files["f32"] = float32_gguf(Path(args.model_dir), ROOT,
-                                    ENVIRONMENTS["gguf-convert"].python(ROOT), log)
+        converter = (Path(sys.executable) if args.installed
+                     else ENVIRONMENTS["gguf-convert"].python(ROOT))
+        files["f32"] = float32_gguf(Path(args.model_dir), ROOT, converter, log)
         setup["F32 GGUF conversion"] = (conversion_seconds(Path(args.model_dir), ROOT), now)
         files["q4_1"] = original_q4_1()
     loaded = LoadedModel.load(args.model_dir, device="cpu")

@@ -109,7 +109,8 @@ class Peer:
 
     name: str
     environment: Optional[str]            # a key of ENVIRONMENTS; None: djl-stream's own
-    command: Callable[[Path, Dict[str, Path], int], List[str]]
+    #: (model directory, files, port, device) -> the server's arguments after its Python
+    command: Callable[[Path, Dict[str, Path], int, str], List[str]]
     ready_path: str
     request_path: str
     body: Callable[[str, int, str], dict]  # (prompt, new tokens, model path) -> JSON
@@ -120,15 +121,18 @@ class Peer:
     model_file: Optional[str] = None      # a key of the files dict the command reads
     options: Tuple[Tuple[str, str], ...] = ()  # djl-stream's model properties (OPTION_*)
 
-    def python(self, root: Path) -> str:
-        if self.environment is None:
+    def python(self, root: Path, installed: bool = False) -> str:
+        """The interpreter that runs this peer: its environment's under ``root``, or this
+        one where djl-stream is the peer or ``installed`` says the peers are installed
+        beside it (a machine that cannot reach PyPI, such as a lent GPU machine)."""
+        if self.environment is None or installed:
             import sys
             return sys.executable
         return str(ENVIRONMENTS[self.environment].python(root))
 
     def server(self, model_dir: Path, root: Path, files: Dict[str, Path],
-               workdir: Path) -> PeerProcess:
-        python = self.python(root)
+               workdir: Path, device: str = "cpu", installed: bool = False) -> PeerProcess:
+        python = self.python(root, installed)
         name = self.name.replace(" ", "-")
         # options go in the environment, as SageMaker passes them; one that the model
         # directory's serving.properties sets (which wins) goes in a copy of that file
@@ -136,8 +140,10 @@ class Peer:
                                                  workdir / f"{name}-model")
         env = {"OMP_NUM_THREADS": str(os.cpu_count() or 1), "TRANSFORMERS_VERBOSITY": "error",
                **options}
+        if device == "cpu":  # on a machine with a GPU too, every peer on its CPU
+            env["CUDA_VISIBLE_DEVICES"] = ""
         return PeerProcess(
-            lambda port: [python, *self.command(model_dir, files, port)],
+            lambda port: [python, *self.command(model_dir, files, port, device)],
             name=name, workdir=workdir, ready_path=self.ready_path,
             request_path=self.request_path, env=env)
 
@@ -147,7 +153,8 @@ def _greedy_openai(prompt: str, n: int, model: str, **extra) -> dict:
             "stream": True, **extra}
 
 
-def _djl_stream(model_dir: Path, files: Dict[str, Path], port: int) -> List[str]:
+def _djl_stream(model_dir: Path, files: Dict[str, Path], port: int, device: str) -> List[str]:
+    # djl-stream takes the GPU where there is one: nothing to say for --device cuda
     return ["-m", "djl_stream", "serve", str(model_dir), "--port", str(port)]
 
 
@@ -157,22 +164,26 @@ def _llama_cpp(key: str, repack: bool = True) -> Callable[[Path, Dict[str, Path]
     server = (["-m", "llama_cpp.server"] if repack
               else [str(Path(__file__).with_name("llama_cpp_server.py"))])
 
-    def command(model_dir: Path, files: Dict[str, Path], port: int) -> List[str]:
+    def command(model_dir: Path, files: Dict[str, Path], port: int, device: str) -> List[str]:
         return [*server, "--model", str(files[key]), "--host", "127.0.0.1",
                 "--port", str(port), "--n_ctx", str(LLAMA_CPP_CONTEXT),
                 "--n_threads", str(os.cpu_count() or 1), "--model_alias", "model"]
     return command
 
 
-def _transformers_serve(model_dir: Path, files: Dict[str, Path], port: int) -> List[str]:
-    # The console script of transformers' own environment, run by its interpreter.
+def _transformers_serve(model_dir: Path, files: Dict[str, Path], port: int,
+                        device: str) -> List[str]:
+    # The console script of transformers' own environment, run by its interpreter, in the
+    # dtype djl-stream's option.dtype=auto picks on that device (float32 on a CPU,
+    # bfloat16 on a GPU), so that both read the same weights.
+    dtype = "float32" if device == "cpu" else "bfloat16"
     return ["-m", "transformers.cli.transformers", "serve", str(model_dir.resolve()),
             "--continuous-batching", "--cb-num-blocks", str(CB_NUM_BLOCKS),
-            "--cb-max-batch-tokens", str(CB_MAX_BATCH_TOKENS), "--device", "cpu",
-            "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)]
+            "--cb-max-batch-tokens", str(CB_MAX_BATCH_TOKENS), "--device", device,
+            "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port)]
 
 
-def _ray_serve(model_dir: Path, files: Dict[str, Path], port: int) -> List[str]:
+def _ray_serve(model_dir: Path, files: Dict[str, Path], port: int, device: str) -> List[str]:
     return [str(Path(__file__).with_name("ray_app.py")), "--model-dir", str(model_dir),
             "--port", str(port)]
 
