@@ -418,7 +418,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         files["f32"] = float32_gguf(Path(args.model_dir), ROOT, converter, log)
         setup["F32 GGUF conversion"] = (conversion_seconds(Path(args.model_dir), ROOT), now)
         files["q4_1"] = original_q4_1()
-    loaded = LoadedModel.load(args.model_dir, device="cpu")
+    # only its chat template is wanted: the model's forward, so that this process compiles
+    # no CPU decode program (on a lent GPU machine that compile crashed the run)
+    loaded = LoadedModel.load(args.model_dir, device="cpu", decode_step="forward")
     PROMPT_TEXTS[:] = [loaded.prompt(p).text for p in PROMPTS]
     machine = describe()
     machine["date"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
