@@ -201,6 +201,10 @@ def test_device_puts_transformers_serve_on_the_gpu_in_djl_stream_s_dtype_and_cpu
     assert command[command.index("--device") + 1] == "cuda"
     assert command[command.index("--dtype") + 1] == "bfloat16"
     assert "CUDA_VISIBLE_DEVICES" not in on_gpu.env
+    # and the report says so: its rows on a GPU read bfloat16, not the CPU's float32
+    for name in ("transformers serve", "djl-stream", "djl-stream eager"):
+        assert PEERS[name].weights_on("cuda").startswith("bfloat16"), name
+        assert PEERS[name].weights_on("cpu").startswith("float32"), name
     on_cpu = peer.server(model_dir, tmp_path, {}, tmp_path / "cpu")
     command = on_cpu.command()
     assert command[0] == str(tmp_path / "transformers-serve" / "bin" / "python")

@@ -287,12 +287,13 @@ def report(results: List[PeerResult], setup: Dict[str, tuple], args, machine: Di
               "RSS after | peak RSS |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if r.error:
-            lines.append(f"| {r.peer.name} | {r.peer.weights} | — | failed: {r.error} | | | | | |")
+            lines.append(f"| {r.peer.name} | {r.peer.weights_on(args.device)} | — | "
+                         f"failed: {r.error} | | | | | |")
             continue
         for clients in args.clients:
             word = "" if r.peer.pieces_are_tokens else " ¹"
             lines.append(
-                f"| {r.peer.name} | {r.peer.weights} | {clients} | "
+                f"| {r.peer.name} | {r.peer.weights_on(args.device)} | {clients} | "
                 f"{_fmt(r.median(clients, 'aggregate'), digits=1)} | "
                 f"{_fmt(r.median(clients, 'ttft_p50'), 1e3, unit=' ms')} | "
                 f"{_fmt(r.median(clients, 'itl_p50'), 1e3, unit=' ms')}{word} | "
@@ -303,7 +304,8 @@ def report(results: List[PeerResult], setup: Dict[str, tuple], args, machine: Di
               "llama.cpp's server runs one request at a time: its clients queue. RSS is the "
               "server's whole process tree (Ray's workers included), after the load.", ""]
     reference = by_name.get(OURS)
-    lines += ["### Greedy text agreement with djl-stream (float32)", "",
+    lines += [f"### Greedy text agreement with djl-stream "
+              f"({'bfloat16' if args.device == 'cuda' else 'float32'})", "",
               "| server | " + " | ".join(f"prompt {i + 1}" for i in range(len(PROMPTS))) + " |",
               "|---|" + "---|" * len(PROMPTS)]
     for r in results:

@@ -118,8 +118,15 @@ class Peer:
     pieces_are_tokens: bool = True
     one_at_a_time: bool = False
     weights: str = "float32, from model/"
+    #: what ``weights`` reads on a GPU, where that differs (``option.dtype=auto`` is
+    #: bfloat16 there, and ``auto`` replays decode steps from CUDA graphs)
+    weights_on_gpu: str = ""
     model_file: Optional[str] = None      # a key of the files dict the command reads
     options: Tuple[Tuple[str, str], ...] = ()  # djl-stream's model properties (OPTION_*)
+
+    def weights_on(self, device: str) -> str:
+        """The weights and decoding of this peer's rows on ``device`` (``cpu`` or ``cuda``)."""
+        return self.weights_on_gpu if device == "cuda" and self.weights_on_gpu else self.weights
 
     def python(self, root: Path, installed: bool = False) -> str:
         """The interpreter that runs this peer: its environment's under ``root``, or this
@@ -197,17 +204,25 @@ def _djl_stream_peer(name: str, **how) -> Peer:
 PEERS: Dict[str, Peer] = {peer.name: peer for peer in (
     _djl_stream_peer("djl-stream",
                      weights="float32, from model/ (the defaults: on a CPU the compiled "
-                             "programs over the model's weights)"),
+                             "programs over the model's weights)",
+                     weights_on_gpu="bfloat16, from model/ (the defaults: on a GPU bfloat16, "
+                                    "decode steps replayed from CUDA graphs)"),
     _djl_stream_peer("djl-stream eager",
                      weights="float32, from model/ (option.decode_step=eager)",
+                     weights_on_gpu="bfloat16, from model/ (option.decode_step=eager: "
+                                    "no CUDA graphs)",
                      options=(("decode_step", "eager"),)),
     _djl_stream_peer("djl-stream compiled copy",
                      weights="float32, from model/ (option.compiled_weights=copy)",
+                     weights_on_gpu="bfloat16, from model/ (option.compiled_weights is a CPU "
+                                    "option: CUDA graphs, as the defaults)",
                      options=(("compiled_weights", "copy"),)),
     _djl_stream_peer("djl-stream int8", weights="int8 weight-only (torchao), from model/",
                      options=(("quantize", "int8"),)),
     _djl_stream_peer("djl-stream w8a8",
                      weights="int8 weights and per-token int8 activations, from model/",
+                     weights_on_gpu="int8 weights and per-token int8 activations, from "
+                                    "model/ (torchao on a GPU, the model's forward)",
                      options=(("quantize", "w8a8"),)),
     _djl_stream_peer("djl-stream w8a8 copy",
                      weights="int8 weights and per-token int8 activations, from model/ "
@@ -227,7 +242,8 @@ PEERS: Dict[str, Peer] = {peer.name: peer for peer in (
          "/v1/completions",
          lambda prompt, n, model: _greedy_openai(
              prompt, n, model, generation_config=json.dumps(
-                 {"min_new_tokens": n, "max_new_tokens": n, "do_sample": False}))),
+                 {"min_new_tokens": n, "max_new_tokens": n, "do_sample": False})),
+         weights_on_gpu="bfloat16, from model/ (--dtype bfloat16)"),
     Peer("Ray Serve (tutorial)", "ray-serve", _ray_serve, "/-/healthz", "/generate",
          lambda prompt, n, model: {"prompt": prompt, "max_new_tokens": n}, read=text_chunks,
          pieces_are_tokens=False),
