@@ -466,6 +466,8 @@ def test_w8a8_int8_layers_compile_into_a_program_of_int8_weights(smollm2_tokeniz
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     float_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     assert quantize_linear_layers(model) == 15
+    # as a w8a8 load does: the program multiplies query, key and value as one product
+    assert llama_decode.fuse_int8_projections(model) == 4
     assert llama_decode.attach(model, smollm2_tokenizer) is not None
     eager = StepLogits(model, monkeypatch)
     expected, _ = decode_alone(model, smollm2_tokenizer, 40)

@@ -80,6 +80,68 @@ def test_batching_does_not_change_a_request_s_int8_text(smollm2_tokenizer):
     assert together == alone
 
 
+def _parameter_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_fused_projections_compute_what_the_separate_ones_did_and_add_no_memory(
+        smollm2_tokenizer):
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=3)
+    quantize_linear_layers(model)
+    layer = model.model.layers[0]
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    attention, mlp = layer.self_attn, layer.mlp
+    with torch.inference_mode():
+        before = {name: getattr(part, name)(x) for part, names in
+                  ((attention, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj")))
+                  for name in names}
+    size = _parameter_bytes(model)
+    assert llama_decode.fuse_int8_projections(model) == 2 * 2  # two layers, two products each
+    projections = llama_decode._projections_of(layer)
+    assert sorted(projections) == ["down", "gate_up", "o", "qkv"]
+    with torch.inference_mode():
+        # one product, the same numbers bit for bit (exact integer sums, the same scales)
+        assert torch.equal(projections["qkv"](x), torch.cat(
+            [before["q_proj"], before["k_proj"], before["v_proj"]], dim=-1))
+        assert torch.equal(projections["gate_up"](x),
+                           torch.cat([before["gate_proj"], before["up_proj"]], dim=-1))
+        # the model's own layers (its forward, a prompt's prefill) compute as before...
+        for name, expected in before.items():
+            part = attention if name in ("q_proj", "k_proj", "v_proj") else mlp
+            assert torch.equal(getattr(part, name)(x), expected), name
+    # ...from their rows of the fused weights: no memory added
+    fused_storage = projections["qkv"].weight.untyped_storage().data_ptr()
+    assert attention.k_proj.weight.untyped_storage().data_ptr() == fused_storage
+    assert _parameter_bytes(model) == size
+    assert llama_decode.fuse_int8_projections(model) == 0  # once is enough
+
+
+def test_layers_with_a_bias_or_of_another_width_are_not_fused():
+    torch.manual_seed(0)
+    plain = Int8Linear.from_linear(torch.nn.Linear(16, 8, bias=False))
+    biased = Int8Linear.from_linear(torch.nn.Linear(16, 8, bias=True))
+    wider = Int8Linear.from_linear(torch.nn.Linear(32, 8, bias=False))
+    weight = plain.weight
+    assert int8_linear.fuse([plain, biased]) is None
+    assert int8_linear.fuse([plain, wider]) is None
+    assert int8_linear.fuse([plain]) is None
+    assert int8_linear.fuse([plain, torch.nn.Linear(16, 8, bias=False)]) is None
+    assert plain.weight is weight  # left alone
+
+
+def test_the_fused_step_gives_the_tokens_and_logits_of_the_separate_products(smollm2_tokenizer):
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=3)
+    quantize_linear_layers(model)
+    assert llama_decode.attach(model, smollm2_tokenizer) is not None
+    separate = greedy_in_one_batch(model, smollm2_tokenizer, PROMPTS)
+    assert llama_decode.fuse_int8_projections(model) == 4
+    # attached again, as a load attaches after quantizing: the step reads the fused products
+    step = llama_decode.attach(model, smollm2_tokenizer)
+    assert step is not None and all("qkv" in layer and "q" not in layer for layer in step.layers)
+    assert greedy_in_one_batch(model, smollm2_tokenizer, PROMPTS) == separate
+    assert [greedy_in_one_batch(model, smollm2_tokenizer, [p])[0] for p in PROMPTS] == separate
+
+
 def load(directory, **options):
     return load_model_and_tokenizer(ModelProperties.from_init_properties(
         {"model_dir": str(directory), **options}))
@@ -91,6 +153,9 @@ def test_option_quantize_w8a8_loads_int8_layers_and_the_llama_step_runs_them(tin
                if name.endswith(("_proj", "lm_head")))
     step = llama_decode.step_of(model)
     assert step is not None  # checked at load against the (int8) forward on probes
+    # the step multiplies query, key and value as one product, gate and up as another
+    assert all(sorted(name for name in layer if name in llama_decode._PROJECTION_NAMES)
+               == ["down", "gate_up", "o", "qkv"] for layer in step.layers)
     float32, _ = load(tiny_model_dir, decode_step="forward")
     with torch.inference_mode():
         ids = torch.tensor([[1, 400, 401, 402, 403]])

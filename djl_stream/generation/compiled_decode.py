@@ -365,7 +365,7 @@ def _step_sources(int8_layers: bool, batch: bool = False) -> tuple:
 
     traced = (OneRowGraph, llama_decode.Geometry, llama_decode._decode_logits,
               llama_decode._norm, llama_decode._rotate, llama_decode._mlp,
-              llama_decode._layer_dicts)
+              llama_decode._qkv, llama_decode._layer_dicts)
     if int8_layers:
         traced += (int8_linear.Int8Linear, int8_linear.quantize_rows)
     if batch:

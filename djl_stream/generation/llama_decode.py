@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from typing import List, Optional
 
 import torch
@@ -148,7 +149,21 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def _mlp(layer: dict, hidden: torch.Tensor, eps: float) -> torch.Tensor:
     """``hidden`` after ``layer``'s gated MLP (with its norm and residual)."""
     x = _norm(hidden, layer["mlp_norm"], eps)
-    return hidden + layer["down"](F.silu(layer["gate"](x)) * layer["up"](x))
+    if "gate_up" in layer:  # fused (fuse_int8_projections): one product, then halves
+        gate, up = layer["gate_up"](x).chunk(2, dim=-1)
+    else:
+        gate, up = layer["gate"](x), layer["up"](x)
+    return hidden + layer["down"](F.silu(gate) * up)
+
+
+def _qkv(layer: dict, x: torch.Tensor, g: "Geometry") -> tuple:
+    """The query, key and value projections of ``x`` (``(tokens, hidden)``), each
+    ``(tokens, its heads × head_dim)``: one fused product where
+    :func:`fuse_int8_projections` fused them, else three."""
+    if "qkv" in layer:
+        kv = g.kv_heads * g.head_dim
+        return layer["qkv"](x).split((g.heads * g.head_dim, kv, kv), dim=-1)
+    return layer["q"](x), layer["k"](x), layer["v"](x)
 
 
 def _decode_logits(geometry: Geometry, layers: List[dict], final_norm: torch.Tensor, lm_head,
@@ -177,9 +192,10 @@ def _decode_logits(geometry: Geometry, layers: List[dict], final_norm: torch.Ten
     gqa = {"enable_gqa": True} if g.grouped else {}
     for layer, layer_keys, layer_values in zip(layers, keys, values):
         x = _norm(hidden, layer["attention_norm"], g.eps)
-        q = layer["q"](x).view(rows, g.heads, 1, g.head_dim)
-        k = layer["k"](x).view(rows, g.kv_heads, 1, g.head_dim)
-        v = layer["v"](x).view(rows, g.kv_heads, 1, g.head_dim)
+        q, k, v = _qkv(layer, x, g)
+        q = q.view(rows, g.heads, 1, g.head_dim)
+        k = k.view(rows, g.kv_heads, 1, g.head_dim)
+        v = v.view(rows, g.kv_heads, 1, g.head_dim)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if real is not None:
             k = torch.where(real, k, layer_keys[:rows].index_select(2, column))
@@ -198,13 +214,58 @@ _PROJECTIONS = (("q", "self_attn", "q_proj"), ("k", "self_attn", "k_proj"),
                 ("v", "self_attn", "v_proj"), ("o", "self_attn", "o_proj"),
                 ("gate", "mlp", "gate_proj"), ("up", "mlp", "up_proj"),
                 ("down", "mlp", "down_proj"))
-_PROJECTION_NAMES = frozenset(name for name, _, _ in _PROJECTIONS)
+#: Projections of one input that :func:`fuse_int8_projections` multiplies as one product:
+#: the fused product's name, and the projections it holds, in its output's order.
+_FUSED = (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up")))
+_PROJECTION_NAMES = frozenset([name for name, _, _ in _PROJECTIONS]
+                              + [name for name, _ in _FUSED])
+#: Each decoder layer's fused products, by name (the layers themselves are transformers'
+#: modules, left as they are: the model's forward still calls its own projections).
+_FUSED_OF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _projections_of(layer) -> dict:
-    """A decoder layer's projection modules by the names :func:`_decode_logits` reads."""
-    return {name: getattr(getattr(layer, part), attribute)
-            for name, part, attribute in _PROJECTIONS}
+    """A decoder layer's projection modules by the names :func:`_decode_logits` reads:
+    a fused product (:func:`fuse_int8_projections`) in place of the projections it holds."""
+    projections = {name: getattr(getattr(layer, part), attribute)
+                   for name, part, attribute in _PROJECTIONS}
+    for name, product in _FUSED_OF.get(layer, {}).items():
+        for part in dict(_FUSED)[name]:
+            del projections[part]
+        projections[name] = product
+    return projections
+
+
+def fuse_int8_projections(model) -> int:
+    """Multiply each decoder layer's query, key and value projections as one product,
+    and its gate and up projections as another, where they are ``w8a8``'s
+    :class:`~djl_stream.generation.int8_linear.Int8Linear` layers
+    (:func:`~djl_stream.generation.int8_linear.fuse`: the same arithmetic, fewer calls;
+    the layers then read their rows of the fused weights, no memory added). The decode
+    step, its mixed passes and the compiled programs read the fused products; the
+    model's forward (a prompt's prefill) its own layers. Returns how many fused products
+    there are (0 for a model the step does not run: nothing changes).
+
+    Only int8: fusing float32 projections was measured to save nothing (README, "Targets
+    missed, and why"), and a packed or padded layer has a layout of its own."""
+    from djl_stream.generation.int8_linear import fuse
+
+    if unsupported_reason(model):
+        return 0
+    count = 0
+    for layer in model.model.layers:
+        if layer in _FUSED_OF:
+            continue
+        projections = _projections_of(layer)
+        fused = {}
+        for name, parts in _FUSED:
+            product = fuse([projections[part] for part in parts])
+            if product is not None:
+                fused[name] = product
+        if fused:
+            _FUSED_OF[layer] = fused
+            count += len(fused)
+    return count
 
 
 def _norms_of(layer) -> tuple:
@@ -340,7 +401,7 @@ class LlamaDecodeStep:
 
         for index, layer in enumerate(self.layers):
             x = _norm(hidden, layer["attention_norm"], g.eps)
-            q, k, v = layer["q"](x), layer["k"](x), layer["v"](x)
+            q, k, v = _qkv(layer, x, g)
             # this step's column of the running rows
             qd = _rotate(q[:rows].view(rows, g.heads, 1, g.head_dim), d_cos, d_sin)
             kd = _rotate(k[:rows].view(rows, g.kv_heads, 1, g.head_dim), d_cos, d_sin)
@@ -582,7 +643,8 @@ def attach(model, tokenizer, *, one_row=None, batch_program=None, cuda_graphs: b
 def _pad_rows(step: LlamaDecodeStep) -> None:
     """Pad the rows of ``step``'s products where this CPU's GEMM is faster at 16 rows
     (:mod:`~djl_stream.generation.row_padding`, logged)."""
-    projections = [layer[name] for layer in step.layers for name in _PROJECTION_NAMES]
+    projections = [value for layer in step.layers for name, value in layer.items()
+                   if name in _PROJECTION_NAMES]
     try:
         trials = padding_trial(projections + [step.lm_head], step.embedding.dtype)
     except Exception as error:  # noqa: BLE001 - an optimization: the step runs without it

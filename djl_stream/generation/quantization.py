@@ -107,7 +107,12 @@ def quantize_after_load(model, method: Optional[str], *, on_gpu: bool) -> int:
         raise QuantizationUnavailable(
             "option.quantize=w8a8: no linear layer could be quantized: "
             f"{int8_matmul_unavailable() or 'the model has no float32 nn.Linear on the CPU'}")
-    logger.info("quantized %d linear layers to int8 weights and activations (w8a8)", quantized)
+    from djl_stream.generation.llama_decode import fuse_int8_projections
+
+    fused = fuse_int8_projections(model)
+    logger.info("quantized %d linear layers to int8 weights and activations (w8a8)%s",
+                quantized, f"; {fused} fused products of one input each (query, key and "
+                           "value; gate and up) for the decode step" if fused else "")
     return quantized
 
 
