@@ -43,8 +43,7 @@ def product_table(step, repetitions: int, extra_shapes: List[tuple] = ()) -> Lis
     PRODUCT_ROWS."""
     dtype = step.embedding.dtype
     layers = {}
-    for layer in [value for layer in step.layers for name, value in layer.items()
-                  if name in llama_decode._PROJECTION_NAMES] + [step.lm_head]:
+    for layer in step.products():
         plain = _unpadded(layer)
         layers.setdefault((plain.out_features, plain.in_features), plain)
     for out_features, in_features in extra_shapes:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from benchmarks.http_load import LoadResult, StreamError
 from benchmarks.measure import StreamTiming
@@ -197,9 +198,11 @@ def test_device_puts_transformers_serve_on_the_gpu_in_djl_stream_s_dtype_and_cpu
     command = on_gpu.command()
     # --installed: this interpreter, not an environment under .peers/
     assert command[0] == sys.executable
-    # option.dtype=auto is bfloat16 on a GPU: both servers read the same weights
+    # djl-stream's own rule for option.dtype=auto on a GPU (bfloat16 where the GPU has it,
+    # float16 else; this machine has no GPU to ask): both servers read the same weights
     assert command[command.index("--device") + 1] == "cuda"
-    assert command[command.index("--dtype") + 1] == "bfloat16"
+    assert command[command.index("--dtype") + 1] == (
+        "bfloat16" if torch.cuda.is_bf16_supported() else "float16")
     assert "CUDA_VISIBLE_DEVICES" not in on_gpu.env
     # and the report says so: its rows on a GPU read bfloat16, not the CPU's float32
     for name in ("transformers serve", "djl-stream", "djl-stream eager"):
@@ -214,3 +217,11 @@ def test_device_puts_transformers_serve_on_the_gpu_in_djl_stream_s_dtype_and_cpu
     assert on_cpu.env["CUDA_VISIBLE_DEVICES"] == ""
     assert PEERS["djl-stream"].server(model_dir, tmp_path, {}, tmp_path / "ours"
                                       ).env["CUDA_VISIBLE_DEVICES"] == ""
+    # a model directory that names its dtype: transformers serve reads it in that one too
+    fp16_dir = tmp_path / "fp16-model"
+    fp16_dir.mkdir()
+    (fp16_dir / "serving.properties").write_text("option.dtype=fp16\n")
+    for device in ("cpu", "cuda"):
+        command = peer.server(fp16_dir, tmp_path, {}, tmp_path / f"fp16-{device}",
+                              device=device).command()
+        assert command[command.index("--dtype") + 1] == "float16"

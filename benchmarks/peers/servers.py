@@ -181,13 +181,25 @@ def _llama_cpp(key: str, repack: bool = True) -> Callable[[Path, Dict[str, Path]
 def _transformers_serve(model_dir: Path, files: Dict[str, Path], port: int,
                         device: str) -> List[str]:
     # The console script of transformers' own environment, run by its interpreter, in the
-    # dtype djl-stream's option.dtype=auto picks on that device (float32 on a CPU,
-    # bfloat16 on a GPU), so that both read the same weights.
-    dtype = "float32" if device == "cpu" else "bfloat16"
+    # dtype djl-stream serves the model directory in on that device, so that both read
+    # the same weights.
     return ["-m", "transformers.cli.transformers", "serve", str(model_dir.resolve()),
             "--continuous-batching", "--cb-num-blocks", str(CB_NUM_BLOCKS),
             "--cb-max-batch-tokens", str(CB_MAX_BATCH_TOKENS), "--device", device,
-            "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port)]
+            "--dtype", served_dtype(model_dir, device), "--host", "127.0.0.1",
+            "--port", str(port)]
+
+
+def served_dtype(model_dir: Path, device: str) -> str:
+    """The dtype djl-stream serves ``model_dir`` in on ``device`` (``cpu`` or ``cuda``), by
+    its own rule (:func:`~djl_stream.generation.loading.torch_dtype`: ``option.dtype``,
+    and for ``auto`` float32 on a CPU, bfloat16 on a GPU that has it, else float16), as
+    ``transformers serve --dtype`` names it."""
+    from djl_stream.generation.loading import torch_dtype
+    from djl_stream.serving.properties import ModelProperties, djl_init_properties
+
+    props = ModelProperties.from_init_properties(djl_init_properties(model_dir))
+    return str(torch_dtype(props, on_gpu=device == "cuda")).removeprefix("torch.")
 
 
 def _ray_serve(model_dir: Path, files: Dict[str, Path], port: int, device: str) -> List[str]:
@@ -206,7 +218,8 @@ PEERS: Dict[str, Peer] = {peer.name: peer for peer in (
                      weights="float32, from model/ (the defaults: on a CPU the compiled "
                              "programs over the model's weights)",
                      weights_on_gpu="bfloat16, from model/ (the defaults: on a GPU bfloat16, "
-                                    "decode steps replayed from CUDA graphs)"),
+                                    "float16 where it has none; decode steps replayed "
+                                    "from CUDA graphs)"),
     _djl_stream_peer("djl-stream eager",
                      weights="float32, from model/ (option.decode_step=eager)",
                      weights_on_gpu="bfloat16, from model/ (option.decode_step=eager: "
@@ -243,7 +256,8 @@ PEERS: Dict[str, Peer] = {peer.name: peer for peer in (
          lambda prompt, n, model: _greedy_openai(
              prompt, n, model, generation_config=json.dumps(
                  {"min_new_tokens": n, "max_new_tokens": n, "do_sample": False})),
-         weights_on_gpu="bfloat16, from model/ (--dtype bfloat16)"),
+         weights_on_gpu="bfloat16, from model/ (--dtype: djl-stream's dtype there, "
+                        "float16 on a GPU without bfloat16)"),
     Peer("Ray Serve (tutorial)", "ray-serve", _ray_serve, "/-/healthz", "/generate",
          lambda prompt, n, model: {"prompt": prompt, "max_new_tokens": n}, read=text_chunks,
          pieces_are_tokens=False),

@@ -216,9 +216,8 @@ _PROJECTIONS = (("q", "self_attn", "q_proj"), ("k", "self_attn", "k_proj"),
                 ("down", "mlp", "down_proj"))
 #: Projections of one input that :func:`fuse_int8_projections` multiplies as one product:
 #: the fused product's name, and the projections it holds, in its output's order.
-_FUSED = (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up")))
-_PROJECTION_NAMES = frozenset([name for name, _, _ in _PROJECTIONS]
-                              + [name for name, _ in _FUSED])
+_FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
+_PROJECTION_NAMES = frozenset([name for name, _, _ in _PROJECTIONS] + list(_FUSED))
 #: Each decoder layer's fused products, by name (the layers themselves are transformers'
 #: modules, left as they are: the model's forward still calls its own projections).
 _FUSED_OF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -230,7 +229,7 @@ def _projections_of(layer) -> dict:
     projections = {name: getattr(getattr(layer, part), attribute)
                    for name, part, attribute in _PROJECTIONS}
     for name, product in _FUSED_OF.get(layer, {}).items():
-        for part in dict(_FUSED)[name]:
+        for part in _FUSED[name]:
             del projections[part]
         projections[name] = product
     return projections
@@ -258,7 +257,7 @@ def fuse_int8_projections(model) -> int:
             continue
         projections = _projections_of(layer)
         fused = {}
-        for name, parts in _FUSED:
+        for name, parts in _FUSED.items():
             product = fuse([projections[part] for part in parts])
             if product is not None:
                 fused[name] = product
@@ -322,6 +321,12 @@ class LlamaDecodeStep:
     def compiled(self) -> bool:
         """Whether one-row steps run the compiled program."""
         return self.one_row is not None
+
+    def products(self) -> list:
+        """Every linear layer the step multiplies by: each layer's projections (fused
+        products where :func:`fuse_int8_projections` fused them), then the LM head."""
+        return [value for layer in self.layers for name, value in layer.items()
+                if name in _PROJECTION_NAMES] + [self.lm_head]
 
     def pad_rows(self, trials) -> List[str]:
         """Run the products whose weight shape ``trials`` (from
@@ -643,10 +648,8 @@ def attach(model, tokenizer, *, one_row=None, batch_program=None, cuda_graphs: b
 def _pad_rows(step: LlamaDecodeStep) -> None:
     """Pad the rows of ``step``'s products where this CPU's GEMM is faster at 16 rows
     (:mod:`~djl_stream.generation.row_padding`, logged)."""
-    projections = [value for layer in step.layers for name, value in layer.items()
-                   if name in _PROJECTION_NAMES]
     try:
-        trials = padding_trial(projections + [step.lm_head], step.embedding.dtype)
+        trials = padding_trial(step.products(), step.embedding.dtype)
     except Exception as error:  # noqa: BLE001 - an optimization: the step runs without it
         logger.warning("timing the decode step's products failed (%s: %s); no product is "
                        "padded", type(error).__name__, str(error).splitlines()[0] if str(error)
