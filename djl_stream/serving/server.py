@@ -62,6 +62,7 @@ from djl_stream.serving.cancellation import Cancellation, attach_cancellation
 from djl_stream.serving.http_errors import error_response
 from djl_stream.serving.http_limits import HttpLimits, RequestLimits
 from djl_stream.serving.metrics import PrometheusMetrics, record_request, server_metrics
+from djl_stream.serving.stream_pump import FINISHED, PumpFailure, StreamPump
 from djl_stream.serving.worker import (
     READY,
     ModelWorker,
@@ -147,8 +148,10 @@ class _StreamState:
 class StreamingOutputResponse:
     """ASGI response for an ``Output`` whose ``stream_content`` is set.
 
-    ``next()`` is called in a thread of ``limiter`` and each formatted item is sent as one
-    HTTP chunk at once. A task listens for ``http.disconnect`` meanwhile; when the client
+    ``next()`` is called in one thread of ``limiter`` for the stream's life
+    (:class:`~djl_stream.serving.stream_pump.StreamPump`) and each formatted item is sent as
+    an HTTP chunk as soon as it exists; items that piled up while the event loop was busy
+    with other streams go out together, as one chunk. A task listens for ``http.disconnect`` meanwhile; when the client
     leaves, pulling stops and the iterator's ``close()`` is called — after any ``next()``
     in flight has returned, never at the same time. ``close()`` is likewise called when the
     iterator failed; only an iterator that ran to its end is left alone. A ``cancellation``
@@ -196,40 +199,51 @@ class StreamingOutputResponse:
                     stream_scope.cancel()
                 return
 
-    async def _pull(self) -> Optional[bytes]:
-        return await anyio.to_thread.run_sync(_next_chunk, self.output, limiter=self.limiter)
-
     async def _send_stream(self, send: Send) -> None:
+        # One thread pulls the iterator for the stream's life (StreamPump); stopped here
+        # however the sending ends, and waited for by the task group, so that close()
+        # (in __call__) never runs beside a next().
+        pump = StreamPump(lambda: _next_chunk(self.output))
+        async with anyio.create_task_group() as pumping:
+            pumping.start_soon(pump.run, self.limiter)
+            try:
+                await self._send_pumped(pump, send)
+            finally:
+                pump.stop()
+
+    async def _send_pumped(self, pump: StreamPump, send: Send) -> None:
         state = self.state
         head = {"type": "http.response.start", "status": int(self.output.code),
                 "headers": _stream_headers(self.output)}
-        try:
-            chunk = await self._pull()
-        except Exception as error:
+        chunks, end = await pump.take()
+        if not chunks and isinstance(end, PumpFailure):
             # djl-serving holds the head until the first chunk; a failure instead of it
             # arrives as one last chunk holding the exception's text, which its front end
             # sends as a plain 200 answer with that text as the body.
-            logger.exception("the stream failed before its first item")
+            logger.error("the stream failed before its first item", exc_info=end.error)
             state.finishing = True
             await send(head)
-            await send({"type": "http.response.body", "body": stream_failure_chunk(error)})
+            await send({"type": "http.response.body", "body": stream_failure_chunk(end.error)})
             return
         await send(head)
-        while chunk is not None:
-            state.items += 1
-            if chunk:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            try:
-                chunk = await self._pull()
-            except Exception as error:
-                # The status line is gone; djl-serving appends the exception's text, raw.
-                logger.exception("the stream failed after %d items", state.items)
-                state.finishing = True
-                await send({"type": "http.response.body", "body": stream_failure_chunk(error),
-                            "more_body": True})
+        while True:
+            state.items += len(chunks)
+            # Items that piled up while the loop was busy go out as one chunk.
+            body = b"".join(chunks)
+            if body:
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+            if end is FINISHED:
+                state.exhausted = True
                 break
-        else:
-            state.exhausted = True
+            if isinstance(end, PumpFailure):
+                # The status line is gone; djl-serving appends the exception's text, raw.
+                logger.error("the stream failed after %d items", state.items,
+                             exc_info=end.error)
+                state.finishing = True
+                await send({"type": "http.response.body",
+                            "body": stream_failure_chunk(end.error), "more_body": True})
+                break
+            chunks, end = await pump.take()
         state.finishing = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
