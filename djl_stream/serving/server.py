@@ -151,10 +151,11 @@ class StreamingOutputResponse:
     ``next()`` is called in one thread of ``limiter`` for the stream's life
     (:class:`~djl_stream.serving.stream_pump.StreamPump`) and each formatted item is sent as
     an HTTP chunk as soon as it exists; items that piled up while the event loop was busy
-    with other streams go out together, as one chunk. A task listens for ``http.disconnect`` meanwhile; when the client
-    leaves, pulling stops and the iterator's ``close()`` is called — after any ``next()``
-    in flight has returned, never at the same time. ``close()`` is likewise called when the
-    iterator failed; only an iterator that ran to its end is left alone. A ``cancellation``
+    with other streams go out together, as one chunk. A task listens for
+    ``http.disconnect`` meanwhile; when the client leaves, pulling stops and the
+    iterator's ``close()`` is called — after any ``next()`` in flight has returned, never
+    at the same time. ``close()`` is likewise called when the iterator failed; only an
+    iterator that ran to its end is left alone. A ``cancellation``
     is cancelled as soon as the client leaves, so that a handler that registered on it
     stops generating without waiting for the ``next()`` in flight.
     """
