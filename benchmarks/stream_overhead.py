@@ -4,7 +4,11 @@ clients stream at once, apart from the model.
 The server runs a tiny random Llama (2 layers, 64 wide, the embedded model's tokenizer), so
 that a decode step of 64 rows costs a few milliseconds, as SmolLM2's does on a GPU, and
 what is left is the server's own work: the scheduler's bookkeeping, detokenizing, the
-formatter, the HTTP layer handing every token of every stream to its socket. ``--clients``
+formatter, the HTTP layer handing every token of every stream to its socket. With
+``--vocab 512`` the tokenizer is instead a byte-level BPE of 512 tokens trained here on
+this project's README (the ``tokenizers`` library), so that the LM head costs next to
+nothing either: a step of 64 rows takes a millisecond or two, and what is left is the
+server's. ``--clients``
 clients (threads of this process, each on its own connection, released together) each
 stream ``--tokens`` tokens (``ignore_eos``), ``--rounds`` times. Reported per round: the
 tokens/s all clients received, the pooled inter-token gap (ITL) p50, and the CPU seconds
@@ -29,21 +33,42 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 from benchmarks import http_load
 from benchmarks.measure import process_cpu_seconds
 
 
-def write_tiny_model(directory: Path, tokenizer_dir: str, batch_rows: int) -> Path:
-    """A model directory holding a 2-layer random Llama with ``tokenizer_dir``'s tokenizer,
-    served raw (no chat template) with room for ``batch_rows`` rows."""
+def small_tokenizer(vocab: int, text_file: Path):
+    """A byte-level BPE tokenizer of ``vocab`` tokens (three of them special: padding,
+    start and end) trained on ``text_file``'s lines."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(
+        text_file.read_text(encoding="utf-8").splitlines(),
+        trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<pad>", "<s>", "</s>"],
+                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                            show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")
+
+
+def write_tiny_model(directory: Path, tokenizer_dir: str, batch_rows: int,
+                     vocab: Optional[int] = None) -> Path:
+    """A model directory holding a 2-layer random Llama with ``tokenizer_dir``'s tokenizer
+    (or, with ``vocab``, a :func:`small_tokenizer` of that many tokens), served raw (no
+    chat template) with room for ``batch_rows`` rows."""
     import shutil
 
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = (small_tokenizer(vocab, Path(__file__).parent.parent / "README.md") if vocab
+                 else AutoTokenizer.from_pretrained(tokenizer_dir))
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -80,17 +105,24 @@ def main(argv: List[str] | None = None) -> None:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=None,
+                        help="a BPE tokenizer of VOCAB tokens trained on README.md instead "
+                             "of the embedded model's (default: the embedded model's)")
     parser.add_argument("--tokenizer-dir", default="model",
                         help="a model directory whose tokenizer and model.py the tiny model takes")
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="stream-overhead-") as work:
-        model_dir = write_tiny_model(Path(work) / "tiny", args.tokenizer_dir, args.clients)
+        model_dir = write_tiny_model(Path(work) / "tiny", args.tokenizer_dir, args.clients,
+                                     args.vocab)
         server = http_load.ServerProcess(model_dir, name="tiny", workdir=Path(work),
                                          env={"OMP_NUM_THREADS": "1"})
         server.start()
         try:
             one_round(server, min(args.clients, 4), 8)  # warm-up
+            solo = one_round(server, 1, args.tokens)
+            print(f"one client: {solo['tokens_per_s']:.1f} tokens/s, ITL p50 "
+                  f"{solo['itl_p50_ms']:.2f} ms", flush=True)
             rounds = []
             for index in range(1, args.rounds + 1):
                 rounds.append(one_round(server, args.clients, args.tokens))
