@@ -2,17 +2,18 @@
 clients stream at once, apart from the model.
 
 The server runs a tiny random Llama (2 layers, 64 wide, the embedded model's tokenizer), so
-that a decode step of 64 rows costs a few milliseconds, as SmolLM2's does on a GPU, and
-what is left is the server's own work: the scheduler's bookkeeping, detokenizing, the
-formatter, the HTTP layer handing every token of every stream to its socket. With
-``--vocab 512`` the tokenizer is instead a byte-level BPE of 512 tokens trained here on
-this project's README (the ``tokenizers`` library), so that the LM head costs next to
-nothing either: a step of 64 rows takes a millisecond or two, and what is left is the
-server's. ``--clients``
-clients (threads of this process, each on its own connection, released together) each
-stream ``--tokens`` tokens (``ignore_eos``), ``--rounds`` times. Reported per round: the
-tokens/s all clients received, the pooled inter-token gap (ITL) p50, and the CPU seconds
-the server process and this process (the clients) spent per token.
+that a decode step is cheap (64 rows: about 10 ms on one CPU thread, most of it the LM
+head over the tokenizer's 49,152 tokens) and much of what is measured is the server's own
+work: the scheduler's bookkeeping, detokenizing, the formatter, the HTTP layer handing
+every token of every stream to its socket. With ``--vocab 512`` the tokenizer is instead a
+byte-level BPE of 512 tokens trained here on this project's README (the ``tokenizers``
+library), so that the LM head costs next to nothing either: a step of 64 rows takes about
+1.3 ms, as SmolLM2's replayed steps take a few milliseconds on a GPU, and what is left is
+the server. ``--clients`` clients (threads of this process, each on its own connection,
+released together) each stream ``--tokens`` tokens (``ignore_eos``), ``--rounds`` times,
+after one client alone. Reported per round: the tokens/s all clients received, the pooled
+inter-token gap (ITL) p50, and the CPU seconds the server process and this process (the
+clients) spent per token.
 
 The server gets one torch thread (``OMP_NUM_THREADS=1``): OpenMP's threads spin while they
 wait for work, which would count as the server's CPU time without being any of its work.
@@ -23,6 +24,7 @@ side), not against a figure from another day.
 Example::
 
     python -m benchmarks.stream_overhead --clients 64 --tokens 128 --rounds 4
+    python -m benchmarks.stream_overhead --vocab 512    # the server alone, nearly
 """
 
 from __future__ import annotations
