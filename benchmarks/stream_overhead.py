@@ -2,7 +2,7 @@
 clients stream at once, apart from the model.
 
 The server runs a tiny random Llama (2 layers, 64 wide, the embedded model's tokenizer), so
-that a decode step is cheap (64 rows: about 10 ms on one CPU thread, most of it the LM
+that a decode step is cheap (64 rows: about 8 ms on one CPU thread, most of it the LM
 head over the tokenizer's 49,152 tokens) and much of what is measured is the server's own
 work: the scheduler's bookkeeping, detokenizing, the formatter, the HTTP layer handing
 every token of every stream to its socket. With ``--vocab 512`` the tokenizer is instead a
