@@ -4,15 +4,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
-import time
 
 import anyio
 import pytest
 
-from djl_stream.serving.stream_pump import FINISHED, PumpFailure, StreamPump
+from djl_stream.serving.stream_pump import FINISHED, LoopWakeups, PumpFailure, StreamPump
 
-DEADLINE = 30  # seconds: a bound on waiting for a thread, not a speed target
+# No clock anywhere: every wait below is for a condition another thread makes true.
 
 
 class Producer:
@@ -27,27 +27,51 @@ class Producer:
                 gate.set()
         self.fail_at = fail_at
         self.pulls = 0
+        self._counted = threading.Condition()
 
     def pull(self):
-        index = self.pulls
-        self.pulls += 1
+        with self._counted:
+            index = self.pulls
+            self.pulls += 1
+            self._counted.notify_all()
         if index == self.fail_at:
             raise RuntimeError(f"item {index} is broken")
         if index >= len(self.items):
             return None
-        assert self.gates[index].wait(DEADLINE)
+        self.gates[index].wait()
         return self.items[index]
 
     def open(self, *indexes):
         for index in indexes:
             self.gates[index].set()
 
+    async def pulled(self, count, or_when=lambda: False):
+        """Wait (in a thread, leaving the loop free) until ``count`` pulls have begun, or
+        ``or_when()`` holds (checked whenever :meth:`notify` is called)."""
+        def wait():
+            with self._counted:
+                self._counted.wait_for(lambda: self.pulls >= count or or_when())
+        await anyio.to_thread.run_sync(wait)
 
-def wait_until(condition):
-    end = time.monotonic() + DEADLINE
-    while not condition():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.005)
+    def notify(self):
+        with self._counted:
+            self._counted.notify_all()
+
+
+class RoomWatched(threading.Semaphore):
+    """A pump's room (its ``ahead`` bound) that says when the thread has to wait for it."""
+
+    def __init__(self, value, producer):
+        super().__init__(value)
+        self.waiting = False
+        self.producer = producer
+
+    def acquire(self, blocking=True, timeout=None):
+        if super().acquire(blocking=False):
+            return True
+        self.waiting = True
+        self.producer.notify()
+        return super().acquire(blocking, timeout)
 
 
 async def run_pump(pump, body):
@@ -82,8 +106,7 @@ def test_items_that_piled_up_are_taken_together_in_order():
     producer = Producer([b"1", b"2", b"3", b"4"])
 
     async def body(pump):
-        # the loop is busy elsewhere while the thread pulls everything
-        await anyio.to_thread.run_sync(wait_until, lambda: producer.pulls == 5)
+        await producer.pulled(5)  # the thread pulled everything before the loop looked
         return await pump.take()
 
     assert anyio.run(run_pump, StreamPump(producer.pull), body) == \
@@ -109,16 +132,18 @@ def test_a_failing_pull_ends_the_stream_after_the_items_before_it():
 
 def test_the_thread_runs_at_most_ahead_items_before_the_loop_takes_them():
     producer = Producer([bytes([i]) for i in range(10)])
+    pump = StreamPump(producer.pull, ahead=3)
+    room = pump._room = RoomWatched(3, producer)  # to see the thread stop for room
 
     async def body(pump):
-        await anyio.to_thread.run_sync(wait_until, lambda: producer.pulls == 3)
-        await anyio.sleep(0.2)  # room for a fourth pull, were it allowed
+        # until the thread waits for room, or (were it not bounded) has pulled everything
+        await producer.pulled(len(producer.items) + 1, or_when=lambda: room.waiting)
         pulled_before_taking = producer.pulls
         items, _ = await pump.take()
-        await anyio.to_thread.run_sync(wait_until, lambda: producer.pulls == 6)
+        await producer.pulled(6)  # taking three made room for three more
         return pulled_before_taking, items
 
-    pulled, items = anyio.run(run_pump, StreamPump(producer.pull, ahead=3), body)
+    pulled, items = anyio.run(run_pump, pump, body)
     assert pulled == 3
     assert items == [b"\x00", b"\x01", b"\x02"]
 
@@ -139,14 +164,11 @@ def test_stop_ends_the_thread_without_another_pull(waiting_in):
 
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(run)
+            await producer.pulled(1)
+            pump.stop()
             if waiting_in == "pull":
-                await anyio.to_thread.run_sync(wait_until, lambda: producer.pulls == 1)
-                pump.stop()
                 assert not finished.is_set()  # the pull in flight is waited for
                 producer.open(0)
-            else:
-                await anyio.to_thread.run_sync(wait_until, lambda: producer.pulls == 1)
-                pump.stop()
         # the task group waited for the thread
         assert finished.is_set()
 
@@ -155,10 +177,6 @@ def test_stop_ends_the_thread_without_another_pull(waiting_in):
 
 
 def test_events_set_from_threads_while_the_loop_is_busy_cost_it_one_wakeup():
-    import asyncio
-
-    from djl_stream.serving.stream_pump import LoopWakeups
-
     async def main():
         wakeups = LoopWakeups.for_loop(asyncio.get_running_loop())
         events = [asyncio.Event() for _ in range(10)]
@@ -168,10 +186,10 @@ def test_events_set_from_threads_while_the_loop_is_busy_cost_it_one_wakeup():
             thread.start()
         for thread in threads:
             thread.join()  # on the loop's thread: it runs no callback meanwhile
-        await asyncio.wait_for(asyncio.gather(*(event.wait() for event in events)), DEADLINE)
+        await asyncio.gather(*(event.wait() for event in events))
         later = asyncio.Event()
         threading.Thread(target=wakeups.set_soon, args=(later,)).start()
-        await asyncio.wait_for(later.wait(), DEADLINE)
+        await later.wait()
         return wakeups.wakeups
 
     assert asyncio.run(main()) == 2  # one for the ten, one for the one after
