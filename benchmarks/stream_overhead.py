@@ -71,6 +71,9 @@ def write_tiny_model(directory: Path, tokenizer_dir: str, batch_rows: int,
 
     tokenizer = (small_tokenizer(vocab, Path(__file__).parent.parent / "README.md") if vocab
                  else AutoTokenizer.from_pretrained(tokenizer_dir))
+    # The tests' tiny Llama (tests/conftest.py's build_tiny_llama) written again on purpose:
+    # make conformance runs tests/ under the images' libraries without benchmarks/ on the
+    # path, and a benchmark should not import a test's conftest.
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
