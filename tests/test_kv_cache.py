@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 
 import torch
 
@@ -36,6 +37,36 @@ def test_a_cache_reserving_many_rows_and_columns_costs_what_it_holds():
     assert resident_bytes() - before < 64 * 2**20
     slab = cache._slabs[0]
     assert slab.row_capacity == 32 and slab.start == 4096
+
+
+def page_faults_of_this_thread() -> int:
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
+def test_a_step_s_new_page_of_columns_is_resident_before_the_step_writes_it():
+    # A compiled step reads a column of every row before writing it (two page faults a
+    # page, inside its threads): next_columns_buffers writes the rows' new page first.
+    rows, heads, layers = 3, 2, 2
+    cache = PreallocatedCache(reserve_rows=8, reserve_columns=64)
+    with torch.inference_mode():
+        for layer in range(layers):  # 16 float32 columns of 64: the first page of each block
+            cache.update(torch.randn(rows, heads, 16, 64), torch.randn(rows, heads, 16, 64), layer)
+        keys, values, start, column = cache.next_columns_buffers(rows)
+        assert (start, column) == (0, 16)  # the column starts the second page
+        assert not any(buffer[:, :, 16:32].any() for buffer in keys + values)  # still zeros
+        before = page_faults_of_this_thread()
+        for buffer in keys + values:
+            buffer[:rows, :, column].add_(1.0)  # as the step: read, then write
+        in_use = page_faults_of_this_thread() - before
+        before = page_faults_of_this_thread()
+        for buffer in keys + values:
+            buffer[rows:, :, column].add_(1.0)  # the free rows' pages were left alone
+        free = page_faults_of_this_thread() - before
+        cache.next_columns_written()
+    pages = 2 * layers * heads  # keys and values: a page per row and head
+    assert in_use < rows * pages // 2, in_use
+    assert free >= (8 - rows) * pages, free
+    assert float(cache._slabs[0].keys_buffer[:rows, :, 16].sum()) == rows * heads * 64
 
 
 def test_free_rows_read_zeros_after_rows_leave():

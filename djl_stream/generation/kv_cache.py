@@ -158,6 +158,16 @@ def _overcommit_mode() -> str:
         return "0"
 
 
+def columns_per_page(buffer: torch.Tensor) -> int:
+    """How many columns of one row and head of a cache ``buffer`` (``(rows, heads,
+    columns, head_dim)``) one memory page holds (at least 1).
+
+    >>> columns_per_page(torch.zeros(1, 1, 64, 64))  # float32: 256 bytes a column
+    16
+    """
+    return max(1, mmap.PAGESIZE // (buffer.shape[3] * buffer.element_size()))
+
+
 def zeroed_buffer(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     """A tensor of ``shape`` (``like``'s dtype and device) that reads as zeros.
 
@@ -282,6 +292,30 @@ class _Slab:
         self.start, self.end = left, left + self.length
         self.first = [self.start] * self.rows
         self.written_end = self.end
+
+    def make_resident(self, rows: int, column: int, count: int) -> None:
+        """Before a step writes columns ``[column, column + count)`` of rows ``[0, rows)``
+        itself, write zeros over the memory pages of those columns that are new to it
+        (each row and head's block of columns is contiguous: a page holds
+        :func:`columns_per_page` columns; the page of ``column`` is already resident when
+        a column before it on that page was written). Zeros are what unwritten columns
+        read, so nothing changes but when the pages become resident.
+
+        Why: on a CPU the buffers are mapped lazily (:func:`zeroed_buffer`), and a
+        compiled step that reads a column before writing it (the batch program keeps its
+        padding rows' columns as they were) takes two page faults per page inside its
+        threads, a fault for every row, head, layer, keys and values once every page of
+        columns: at 16 rows of SmolLM2 in float32 (16 columns a page), 5,760 faults that
+        made every 16th step 27 ms longer (80 ms against 53). Written here first, in
+        bulk, they are 2,880 faults of the ordinary kind.
+        """
+        span = columns_per_page(self.keys_buffer)
+        first_new = -(-column // span) * span
+        stop = min(self.column_capacity, -(-(column + count) // span) * span)
+        if rows == 0 or first_new >= stop:
+            return
+        self.keys_buffer[:rows, :, first_new:stop].zero_()
+        self.values_buffer[:rows, :, first_new:stop].zero_()
 
     def zero_rows(self, rows: Sequence[int]) -> None:
         """Zero what rows ``rows`` (indices of rows in use) have written: they are free."""
@@ -550,6 +584,8 @@ class PreallocatedCache(DynamicCache):
                 slab.reallocate(slab.row_capacity, slab.length + count)
         for slab in slabs:
             slab.written_end = max(slab.written_end, slab.end + count)
+            if reserving_is_free(slab.keys_buffer.device):
+                slab.make_resident(rows, slab.end, count)
         return ([slab.keys_buffer for slab in slabs], [slab.values_buffer for slab in slabs],
                 first.start, first.end)
 
