@@ -17,7 +17,7 @@ import torch
 
 from conftest import build_tiny_llama
 from test_llama_decode import PROMPTS, run_continuous_batch, sequences
-from djl_stream.generation import cuda_graphs, kv_cache, llama_decode
+from djl_stream.generation import allocators, cuda_graphs, kv_cache, llama_decode
 from djl_stream.generation.batch import CausalLMBatch, generate_token, prefill_chunk
 
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -282,14 +282,12 @@ def test_replayed_steps_do_not_pace_the_prompts_read_beside_them(smollm2_tokeniz
 def test_an_emptied_batch_keeps_the_gpu_blocks_its_graphs_were_captured_on(monkeypatch):
     # (contract: CUDA's calls are recorded, not run) PyTorch's allocator hands the next
     # batch of the same shape the same blocks only if they stay in its cache.
-    from djl_stream.generation import scheduler
-
     emptied = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
-    scheduler.release_cached_memory(keep_gpu_blocks=True)
+    allocators.release_cached_memory(keep_gpu_blocks=True)
     assert emptied == []
-    scheduler.release_cached_memory()
+    allocators.release_cached_memory()
     assert emptied == [True]
 
 

@@ -18,7 +18,7 @@ arguments, and replays them all with one launch. What it recorded must not chang
   graphs of its own, unless PyTorch's caching allocator handed back the same blocks (as
   it can for a batch of the same shape once the last one is freed: the scheduler keeps
   freed blocks in that cache where graphs are replayed,
-  :func:`~djl_stream.generation.scheduler.release_cached_memory`). :data:`MAX_GRAPHS`
+  :func:`~djl_stream.generation.allocators.release_cached_memory`). :data:`MAX_GRAPHS`
   graphs are kept, the least recently replayed dropped first, all in one memory pool;
 * **padding rows change nothing**: the slots above the batch's rows (free, or lent to a
   prompt being prefilled) are computed with the others but write back the cache column

@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Dict, MutableMapping, Optional, Tuple, TypeVar
 
+from djl_stream.generation.allocators import keep_freed_memory
 from djl_stream.generation.quantization import (QuantizationUnavailable, quantization_kwargs,
                                                 quantize_after_load)
 from djl_stream.serving.properties import ModelProperties
@@ -204,6 +205,12 @@ def _load_model_and_tokenizer(props: ModelProperties) -> Tuple[Any, Any]:
     if not on_gpu:
         read_grouped_heads_in_place()
         bound_onednn_caches()
+        allocator = keep_freed_memory()
+        if allocator.applied:
+            logger.info("freed memory is kept for the next forward pass (glibc's malloc "
+                        "thresholds raised; given back when idle)")
+        else:
+            logger.info("malloc left as it is: %s", allocator.reason)
     dtype = torch_dtype(props, on_gpu)
     try:
         quantization = quantization_kwargs(props.quantize, on_gpu=on_gpu, compute_dtype=dtype)

@@ -49,12 +49,10 @@ from __future__ import annotations
 
 import atexit
 import collections
-import ctypes
 import dataclasses
 import itertools
 import logging
 import queue
-import sys
 import threading
 import time
 from typing import Deque, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -62,6 +60,7 @@ from typing import Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 from djl_stream.generation import llama_decode
 from djl_stream.generation.batch import (CausalLMBatch, generate_token, mixed_pass,
                                          mixed_pass_possible, prefill_chunk)
+from djl_stream.generation.allocators import release_cached_memory
 from djl_stream.generation.errors import GenerationFailed, QueueFullError
 from djl_stream.generation.kv_cache import reserving_is_free
 from djl_stream.generation.prefill_pacing import (DEFAULT_PREFILL_STALL_STEPS, PrefillPacer,
@@ -901,41 +900,6 @@ def _synchronizer(device):
         return lambda: torch.cuda.synchronize(device)
     return None
 
-
-def release_cached_memory(*, keep_gpu_blocks: bool = False) -> None:
-    """Give freed KV-cache memory back to the system once the batch is empty.
-
-    On CPU, glibc keeps large freed blocks in the decode thread's malloc arena, so the
-    server's resident size would stay at its peak after a burst; ``malloc_trim`` returns
-    them. On GPU, PyTorch's caching allocator holds them until ``empty_cache``, which runs
-    unless ``keep_gpu_blocks``: decode steps replayed from CUDA graphs are kept under
-    their KV cache's addresses, and the next batch of the same shape can get the same
-    addresses from the allocator's cache; given back to the driver, its blocks may come
-    back elsewhere, and every graph would be captured again.
-    """
-    try:
-        import torch
-
-        if torch.cuda.is_available() and not keep_gpu_blocks:
-            torch.cuda.empty_cache()
-    except Exception:  # noqa: BLE001 - best effort
-        pass
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def _load_libc():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim  # noqa: B018 - glibc only (not musl)
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-_LIBC = _load_libc()
 
 #: Every scheduler started. A scheduler lives as long as the process, like the model its
 #: running thread holds, so plain (strong) containers are the honest ones.
