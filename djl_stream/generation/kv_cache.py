@@ -582,9 +582,10 @@ class PreallocatedCache(DynamicCache):
             # every layer moves together, so that they keep one start and end
             for slab in slabs:
                 slab.reallocate(slab.row_capacity, slab.length + count)
+        lazily_mapped = first.keys_buffer.device.type == "cpu"  # (zeroed_buffer)
         for slab in slabs:
             slab.written_end = max(slab.written_end, slab.end + count)
-            if reserving_is_free(slab.keys_buffer.device):
+            if lazily_mapped:
                 slab.make_resident(rows, slab.end, count)
         return ([slab.keys_buffer for slab in slabs], [slab.values_buffer for slab in slabs],
                 first.start, first.end)
