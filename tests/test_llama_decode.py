@@ -239,3 +239,48 @@ def test_the_step_grows_a_cache_whose_leading_columns_were_trimmed(smollm2_token
     tokens, first_capacity = run(model)
     assert len(tokens) == 90 and first_capacity < len(tokens)  # it had to grow
     assert tokens == expected
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def _resident_growth_of_padded_steps(step, steps: int, to_last_column: bool) -> tuple:
+    """Resident memory gained over ``steps`` decode steps of one real row padded to 16
+    (fresh, lazily mapped buffers of 8 heads × 512 columns), and the buffers."""
+    rows, heads, capacity, dim = 16, 8, 512, 64  # a page holds 16 columns of a row's head
+    like = torch.zeros(1)
+    keys = [kv_cache.zeroed_buffer((rows, heads, capacity, dim), like)]
+    values = [kv_cache.zeroed_buffer((rows, heads, capacity, dim), like)]
+    real = (torch.arange(rows) < 1).view(rows, 1, 1, 1)  # one real row, 15 padding rows
+    angles = torch.randn(rows, 1, 1, dim)
+    before = _resident_bytes()
+    with torch.inference_mode():
+        for column in range(steps):
+            llama_decode._decode_logits(
+                step.geometry, step.layers, step.final_norm, step.lm_head,
+                torch.randn(rows, heads * dim), angles.cos(), angles.sin(),
+                torch.zeros(rows, 1, 1, column + 1), keys, values, torch.tensor([column]), 0,
+                real=real, padding_to_last_column=to_last_column)
+    return _resident_bytes() - before, keys[0], values[0]
+
+
+def test_padding_rows_of_a_cpu_batch_program_write_back_at_their_last_column():
+    # A padding row writes back what its slot holds; at the step's column that made its
+    # lazily mapped pages resident step after step, as a real row's (the 16-row program's
+    # padding: 9 rows of SmolLM2 over 300 steps, +224 MB against +126 eager). At the last
+    # column it costs a page per head, layer, keys and values, once. (The CUDA graphs
+    # still write back at the step's column: GPU memory is allocated whole.)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=512, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=8,
+                                         num_key_value_heads=8)).eval()
+    step = llama_decode.LlamaDecodeStep(model)
+    _resident_growth_of_padded_steps(step, 64, True)  # allocations that stay, first
+    at_last, keys, values = _resident_growth_of_padded_steps(step, 320, True)
+    at_step, _, _ = _resident_growth_of_padded_steps(step, 320, False)
+    padding_pages = 15 * 8 * 2 * 20 * 4096  # 15 rows, 8 heads, keys and values, 20 pages
+    assert at_last < padding_pages // 2, (at_last, at_step)
+    assert at_step - at_last > padding_pages // 2, (at_last, at_step)
+    assert not keys[1:, :, :511].any() and not values[1:].any()  # the slots still read zeros
+    assert keys[0, :, :320].abs().sum() > 0  # the real row wrote its columns

@@ -229,7 +229,9 @@ class BatchGraph(OneRowGraph):
     graph's inputs ``rows`` deep, and ``real`` (``(rows, 1, 1, 1)`` booleans) marking the
     batch's own rows where it was padded up to ``rows``: a padding row writes back what
     its cache slot holds (a free slot, or one lent to a prompt being read, stays as it
-    was), as in a CUDA graph's padded rows (:mod:`~djl_stream.generation.cuda_graphs`).
+    was), as in a CUDA graph's padded rows (:mod:`~djl_stream.generation.cuda_graphs`),
+    but at its buffers' last column, so that its slot's pages are not made resident step
+    after step.
 
     Example::
 
@@ -251,7 +253,8 @@ class BatchGraph(OneRowGraph):
         start = start_marker.shape[0] - _START_OFFSET
         return llama_decode._decode_logits(self.geometry, self._layers(), self.final_norm,
                                            self.lm_head, hidden, cos, sin, mask, keys, values,
-                                           column, start, real=real)
+                                           column, start, real=real,
+                                           padding_to_last_column=True)
 
     def example_inputs(self, columns: int = 5, start: int = 3, capacity: int = 16) -> tuple:
         """The one-row graph's, ``rows`` deep, the last row padding."""

@@ -170,7 +170,8 @@ def _decode_logits(geometry: Geometry, layers: List[dict], final_norm: torch.Ten
                    hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    mask: torch.Tensor, keys: List[torch.Tensor], values: List[torch.Tensor],
                    column: torch.Tensor, start: int,
-                   real: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   real: Optional[torch.Tensor] = None,
+                   padding_to_last_column: bool = False) -> torch.Tensor:
     """Logits ``(rows, vocab)`` of a decode step from the embedded tokens ``hidden``
     ``(rows, hidden)``, their rotary ``cos``/``sin`` ``(rows, 1, 1, head_dim)`` and the
     additive ``mask`` ``(rows, 1, 1, columns)``. ``keys[i]``/``values[i]`` are layer
@@ -184,7 +185,12 @@ def _decode_logits(geometry: Geometry, layers: List[dict], final_norm: torch.Ten
     ``real`` (``(rows, 1, 1, 1)`` booleans, for a CUDA graph's rows padded up to a bucket:
     :mod:`~djl_stream.generation.cuda_graphs`) marks the rows whose column is written; the
     others write back what their slot holds there (a free slot, or one lent to a prompt
-    being prefilled, is left as it was)."""
+    being prefilled, is left as it was). With ``padding_to_last_column`` (the CPU's batch
+    program) they do so at their buffers' last column rather than the step's: on a CPU the
+    buffers are mapped lazily (:func:`~djl_stream.generation.kv_cache.zeroed_buffer`) and a
+    page written, even with what it held, becomes resident; at the step's column a padding
+    row's slot cost what a real row's does (a page per head, layer, keys and values every
+    16 float32 columns of SmolLM2's), at the last column one page each, once."""
     rows, columns = hidden.shape[0], mask.shape[3]
     g = geometry
     # (enable_gqa only where heads are grouped: PyTorch < 2.5 has no such argument, and a
@@ -197,11 +203,21 @@ def _decode_logits(geometry: Geometry, layers: List[dict], final_norm: torch.Ten
         k = k.view(rows, g.kv_heads, 1, g.head_dim)
         v = v.view(rows, g.kv_heads, 1, g.head_dim)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        if real is not None:
-            k = torch.where(real, k, layer_keys[:rows].index_select(2, column))
-            v = torch.where(real, v, layer_values[:rows].index_select(2, column))
-        layer_keys[:rows].index_copy_(2, column, k)
-        layer_values[:rows].index_copy_(2, column, v)
+        if real is not None and padding_to_last_column:
+            # (indexing the buffers themselves: a scatter into a view of them had the
+            # compiled program copy them whole, every step)
+            row_index = torch.arange(rows, device=column.device)
+            targets = torch.where(real.view(rows), column, layer_keys.shape[2] - 1)
+            k = torch.where(real, k, layer_keys[row_index, :, targets].unsqueeze(2))
+            v = torch.where(real, v, layer_values[row_index, :, targets].unsqueeze(2))
+            layer_keys[row_index, :, targets] = k.squeeze(2)
+            layer_values[row_index, :, targets] = v.squeeze(2)
+        else:
+            if real is not None:
+                k = torch.where(real, k, layer_keys[:rows].index_select(2, column))
+                v = torch.where(real, v, layer_values[:rows].index_select(2, column))
+            layer_keys[:rows].index_copy_(2, column, k)
+            layer_values[:rows].index_copy_(2, column, v)
         attended = F.scaled_dot_product_attention(
             q, layer_keys[:rows].narrow(2, start, columns),
             layer_values[:rows].narrow(2, start, columns), attn_mask=mask, scale=g.scaling, **gqa)
