@@ -688,14 +688,16 @@ def batch_step(smollm2_tokenizer, one_row_cache):
     assert program is not None and program.rows == 4 and program.shares_weights
     eager = llama_decode.attach(model, smollm2_tokenizer)
     expected = {rows: greedy_in_one_batch(model, smollm2_tokenizer, BATCH_PROMPTS[:rows], 10)
-                for rows in (2, 3, 4, 5)}
+                for rows in (1, 2, 3, 4, 5)}
     step = llama_decode.attach(model, smollm2_tokenizer, batch_program=program)
     assert eager is not None and step is not None and step.batch_program is program
     return model, step, expected
 
 
-@pytest.mark.parametrize("rows,runs_program", [(2, False), (3, True), (4, True), (5, False)])
-def test_batches_of_more_than_half_the_program_s_rows_run_it_padded_with_the_same_tokens(
+# (a 4-row program runs 2 to 4 rows: llama_decode.first_rows_of, 7 to 16 of 16)
+@pytest.mark.parametrize("rows,runs_program", [(1, False), (2, True), (3, True), (4, True),
+                                               (5, False)])
+def test_batches_from_7_16ths_of_the_program_s_rows_run_it_padded_with_the_same_tokens(
         smollm2_tokenizer, batch_step, rows, runs_program):
     model, step, expected = batch_step
     tokens, ran = decode_in_one_batch(model, smollm2_tokenizer, BATCH_PROMPTS[:rows], 10,

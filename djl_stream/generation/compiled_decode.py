@@ -17,7 +17,7 @@ weights, and a one-row step takes about 16 ms against about 34 ms for w8a8's eag
 
 ``option.compiled_weights=shared`` adds a program for steps of :data:`BATCH_ROWS` rows
 (:class:`BatchGraph`, :func:`compile_batch`), which reads the model's plain weights too: a
-running batch of 9 to 16 rows is padded up to 16 and runs it (padding rows leave their
+running batch of 7 to 16 rows is padded up to 16 and runs it (padding rows leave their
 cache slots as they were), other sizes run the eager step. Its matrix products are the
 eager step's; what it removes is everything between them. The rows are fixed: a program
 for any row count (the row count a dynamic size) took 75 ms a step at 16 rows against
@@ -113,9 +113,10 @@ KEPT_ENTRIES = 8
 KEPT_ENTRIES_VARIABLE = "DJL_STREAM_COMPILED_CACHE_ENTRIES"
 
 #: The rows of the batch program that ``option.compiled_weights=shared`` adds
-#: (:func:`compile_batch`): a batch of more than half as many rows, up to this many, is
-#: padded up to it and runs the program (fewer rows run the eager step: a program's step
-#: costs what its rows cost). 16, the batch ``make bench-peers`` measures most.
+#: (:func:`compile_batch`): a batch of 7 rows up to this many
+#: (:func:`~djl_stream.generation.llama_decode.first_rows_of`) is padded up to it and runs
+#: the program (fewer rows run the eager step: a program's step costs what its rows cost).
+#: 16, the batch ``make bench-peers`` measures most.
 BATCH_ROWS = 16
 
 #: ``torch.export`` fixes a size of 0 or 1 seen in the example inputs, and a plain int

@@ -30,7 +30,7 @@ On a CPU, ``option.decode_step`` ``auto`` (the default) or ``compiled`` adds a p
 for the decode step of one row, compiled ahead of time by AOTInductor and kept on disk
 (:mod:`~djl_stream.generation.compiled_decode`): one-row steps run it, and batches of
 several rows and mixed passes run this eager step; with ``option.compiled_weights=shared``
-(the default) a second program runs the steps of 9 to 16 rows, padded to 16. On a CPU whose GEMM reads
+(the default) a second program runs the steps of 7 to 16 rows, padded to 16. On a CPU whose GEMM reads
 a large weight once per three rows below 16 (MKL), the eager step's products of 10 to 15
 rows are padded to 16 (:mod:`~djl_stream.generation.row_padding`, tried at load).
 
@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import weakref
 from typing import List, Optional
 
@@ -61,6 +62,28 @@ from djl_stream.generation.row_padding import (PADDED_ROWS, padded_layer, paddin
                                                with_zero_rows)
 
 logger = logging.getLogger(__name__)
+
+#: A batch of at least this fraction of a batch program's rows runs the program, padded up
+#: to them (7 to 16 rows of 16); fewer rows run the eager step, whose cost falls with its
+#: rows while the program's does not. Where the two cross depends on the CPU's GEMM: on
+#: this project's 2-core Xeon (SmolLM2, float32, 32-step runs, the two alternated) the
+#: eager step took 48.4-49.8 ms at 6 rows, 55.1-56.5 at 7 and 56.7-58.2 at 8 (MKL's
+#: products jump from 6 rows to 7), the 16-row program 51.8-54.2 ms whatever the rows.
+#: Until 2026-11-26 the program took more than half its rows (9 to 16); its padding rows
+#: then made their KV-cache pages resident (see :func:`_decode_logits`), which they no
+#: longer do.
+BATCH_PROGRAM_FROM = 7 / 16
+
+
+def first_rows_of(program_rows: int) -> int:
+    """The fewest rows a batch program of ``program_rows`` rows runs
+    (:data:`BATCH_PROGRAM_FROM`).
+
+    >>> first_rows_of(16), first_rows_of(4)
+    (7, 2)
+    """
+    return max(1, math.ceil(program_rows * BATCH_PROGRAM_FROM))
+
 
 #: The attribute under which :func:`attach` keeps a model's step.
 _ATTRIBUTE = "_djl_stream_decode_step"
@@ -305,7 +328,8 @@ class LlamaDecodeStep:
     the steps of one-row batches; if it ever fails, it is dropped (logged) and the eager
     step runs them. ``batch_program`` (one from
     :func:`~djl_stream.generation.compiled_decode.compile_batch`, of ``rows`` rows) runs
-    the steps of batches of more than half its rows, up to all of them, padded up to them;
+    the steps of batches from :func:`first_rows_of` its rows up to all of them, padded up
+    to them;
     if it ever fails, it is dropped alike.
     """
 
@@ -519,10 +543,11 @@ class LlamaDecodeStep:
 
     def _runs_batch_program(self, rows: int, keys) -> bool:
         """Whether a step of ``rows`` rows over the buffers ``keys`` runs the batch
-        program: more than half its rows (a step of fewer costs the eager step less than
-        the program's of all of them), at most all, and buffers with a row for each."""
+        program: from :func:`first_rows_of` its rows (a step of fewer costs the eager step
+        less than the program's of all of them), at most all, and buffers with a row for
+        each."""
         program = self.batch_program
-        return (program is not None and program.rows // 2 < rows <= program.rows
+        return (program is not None and first_rows_of(program.rows) <= rows <= program.rows
                 and keys[0].shape[0] >= program.rows)
 
     def _batch_program_logits(self, inputs, keys, values, column: int, start: int):
@@ -604,8 +629,9 @@ def attach(model, tokenizer, *, one_row=None, batch_program=None, cuda_graphs: b
     compiled before the model's layers were packed), one-row steps run it once it agrees
     with the forward on the one-row probe; where it does not, the eager step runs them
     (logged). With ``batch_program`` (from
-    :func:`~djl_stream.generation.compiled_decode.compile_batch`), batches of more than
-    half its rows run it once it agrees with the forward on a probe of that many rows;
+    :func:`~djl_stream.generation.compiled_decode.compile_batch`), batches from
+    :func:`first_rows_of` its rows run it once it agrees with the forward on a probe of
+    that many rows;
     where it does not, they run the eager step (logged). With ``cuda_graphs`` (a model on
     one CUDA GPU), decode steps are replayed
     from CUDA graphs (:mod:`~djl_stream.generation.cuda_graphs`) once those agree with the
@@ -650,7 +676,7 @@ def attach(model, tokenizer, *, one_row=None, batch_program=None, cuda_graphs: b
                     ", ".join(map(str, ROW_BUCKETS)))
     elif step.compiled or step.batch_program is not None:
         ran = (["one-row"] if step.compiled else []) + (
-            [f"{step.batch_program.rows // 2 + 1}- to {step.batch_program.rows}-row"]
+            [f"{first_rows_of(step.batch_program.rows)}- to {step.batch_program.rows}-row"]
             if step.batch_program is not None else [])
         logger.info("%s decode steps run the compiled program%s; other steps run "
                     "djl-stream's Llama decode step", " and ".join(ran),
@@ -692,11 +718,11 @@ def _checked_one_row(step: LlamaDecodeStep, model, tokenizer, one_row):
 
 
 def _checked_batch_program(step: LlamaDecodeStep, model, tokenizer, program):
-    """``program`` if its logits on a probe of more than half its rows (padded up to
-    them) agree with the model's forward, else ``None`` (logged)."""
+    """``program`` if its logits on a probe of the fewest rows it runs (padded up to its
+    rows: :func:`first_rows_of`) agree with the model's forward, else ``None`` (logged)."""
     step.batch_program = program
     try:
-        rows = program.rows // 2 + 1
+        rows = first_rows_of(program.rows)
         if (_agrees(step, model, tokenizer, rows, room_for_rows=program.rows - rows)
                 and step.last_step_batch_program):
             return program
