@@ -179,11 +179,11 @@ def test_a_djl_stream_peer_s_options_reach_its_server_even_where_serving_propert
     assert int8.env["OPTION_QUANTIZE"] == "int8"
 
 
-def test_the_reports_link_to_a_readme_section_that_exists():
+def test_the_reports_link_to_a_section_that_exists():
     # BENCHMARKS.md's target lists send the reader to it: GitHub's anchor of a heading is
     # its text in lower case, punctuation dropped, spaces as hyphens
-    readme, anchor = WHY_MISSED.split("#")
-    text = (Path(__file__).resolve().parent.parent / readme).read_text()
+    document, anchor = WHY_MISSED.split("#")
+    text = (Path(__file__).resolve().parent.parent / document).read_text()
     anchors = [re.sub(r"[^a-z0-9 -]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
                for line in text.splitlines() if line.startswith("#")]
     assert anchor in anchors

@@ -282,7 +282,7 @@ def report(results: List[PeerResult], setup: Dict[str, tuple], args, machine: Di
              f"{args.repetitions} repetitions.", ""]
     lines += ["### Targets (issue 10)", ""]
     lines += [f"- {line}" for line in targets(by_name, args)]
-    lines += ["", f"What misses a target: README's [Targets missed, and why]({WHY_MISSED}).", ""]
+    lines += ["", f"What misses a target: [Targets missed, and why]({WHY_MISSED}).", ""]
     lines += ["| server | weights | clients | aggregate tokens/s | TTFT p50 | ITL p50 | ITL p90 | "
               "RSS after | peak RSS |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:

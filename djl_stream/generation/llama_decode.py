@@ -284,8 +284,8 @@ def fuse_int8_projections(model) -> int:
     model's forward (a prompt's prefill) its own layers. Returns how many fused products
     there are (0 for a model the step does not run: nothing changes).
 
-    Only int8: fusing float32 projections was measured to save nothing (README, "Targets
-    missed, and why"), and a packed or padded layer has a layout of its own."""
+    Only int8: fusing float32 projections was measured to save nothing (docs/PERFORMANCE.md,
+    "Targets missed, and why"), and a packed or padded layer has a layout of its own."""
     from djl_stream.generation.int8_linear import fuse
 
     if unsupported_reason(model):

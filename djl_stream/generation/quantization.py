@@ -78,8 +78,8 @@ def quantization_kwargs(method: Optional[str], *, on_gpu: bool,
                          f"expected one of {', '.join(QUANTIZE_METHODS)}")
     if method in MADE_FOR_CUDA and not on_gpu:
         logger.warning("option.quantize=%s on a CPU: bitsandbytes' CPU kernels stand in for "
-                       "its CUDA ones (see the README for how they compare with float32 and "
-                       "int8 there)", method)
+                       "its CUDA ones (BENCHMARKS.md's quantization section compares them "
+                       "with float32 and int8 there)", method)
     if method == "int8":
         return {"quantization_config": _torchao("int8", "Int8WeightOnlyConfig")}
     if method == "w8a8":

@@ -10,7 +10,8 @@ that is where the server's time goes: with 64 streams of a tiny model on a 2-cor
 event loop was busy 68 % of the time and the streams' threads 12 %; with the pump, 44 %
 (most of it the sockets' ``send``) and 4 %. Where the model's step costs little (64 rows
 in 1.3 ms, as on a GPU), 64 clients received 1.6-1.75x the tokens/s, at about half the
-inter-token gap (``python -m benchmarks.stream_overhead --vocab 512``, README).
+inter-token gap (``python -m benchmarks.stream_overhead --vocab 512``;
+docs/PERFORMANCE.md, "Many clients at once").
 
 :class:`StreamPump` keeps one thread on the iterator instead: it pulls item after item and
 appends each to a queue the event loop reads, waking the loop only when it is not already
