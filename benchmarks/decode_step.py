@@ -51,7 +51,7 @@ def decode_steps(model, tokenizer, prompts: Sequence[Sequence[int]], steps: int)
     return statistics.median(times[2:]), [seq.generated_ids for seq in sequences]
 
 
-def main(argv: List[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_step",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", default="model")
@@ -61,7 +61,11 @@ def main(argv: List[str] | None = None) -> None:
     parser.add_argument("--compiled", action="store_true",
                         help="also the one-row step compiled by AOTInductor (option.decode_step=compiled)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: List[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     loaded = LoadedModel.load(args.model_dir, device=args.device, decode_step="eager")
     reason = llama_decode.unsupported_reason(loaded.model)
     if reason:

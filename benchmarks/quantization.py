@@ -97,7 +97,7 @@ def teacher_forced_agreement(model, prompt: Sequence[int], reference: Sequence[i
     return sum(a == b for a, b in zip(chosen, reference)) / len(reference)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.quantization",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", default="model")
@@ -114,7 +114,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--device", default="cpu",
                         help="cpu, or cuda: each method loads on the GPU, as the server "
                              "loads it there (unset: half precision)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = build_parser().parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",")]
     lm = LoadedModel.load(args.model_dir, device=args.device)
     prompts = [list(lm.prompt(p).ids) for p in PROMPTS]
