@@ -85,6 +85,26 @@ def test_importing_model_py_loads_nothing(tiny_model_dir):
     assert module._service.model is None
 
 
+def test_the_load_builds_what_the_first_request_would_build(tiny_model_dir):
+    # The protocols (their modules imported), the parse context and the longest token's
+    # length (the whole vocabulary read) are built by the load's warm-up parse, not on the
+    # first client's time (about 50 ms of SmolLM2's first request before).
+    module = init(load_entry_point(tiny_model_dir), tiny_model_dir)
+    built = set(vars(module._service))
+    assert {"protocols", "parse_context", "characters_per_token"} <= built
+    assert request(module, {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}).code == 200
+
+
+def test_limits_that_refuse_the_warm_up_request_still_load(tiny_model_dir):
+    # "Hello" in SmolLM2's chat template is far more than 4 tokens: the load's warm-up
+    # parse is refused, and the model loads and answers all the same
+    module = init(load_entry_point(tiny_model_dir), tiny_model_dir, max_input_length="4",
+                  apply_chat_template="true")
+    answer = request(module, {"inputs": "Hi", "parameters": {"max_new_tokens": 2}})
+    assert answer.code == 400
+    assert body_json(answer)["field"] == "inputs"
+
+
 def test_streaming_request_yields_json_lines_one_entry_per_prompt(handler):
     out = request(handler, {"inputs": ["Hello", "A longer prompt here"], "parameters": {"max_new_tokens": 6}})
     assert out.code == 200
