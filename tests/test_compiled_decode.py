@@ -706,6 +706,38 @@ def test_batches_from_7_16ths_of_the_program_s_rows_run_it_padded_with_the_same_
     assert ran == [runs_program] * 9
 
 
+@pytest.mark.skipif(int8_matmul_unavailable() is not None,
+                    reason=f"w8a8's int8 layers need torch._int_mm: {int8_matmul_unavailable()}")
+def test_a_w8a8_batch_program_runs_batches_from_2_rows_with_the_eager_int8_step_s_tokens(
+        smollm2_tokenizer, one_row_cache):
+    # Over w8a8's int8 layers the program beats the eager step from 2 rows (its products
+    # cost little): an 8-row program runs 2- and 3-row batches, where over float32 weights
+    # it would start at 4 rows; each row's tokens are the eager int8 step's (per-row
+    # activation scales: the padding rows change nothing)
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
+    assert quantize_linear_layers(model) == 15
+    assert llama_decode.fuse_int8_projections(model) == 4
+    program = compiled_decode.compile_batch(model, rows=8)
+    assert program is not None and program.rows == 8
+    assert llama_decode.attach(model, smollm2_tokenizer) is not None
+    expected = {rows: greedy_in_one_batch(model, smollm2_tokenizer, BATCH_PROMPTS[:rows], 10)
+                for rows in (2, 3)}
+    step = llama_decode.attach(model, smollm2_tokenizer, batch_program=program)
+    assert step is not None and step.batch_program is program and step.multiplies_int8
+    assert step.batch_program_from() == 2 < llama_decode.first_rows_of(8) == 4
+    for rows in (2, 3):
+        tokens, ran = decode_in_one_batch(model, smollm2_tokenizer, BATCH_PROMPTS[:rows], 10,
+                                          room_for_rows=8)
+        assert tokens == expected[rows]
+        assert all(ran)
+
+
+def test_a_float32_step_multiplies_no_int8(smollm2_tokenizer):
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
+    step = llama_decode.LlamaDecodeStep(model)
+    assert not step.multiplies_int8 and step.batch_program_from() == 0
+
+
 def test_a_batch_program_leaves_the_rows_past_the_batch_as_they_were(smollm2_tokenizer,
                                                                      batch_step):
     model, step, _ = batch_step

@@ -17,8 +17,9 @@ weights, and a one-row step takes about 16 ms against about 34 ms for w8a8's eag
 
 ``option.compiled_weights=shared`` adds a program for steps of :data:`BATCH_ROWS` rows
 (:class:`BatchGraph`, :func:`compile_batch`), which reads the model's plain weights too: a
-running batch of 7 to 16 rows is padded up to 16 and runs it (padding rows leave their
-cache slots as they were), other sizes run the eager step. Its matrix products are the
+running batch of 7 to 16 rows (2 to 16 over ``w8a8``'s int8 layers:
+:func:`~djl_stream.generation.llama_decode.first_rows_of`) is padded up to 16 and runs it
+(padding rows leave their cache slots as they were), other sizes run the eager step. Its matrix products are the
 eager step's; what it removes is everything between them. The rows are fixed: a program
 for any row count (the row count a dynamic size) took 75 ms a step at 16 rows against
 58 ms for this one and 66 ms eager (SmolLM2, 2-core Xeon).
@@ -113,7 +114,7 @@ KEPT_ENTRIES = 8
 KEPT_ENTRIES_VARIABLE = "DJL_STREAM_COMPILED_CACHE_ENTRIES"
 
 #: The rows of the batch program that ``option.compiled_weights=shared`` adds
-#: (:func:`compile_batch`): a batch of 7 rows up to this many
+#: (:func:`compile_batch`): a batch of 7 rows (2 over ``w8a8``'s int8 layers) up to this many
 #: (:func:`~djl_stream.generation.llama_decode.first_rows_of`) is padded up to it and runs
 #: the program (fewer rows run the eager step: a program's step costs what its rows cost).
 #: 16, the batch ``make bench-peers`` measures most.

@@ -73,15 +73,25 @@ logger = logging.getLogger(__name__)
 #: then made their KV-cache pages resident (see :func:`_decode_logits`), which they no
 #: longer do.
 BATCH_PROGRAM_FROM = 7 / 16
+#: The fewest rows a batch program over ``option.quantize=w8a8``'s int8 layers runs: its
+#: products cost a quarter of float32's bytes, so what the program removes (everything
+#: between them) is most of a few-row step, and it beats the eager step from 2 rows. On
+#: the Xeon (SmolLM2 in w8a8, 24-step runs, two rounds, the two in turns) the eager step
+#: took 25.9-27.5 ms at 2 rows, 29.8 at 4, 33.9-34.6 at 6 and 32.5-34.8 at 8, the 16-row
+#: program 19.4-22.4 ms at each of them.
+INT8_BATCH_PROGRAM_FROM_ROWS = 2
 
 
-def first_rows_of(program_rows: int) -> int:
-    """The fewest rows a batch program of ``program_rows`` rows runs
-    (:data:`BATCH_PROGRAM_FROM`).
+def first_rows_of(program_rows: int, int8: bool = False) -> int:
+    """The fewest rows a batch program of ``program_rows`` rows runs: over float32
+    weights :data:`BATCH_PROGRAM_FROM` of them, over ``w8a8``'s int8 layers (``int8``)
+    :data:`INT8_BATCH_PROGRAM_FROM_ROWS`.
 
-    >>> first_rows_of(16), first_rows_of(4)
-    (7, 2)
+    >>> first_rows_of(16), first_rows_of(4), first_rows_of(16, int8=True)
+    (7, 2, 2)
     """
+    if int8:
+        return min(program_rows, INT8_BATCH_PROGRAM_FROM_ROWS)
     return max(1, math.ceil(program_rows * BATCH_PROGRAM_FROM))
 
 
@@ -345,6 +355,11 @@ class LlamaDecodeStep:
         self.layers = _layer_dicts([_projections_of(layer) for layer in decoder.layers],
                                    [_norms_of(layer) for layer in decoder.layers])
         self.lm_head = model.lm_head
+        from djl_stream.generation.int8_linear import Int8Linear
+
+        #: Whether the step multiplies ``w8a8``'s int8 layers (its batch program then runs
+        #: from fewer rows: :func:`first_rows_of`).
+        self.multiplies_int8 = any(type(m) is Int8Linear for m in self.products())
         self.one_row = one_row
         self.batch_program = batch_program
         #: Whether the last decode step's logits came from the compiled one-row program.
@@ -547,8 +562,13 @@ class LlamaDecodeStep:
         less than the program's of all of them), at most all, and buffers with a row for
         each."""
         program = self.batch_program
-        return (program is not None and first_rows_of(program.rows) <= rows <= program.rows
+        return (program is not None and self.batch_program_from() <= rows <= program.rows
                 and keys[0].shape[0] >= program.rows)
+
+    def batch_program_from(self) -> int:
+        """The fewest rows the batch program runs (:func:`first_rows_of`); 0 without one."""
+        program = self.batch_program
+        return 0 if program is None else first_rows_of(program.rows, self.multiplies_int8)
 
     def _batch_program_logits(self, inputs, keys, values, column: int, start: int):
         """The batch program's logits of a step of ``inputs``' rows, padded up to its
@@ -676,7 +696,7 @@ def attach(model, tokenizer, *, one_row=None, batch_program=None, cuda_graphs: b
                     ", ".join(map(str, ROW_BUCKETS)))
     elif step.compiled or step.batch_program is not None:
         ran = (["one-row"] if step.compiled else []) + (
-            [f"{first_rows_of(step.batch_program.rows)}- to {step.batch_program.rows}-row"]
+            [f"{step.batch_program_from()}- to {step.batch_program.rows}-row"]
             if step.batch_program is not None else [])
         logger.info("%s decode steps run the compiled program%s; other steps run "
                     "djl-stream's Llama decode step", " and ".join(ran),
@@ -722,7 +742,7 @@ def _checked_batch_program(step: LlamaDecodeStep, model, tokenizer, program):
     rows: :func:`first_rows_of`) agree with the model's forward, else ``None`` (logged)."""
     step.batch_program = program
     try:
-        rows = first_rows_of(program.rows)
+        rows = step.batch_program_from()
         if (_agrees(step, model, tokenizer, rows, room_for_rows=program.rows - rows)
                 and step.last_step_batch_program):
             return program
