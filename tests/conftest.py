@@ -122,6 +122,14 @@ def one_row_cache() -> Path:
     return cache_root()
 
 
+def resident_bytes() -> int:
+    """This process's resident memory, in bytes (Linux's ``/proc/self/statm``)."""
+    import os
+
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def greedy_in_one_batch(model, tokenizer, prompts, new_tokens: int = 12):
     """Each prompt's greedy tokens (end-of-sequence ignored), the prompts decoding in one
     left-padded batch through ``generate_token``."""

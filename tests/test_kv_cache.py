@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import resource
 
 import torch
 
+from conftest import resident_bytes
 from djl_stream.generation import kv_cache
 from djl_stream.generation.kv_cache import PreallocatedCache, reserving_is_free, zeroed_buffer
-
-
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_a_zeroed_buffer_on_a_cpu_is_resident_only_where_written():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import COMPILED_SEED, StepLogits, build_tiny_llama
+from conftest import COMPILED_SEED, StepLogits, build_tiny_llama, resident_bytes
 from djl_stream.generation import compiled_decode, kv_cache, llama_decode
 from djl_stream.generation.batch import CausalLMBatch, forward_logits, generate_token
 from djl_stream.generation.packed_linear import pack_linear_layers, packing_unavailable
@@ -241,11 +241,6 @@ def test_the_step_grows_a_cache_whose_leading_columns_were_trimmed(smollm2_token
     assert tokens == expected
 
 
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * 4096
-
-
 def _resident_growth_of_padded_steps(step, steps: int, to_last_column: bool) -> tuple:
     """Resident memory gained over ``steps`` decode steps of one real row padded to 16
     (fresh, lazily mapped buffers of 8 heads × 512 columns), and the buffers."""
@@ -255,7 +250,7 @@ def _resident_growth_of_padded_steps(step, steps: int, to_last_column: bool) -> 
     values = [kv_cache.zeroed_buffer((rows, heads, capacity, dim), like)]
     real = (torch.arange(rows) < 1).view(rows, 1, 1, 1)  # one real row, 15 padding rows
     angles = torch.randn(rows, 1, 1, dim)
-    before = _resident_bytes()
+    before = resident_bytes()
     with torch.inference_mode():
         for column in range(steps):
             llama_decode._decode_logits(
@@ -263,7 +258,7 @@ def _resident_growth_of_padded_steps(step, steps: int, to_last_column: bool) -> 
                 torch.randn(rows, heads * dim), angles.cos(), angles.sin(),
                 torch.zeros(rows, 1, 1, column + 1), keys, values, torch.tensor([column]), 0,
                 real=real, padding_to_last_column=to_last_column)
-    return _resident_bytes() - before, keys[0], values[0]
+    return resident_bytes() - before, keys[0], values[0]
 
 
 def test_padding_rows_of_a_cpu_batch_program_write_back_at_their_last_column():
