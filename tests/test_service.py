@@ -285,6 +285,23 @@ def test_a_generation_failing_before_its_first_item_is_a_424_not_a_stream(tmp_pa
                               "error": "cannot prefill"}
 
 
+def test_an_engine_that_cannot_generate_fails_the_load_and_leaves_the_model_unloaded(
+        tmp_path, tiny_model_dir):
+    # the load's warm-up generates two tokens: an engine failing there fails the init call
+    # (djl-serving then reports the model failed), and the service serves nothing
+    code = ("\n\nfrom djl_stream import register_engine\n\n"
+            "@register_engine('Never-generates')\n"
+            "def never_generates(model, tokenizer, inputs, **parameters):\n"
+            "    raise RuntimeError('no device')\n"
+            "    yield []\n")
+    directory = variant_dir(tmp_path, tiny_model_dir, code,
+                            "option.stream_engine=Never-generates\n")
+    module = load_entry_point(directory)
+    with pytest.raises(RuntimeError, match="no device"):
+        init(module, directory)
+    assert module._service.model is None and not module._service.initialized
+
+
 def test_a_formatter_failing_mid_stream_ends_it_with_one_error_line(tmp_path, tiny_model_dir):
     code = ("\n\ncalls = []\n\n"
             "def fragile(pieces):\n"

@@ -227,7 +227,6 @@ class StreamingService:
                 from djl_stream.serving.metrics import start_djl_metric_lines
 
                 start_djl_metric_lines(Path(props.model_dir).name)
-            self._warm_up(model, tokenizer)
             if props.max_request_kv_tokens is None:
                 props = dataclasses.replace(props, max_request_kv_tokens=(
                     default_max_request_kv_tokens(model, props.max_input_length,
@@ -236,33 +235,34 @@ class StreamingService:
                             "(option.max_request_kv_tokens, derived from the weights' size)",
                             props.max_request_kv_tokens)
             self.model, self.tokenizer, self.props = model, tokenizer, props
-            self._warm_up_requests()
+            try:
+                self._warm_up()
+            except Exception:
+                self.model = None  # the load failed: not initialized, as before it
+                raise
             logger.info("model ready: engine=%s formatter=%s", self.engine, self.formatter)
 
-    def _warm_up(self, model, tokenizer) -> None:
-        """Run one prefill and decode step, so the first client does not pay for the
-        one-time costs of the first forward passes (kernel selection, allocator growth)."""
-        stream = self.stream_generator(model, tokenizer, ["Hello"], max_new_tokens=2)
-        try:
-            next(iter(stream), None)
-            next(iter(stream), None)
-        finally:
-            getattr(stream, "close", lambda: None)()
-
-    def _warm_up_requests(self) -> None:
-        """Parse a request now, so that the first client does not pay for what the first
-        parse builds on its way to the model: the protocols (the OpenAI and TGI modules
-        imported, their pydantic models built), the parse context, the chat template
-        (compiled by jinja at its first use) and the longest token's length (the whole
-        vocabulary read: 29 ms for SmolLM2's). The first request after a start waited about
-        50 ms longer for its first token than the next ones (SmolLM2 on a 2-core CPU), the
-        model's own time to it the same. A model whose limits refuse the probe (a tiny
-        ``option.max_input_length``, say) is served all the same."""
+    def _warm_up(self) -> None:
+        """Take a request the way a client's is taken, so that the first client does not
+        pay for one-time costs: its parse (the protocols, with the OpenAI and TGI modules
+        imported and their pydantic models built, the parse context, the chat template
+        compiled by jinja, the longest token's length: SmolLM2's whole vocabulary read in
+        29 ms), then one prefill and decode step (kernel selection, allocator growth).
+        Parsed cold, SmolLM2's first request waited about 50 ms longer for its first token
+        than the next ones (2-core CPU). Limits that refuse the request (a tiny
+        ``option.max_input_length``, say) leave the first request's parse cold; the steps
+        run all the same."""
         try:
             self.parse({"inputs": "Hello"})
         except RequestError as error:
             logger.debug("the warm-up request was refused (%s): the first request parses "
                          "cold", error)
+        stream = self.stream_generator(self.model, self.tokenizer, ["Hello"], max_new_tokens=2)
+        try:
+            next(iter(stream), None)
+            next(iter(stream), None)
+        finally:
+            getattr(stream, "close", lambda: None)()
 
     def _module(self) -> Optional[types.ModuleType]:
         if isinstance(self._entry_module, str):
