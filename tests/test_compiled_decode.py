@@ -795,10 +795,32 @@ def test_option_compiled_weights_shared_adds_a_batch_program_reading_the_same_we
 # -- option.decode_step=auto on a CPU -----------------------------------------------------
 
 
+def packing_trial_figures(monkeypatch, plain_seconds, packed_seconds):
+    """Have the load's packing trials report these times (one row through the layers,
+    each way), as a CPU of that kind would; the rows they were asked for are listed."""
+    from djl_stream.generation import packed_linear
+
+    asked = []
+
+    def trial(pairs, repetitions=7, rows=1):
+        asked.append(rows)
+        return packed_linear.PackingTrial(plain_seconds, packed_seconds, rows)
+
+    monkeypatch.setattr(packed_linear, "packing_trial", trial)
+    return asked
+
+
+# One row's products in the layers of SmolLM2, plain and packed: this project's 2-core Xeon
+# (packing slower) and the 2-core AMD EPYC it was first measured on (packing 1.6x faster).
+XEON = (0.021, 0.030)
+EPYC = (0.047, 0.029)
+
+
 def test_by_default_a_cpu_load_compiles_both_programs_over_the_model_s_own_weights(
-        tiny_model_dir, one_row_cache, caplog):
+        tiny_model_dir, one_row_cache, caplog, monkeypatch):
     from djl_stream.generation.loading import load_model_and_tokenizer
 
+    packing_trial_figures(monkeypatch, *XEON)  # (where the programs are not cached yet)
     caplog.set_level(logging.INFO)
     props = ModelProperties.from_init_properties({"model_dir": str(tiny_model_dir)})
     assert (props.decode_step, props.compiled_weights) == ("auto", "shared")
@@ -809,6 +831,68 @@ def test_by_default_a_cpu_load_compiles_both_programs_over_the_model_s_own_weigh
     assert step.one_row.path.parent == one_row_cache
     assert type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear  # read by the programs
     assert "no compiled decode steps" not in caplog.text
+
+
+def test_by_default_a_first_start_where_packed_layers_are_much_faster_serves_them_uncompiled(
+        tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """On a CPU whose packed layers multiply one row 1.6x faster than the plain weights the
+    programs read (the AMD EPYC's figures), a first start compiles nothing: the packed
+    eager step is the faster one there."""
+    from djl_stream.generation.loading import load_model_and_tokenizer
+    from djl_stream.generation.packed_linear import PackedLinear
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "empty-cache"))
+    asked = packing_trial_figures(monkeypatch, *EPYC)
+    forbid_compiling(monkeypatch)
+    caplog.set_level(logging.INFO)
+    model, _ = load_model_and_tokenizer(ModelProperties.from_init_properties(
+        {"model_dir": str(tiny_model_dir)}))
+    step = llama_decode.step_of(model)
+    assert step is not None and not step.compiled and step.batch_program is None
+    assert isinstance(model.model.layers[0].mlp.up_proj, PackedLinear)
+    assert asked == [1]  # one trial, of one row
+    assert "compiling the" not in caplog.text  # not even tried
+    assert ("no compiled decode steps (option.decode_step=auto): oneDNN's packed layers "
+            "multiply 1.6x faster") in caplog.text
+    assert not list((tmp_path / "empty-cache").rglob("program.pt2"))
+
+
+def test_a_first_start_where_packing_gains_less_drops_the_packed_copies_and_compiles(
+        tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """Packed 1.1x faster is not enough to go without the programs: the load goes on to
+    compile them (here compiling fails at once, as without a C++ compiler, and the layers'
+    own packing trial decides for the eager step, as it does wherever compiling fails)."""
+    from djl_stream.generation.loading import load_model_and_tokenizer
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler on this machine")
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "empty-cache"))
+    asked = packing_trial_figures(monkeypatch, 0.033, 0.030)
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiler)
+    caplog.set_level(logging.INFO)
+    model, _ = load_model_and_tokenizer(ModelProperties.from_init_properties(
+        {"model_dir": str(tiny_model_dir)}))
+    assert "compiling the decode programs: they multiply with the plain weights, and " \
+           "oneDNN's packed layers are not 1.2x faster" in caplog.text
+    assert "compiling the one-row decode step failed (RuntimeError: no C++ compiler" in caplog.text
+    assert asked == [1, 1]  # before compiling, then the layers' own trial
+    assert not llama_decode.step_of(model).compiled
+
+
+def test_a_start_that_finds_its_program_in_the_cache_runs_no_packing_trial(
+        tiny_model_dir, one_row_cache, monkeypatch):
+    from djl_stream.generation.loading import load_model_and_tokenizer
+
+    props = ModelProperties.from_init_properties({"model_dir": str(tiny_model_dir)})
+    asked = packing_trial_figures(monkeypatch, *XEON)
+    first, _ = load_model_and_tokenizer(props)  # compiles, or loads the session's programs
+    assert llama_decode.step_of(first).compiled and asked in ([], [1])
+    assert compiled_decode.one_row_program_ready(first)
+    asked.clear()
+    forbid_compiling(monkeypatch)
+    again, _ = load_model_and_tokenizer(props)
+    assert llama_decode.step_of(again).compiled and asked == []
 
 
 def test_by_default_a_model_the_programs_do_not_run_gets_the_eager_step_without_a_warning(

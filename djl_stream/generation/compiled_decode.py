@@ -502,6 +502,20 @@ def compile_one_row(model, *, share_weights: bool = False, cache: Optional[Path]
     return _program_of(OneRowGraph(model), share_weights, cache, shipped)
 
 
+def one_row_program_ready(model, *, share_weights: bool = True, cache: Optional[Path] = None,
+                          shipped: Optional[Path] = None) -> bool:
+    """Whether :func:`compile_one_row` would find ``model``'s one-row program in ``shipped``
+    or the cache (:func:`cache_root` by default) rather than compile it: a question of file
+    names, answered without loading anything (a program that does not load is compiled
+    again all the same)."""
+    if OneRowGraph.unsupported_reason(model):
+        return False
+    key = cache_key(OneRowGraph(model), share_weights)
+    folders = [Path(shipped)] if shipped is not None else []
+    folders.append(Path(cache) if cache is not None else cache_root())
+    return any(CacheEntry(folder / key).complete() for folder in folders)
+
+
 def compile_batch(model, rows: int = BATCH_ROWS, *, cache: Optional[Path] = None,
                   shipped: Optional[Path] = None) -> Optional[CompiledOneRow]:
     """``model``'s program for decode steps of ``rows`` rows (:class:`BatchGraph`), from

@@ -262,29 +262,89 @@ def prepare_for_decoding(model, tokenizer, props: ModelProperties, *, on_gpu: bo
     reads them too (:func:`~djl_stream.generation.compiled_decode.compile_batch`), where
     they are left plain; with ``copy`` it packs its own copy of their weights for its C++
     kernels. A program the model directory ships (``djl-stream compile``) comes first where
-    it was compiled for this CPU and PyTorch. Returns the step or ``None``."""
-    from djl_stream.generation import compiled_decode
-    from djl_stream.generation.packed_linear import BATCH_HINT
-
-    one_row = batch_program = None
-    share = props.compiled_weights == "shared"
-    shipped = Path(props.model_dir) / compiled_decode.SHIPPED_FOLDER
-    if not on_gpu and _compiles_on_a_cpu(model, props):
-        one_row = compiled_decode.compile_one_row(model, share_weights=share, shipped=shipped)
-    if not on_gpu:
-        if one_row is not None and share and props.prepack_weights is None:
-            logger.info("linear layers left unpacked: the compiled one-row step reads their "
-                        "weights (option.compiled_weights=shared)")
-            # (a program reads plain weights: not where the layers are packed)
-            batch_program = compiled_decode.compile_batch(model, shipped=shipped)
-        else:
-            # With its own copy, the program runs every one-row step: the layers serve
-            # batches and prompts only, so the trial times a batch (on the Xeon, packing
-            # slows one row but gave a compiled server 15 % more tokens/s at 4 clients).
-            prepack_for_cpu(model, props, trial_rows=1 if one_row is None else BATCH_HINT)
+    it was compiled for this CPU and PyTorch. With ``auto``, a first start on a CPU whose
+    packed layers multiply much faster than its plain ones serves with the packed eager
+    step instead (:func:`_packing_outruns_the_programs`). Returns the step or ``None``."""
+    one_row, batch_program = _prepare_for_a_cpu(model, props) if not on_gpu else (None, None)
     return attach_decode_step(model, tokenizer, props, one_row=one_row,
                               batch_program=batch_program,
                               cuda_graphs=on_gpu and props.decode_step in ("auto", "compiled"))
+
+
+def _prepare_for_a_cpu(model, props: ModelProperties):
+    """:func:`prepare_for_decoding`'s CPU part: the layers packed or not, and the one-row
+    and batch programs, either ``None``."""
+    from djl_stream.generation import compiled_decode
+    from djl_stream.generation.packed_linear import BATCH_HINT
+
+    share = props.compiled_weights == "shared"
+    shipped = Path(props.model_dir) / compiled_decode.SHIPPED_FOLDER
+    if not _compiles_on_a_cpu(model, props):
+        prepack_for_cpu(model, props)
+        return None, None
+    if _packing_outruns_the_programs(model, props, shipped):
+        return None, None  # the layers are packed: the eager step serves
+    one_row = compiled_decode.compile_one_row(model, share_weights=share, shipped=shipped)
+    if one_row is not None and share and props.prepack_weights is None:
+        logger.info("linear layers left unpacked: the compiled one-row step reads their "
+                    "weights (option.compiled_weights=shared)")
+        # (a program reads plain weights: not where the layers are packed)
+        return one_row, compiled_decode.compile_batch(model, shipped=shipped)
+    # With its own copy, the program runs every one-row step: the layers serve batches
+    # and prompts only, so the trial times a batch (on the Xeon, packing slows one row but
+    # gave a compiled server 15 % more tokens/s at 4 clients).
+    prepack_for_cpu(model, props, trial_rows=1 if one_row is None else BATCH_HINT)
+    return one_row, None
+
+
+#: With ``option.decode_step=auto`` on a CPU, the compiled programs are left out where
+#: oneDNN's packed layers multiply one row this many times faster, or more, than the plain
+#: weights the programs read (through MKL, as ``nn.Linear`` does). What the programs save
+#: is what lies between the products (norms, rotary embedding, activations, Python): on
+#: this project's 2-core Xeon a SmolLM2 token took 22.8 ms with them against 28.4 with the
+#: eager step over the same plain layers (``make bench-peers``, 2026-11-26), whose one-row
+#: products take about 21 ms, so about a quarter of a small model's products, and less of
+#: a larger one's, whose layers are wider. Where packing gains more than a fifth, the
+#: packed eager step is the faster one. On the Xeon packing makes one row 1.4-1.5x
+#: *slower* (the programs run); on the 2-core AMD EPYC this project was first measured
+#: on, 1.6x faster (29 against 47 ms): there the programs would have made the default
+#: slower than the packed eager step (inferred from those figures: no program ran there).
+PACKED_SPEEDUP_OVER_THE_PROGRAMS = 1.2
+
+
+def _packing_outruns_the_programs(model, props: ModelProperties, shipped: Path) -> bool:
+    """Before a first start compiles the programs (``option.decode_step=auto``, weights
+    shared, ``option.prepack_weights`` unset), time one row through the layers plain and
+    packed (:func:`~djl_stream.generation.packed_linear.packing_trial`, under a second);
+    where packing is :data:`PACKED_SPEEDUP_OVER_THE_PROGRAMS` times faster or more, put the
+    packed layers in place and return ``True``: the eager step serves, nothing is compiled.
+    A start that finds the one-row program in its cache or the model directory (a trial
+    chose it there before, or ``djl-stream compile`` shipped it) runs no trial."""
+    from djl_stream.generation import compiled_decode, packed_linear
+    from djl_stream.generation.allocators import release_cached_memory
+
+    if (props.decode_step != "auto" or props.compiled_weights != "shared"
+            or props.prepack_weights is not None
+            or compiled_decode.one_row_program_ready(model, shipped=shipped)):
+        return False
+    replacements = packed_linear.packed_replacements(model)
+    if not replacements:
+        return False
+    trial = packed_linear.trial_of(replacements, rows=1)
+    if trial.speedup < PACKED_SPEEDUP_OVER_THE_PROGRAMS:
+        logger.info("compiling the decode programs: they multiply with the plain weights, "
+                    "and oneDNN's packed layers are not %.1fx faster on this CPU (%s)",
+                    PACKED_SPEEDUP_OVER_THE_PROGRAMS, trial)
+        del replacements  # the packed copies: given back now rather than at the first idle
+        release_cached_memory()
+        return False
+    packed = packed_linear.install_replacements(model, replacements)
+    logger.info("no compiled decode steps (option.decode_step=auto): oneDNN's packed layers "
+                "multiply %.1fx faster than the plain weights the programs would read on this "
+                "CPU (%s); prepacked %d linear layers for the eager step "
+                "(option.decode_step=compiled compiles the programs anyway)",
+                trial.speedup, trial, packed)
+    return True
 
 
 def _compiles_on_a_cpu(model, props: ModelProperties) -> bool:

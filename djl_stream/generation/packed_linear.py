@@ -193,6 +193,15 @@ class PackingTrial:
         trial's noise, so that a model is not packed at one start and not at the next)."""
         return self.packed_seconds < self.plain_seconds * SLOWER_AT_ONE_ROW
 
+    @property
+    def speedup(self) -> float:
+        """How many times faster the packed layers were (below 1: slower).
+
+        >>> PackingTrial(plain_seconds=0.047, packed_seconds=0.029).speedup > 1.6
+        True
+        """
+        return self.plain_seconds / self.packed_seconds if self.packed_seconds else math.inf
+
     def __str__(self) -> str:
         rows = "one row" if self.rows == 1 else f"{self.rows} rows"
         return (f"{rows} through the layers: {self.plain_seconds * 1e3:.1f} ms with "
@@ -259,8 +268,31 @@ def pack_linear_layers(model: torch.nn.Module, *, only_where_it_pays: bool = Fal
     >>> pack_linear_layers(model) in (0, 2)
     True
     """
+    replacements = packed_replacements(model)
+    if only_where_it_pays and replacements:
+        trial = trial_of(replacements, rows=trial_rows)
+        if not trial.pays:
+            logger.info("linear layers left unpacked: oneDNN's packed layers are slower on "
+                        "this CPU (%s; option.prepack_weights=true packs them anyway)", trial)
+            return 0
+        logger.info("packing pays on this CPU (%s)", trial)
+    return install_replacements(model, replacements)
+
+
+def packed_replacements(model: torch.nn.Module) -> list:
+    """``(parent, name, PackedLinear)`` for every layer of ``model`` that
+    :func:`pack_linear_layers` would replace, built but not put in place (the packed
+    weights are copies: until they are, or are dropped, the model's weights are held
+    twice); an empty list where nothing can be packed, or where a layer's packed output
+    differs from its own on a probe (logged).
+
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    >>> [(name, type(layer).__name__) for _, name, layer in packed_replacements(model)] in (
+    ...     [], [("0", "PackedLinear")])
+    True
+    """
     if packing_unavailable() is not None:
-        return 0
+        return []
     replacements = []
     for parent, name, child in plain_linear_layers(model):
         packed = PackedLinear.from_linear(child)
@@ -269,17 +301,16 @@ def pack_linear_layers(model: torch.nn.Module, *, only_where_it_pays: bool = Fal
         if not agrees_on_probe(child, packed, child.in_features, child.weight.dtype):
             logger.warning("oneDNN's packed %s differs from nn.Linear on a probe: "
                            "linear layers left unpacked", name)
-            return 0
+            return []
         replacements.append((parent, name, packed))
-    if only_where_it_pays and replacements:
-        trial = packing_trial([(getattr(parent, name), packed)
-                               for parent, name, packed in replacements], rows=trial_rows)
-        if not trial.pays:
-            logger.info("linear layers left unpacked: oneDNN's packed layers are slower on "
-                        "this CPU (%s; option.prepack_weights=true packs them anyway)", trial)
-            return 0
-        logger.info("packing pays on this CPU (%s)", trial)
-    return install_replacements(model, replacements)
+    return replacements
+
+
+def trial_of(replacements, rows: int = 1) -> PackingTrial:
+    """:func:`packing_trial` over ``replacements`` (from :func:`packed_replacements`, not
+    yet in place) and the layers they would replace."""
+    return packing_trial([(getattr(parent, name), packed) for parent, name, packed in replacements],
+                         rows=rows)
 
 
 def plain_linear_layers(model: torch.nn.Module):

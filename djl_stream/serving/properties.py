@@ -130,19 +130,21 @@ class ModelProperties:
         decode_step: who runs a decode step: ``forward`` (the model's forward),
             ``eager`` (djl-stream's Llama decode step, written for its KV cache: about 12 %
             faster on SmolLM2 on a CPU), ``compiled`` (that step, plus programs for one-row
-            and 9- to 16-row steps compiled ahead of time by AOTInductor at the first load
+            and 7- to 16-row steps (2 to 16 over ``w8a8``'s int8 layers) compiled ahead of
+            time by AOTInductor at the first load
             and kept in ``$TORCHINDUCTOR_CACHE_DIR``: a single stream about 1.25x faster
             than ``eager`` on SmolLM2; see :mod:`djl_stream.generation.compiled_decode`) or
             ``auto`` (on a CPU ``compiled`` where the model is a Llama-architecture one
-            with float32 or ``w8a8`` linear layers, ``eager`` for other Llama-architecture
-            ones; on one CUDA GPU that step replayed from CUDA graphs,
+            with float32 or ``w8a8`` linear layers, unless a first start finds this CPU's
+            packed layers much faster than the plain ones the programs read, ``eager``
+            for other Llama-architecture ones; on one CUDA GPU that step replayed from CUDA graphs,
             :mod:`djl_stream.generation.cuda_graphs`, which ``compiled`` means there too;
             ``forward`` elsewhere; see :mod:`djl_stream.generation.llama_decode`). Where
             compiling fails (no C++ compiler, say) the eager step runs, logged.
         compiled_weights: what the compiled steps read: ``shared`` (the model's own
             weights, no memory of their own, and a cached program that serves any weights of
             the same shapes; the layers are left unpacked unless ``prepack_weights`` is
-            ``True``, and a second program, for steps of 9 to 16 rows, reads them too) or
+            ``True``, and a second program, for steps of 7 to 16 rows, reads them too) or
             ``copy`` (one program, for one-row steps, with a copy of the weights packed for
             its own C++ kernels: a few percent faster for one stream, the weights' size
             again in memory).
