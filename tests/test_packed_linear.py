@@ -67,6 +67,49 @@ def test_a_layer_whose_packed_output_differs_leaves_the_whole_model_unpacked(
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
 
 
+def test_past_the_trial_s_share_of_the_weights_each_layer_is_in_place_before_the_next_is_packed(
+        monkeypatch, smollm2_tokenizer):
+    """A model's weights are never held twice whole at load: the trial packs the first
+    TRIAL_BYTES of them (here one layer's worth), the rest are packed one at a time."""
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=5)
+    expected = greedy_in_one_batch(model, smollm2_tokenizer, PROMPTS)
+    monkeypatch.setattr(packed_linear, "TRIAL_BYTES", 1)
+    handed = _trial_saying(monkeypatch, 47.0, 29.0)
+    in_place_when_packing = []
+    from_linear = PackedLinear.from_linear.__func__
+
+    def counting(cls, linear, *args, **kwargs):
+        in_place_when_packing.append(sum(isinstance(m, PackedLinear) for m in model.modules()))
+        return from_linear(cls, linear, *args, **kwargs)
+
+    monkeypatch.setattr(PackedLinear, "from_linear", classmethod(counting))
+    assert pack_linear_layers(model, only_where_it_pays=True) == 2 * 7 + 1
+    assert len(handed) == 1  # the trial's share: the first layer (the LM head)
+    assert in_place_when_packing == list(range(2 * 7 + 1))
+    assert greedy_in_one_batch(model, smollm2_tokenizer, PROMPTS) == expected
+
+
+def test_a_layer_past_the_trial_s_share_whose_packed_output_differs_stops_the_packing_there(
+        monkeypatch, smollm2_tokenizer, caplog):
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=6)
+    monkeypatch.setattr(packed_linear, "TRIAL_BYTES", 1)
+    forward = PackedLinear.forward
+    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: (
+        torch.zeros(*x.shape[:-1], self.out_features) if self.out_features == 128  # gate, up
+        else forward(self, x)))
+    # the LM head (listed first: the trial's share), then layer 0's query, key, value and
+    # output projections; its gate differs
+    assert pack_linear_layers(model) == 1 + 4
+    assert isinstance(model.lm_head, PackedLinear)
+    first = model.model.layers[0]
+    assert all(isinstance(getattr(first.self_attn, name), PackedLinear)
+               for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    assert type(first.mlp.gate_proj) is torch.nn.Linear
+    assert type(model.model.layers[1].self_attn.q_proj) is torch.nn.Linear
+    assert "oneDNN's packed gate_proj differs from nn.Linear on a probe: the layers from " \
+           "it on left unpacked" in caplog.text
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
 def test_weights_neither_float32_nor_bfloat16_are_left_alone(dtype):
     layer = torch.nn.Linear(16, 16).to(dtype)

@@ -315,7 +315,9 @@ PACKED_SPEEDUP_OVER_THE_PROGRAMS = 1.2
 def _packing_outruns_the_programs(model, props: ModelProperties, shipped: Path) -> bool:
     """Before a first start compiles the programs (``option.decode_step=auto``, weights
     shared, ``option.prepack_weights`` unset), time one row through the layers plain and
-    packed (:func:`~djl_stream.generation.packed_linear.packing_trial`, under a second);
+    packed (:func:`~djl_stream.generation.packed_linear.packing_trial`, under a second for
+    SmolLM2; over the first :data:`~djl_stream.generation.packed_linear.TRIAL_BYTES` of a
+    larger model's);
     where packing is :data:`PACKED_SPEEDUP_OVER_THE_PROGRAMS` times faster or more, put the
     packed layers in place and return ``True``: the eager step serves, nothing is compiled.
     A start that finds the one-row program in its cache or the model directory (a trial
@@ -327,7 +329,8 @@ def _packing_outruns_the_programs(model, props: ModelProperties, shipped: Path) 
             or props.prepack_weights is not None
             or compiled_decode.one_row_program_ready(model, shipped=shipped)):
         return False
-    replacements = packed_linear.packed_replacements(model)
+    replacements = packed_linear.packed_replacements(model,
+                                                     up_to_bytes=packed_linear.TRIAL_BYTES)
     if not replacements:
         return False
     trial = packed_linear.trial_of(replacements, rows=1)
@@ -338,7 +341,7 @@ def _packing_outruns_the_programs(model, props: ModelProperties, shipped: Path) 
         del replacements  # the packed copies: given back now rather than at the first idle
         release_cached_memory()
         return False
-    packed = packed_linear.install_replacements(model, replacements)
+    packed = packed_linear.pack_from(model, replacements)
     logger.info("no compiled decode steps (option.decode_step=auto): oneDNN's packed layers "
                 "multiply %.1fx faster than the plain weights the programs would read on this "
                 "CPU (%s); prepacked %d linear layers for the eager step "

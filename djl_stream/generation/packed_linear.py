@@ -34,7 +34,10 @@ Intel's extension for PyTorch did as ``ipex.optimize``; here it is done once at 
 eager mode, through the two operators PyTorch registers for it. The results are those of
 another GEMM (sums in another order: within 1e-4 of ``nn.Linear``'s for SmolLM2's
 logits, the same greedy text); :func:`pack_linear_layers` checks every layer it packs
-against ``nn.Linear`` on a probe and leaves the model alone if one differs.
+against ``nn.Linear`` on a probe and leaves the model alone if one differs (or stops
+there, past the first :data:`TRIAL_BYTES` of weights: layers are packed one at a time,
+each put in place before the next is packed, so that a model's weights are not held
+twice at load).
 
 bfloat16 weights are packed too where the CPU multiplies bfloat16 natively
 (:func:`bfloat16_native`): the products then read half the bytes at about the same rate
@@ -79,6 +82,13 @@ BATCH_HINT = 16
 #: gained 6-11% at 4 and 16 rows. One row is the case that decides: a single stream, the
 #: commonest on a laptop, and the largest difference either way.
 SLOWER_AT_ONE_ROW = 1.10
+#: The trial times the first layers whose weights add up to this much (a smaller model's
+#: all): enough to read them from memory rather than from a cache (the Xeon's L3 is
+#: 480 MB), while the packed copies held beside the plain weights during the trial stay
+#: bounded. A model's weights are never held twice whole: float32 weights loaded from a
+#: bfloat16 checkpoint are memory of their own, and a 3B model's 12 GB twice over would
+#: not fit a 16 GB machine.
+TRIAL_BYTES = 1 << 30
 #: How far a packed layer's output may be from ``nn.Linear``'s on the probe, relative to
 #: the largest output, by weight dtype (another summation order: ~1e-6 in float32; in
 #: bfloat16 the outputs themselves are rounded to 8 bits of mantissa, 4e-3 apart).
@@ -255,20 +265,23 @@ def packing_trial(pairs, repetitions: int = 7,
 def pack_linear_layers(model: torch.nn.Module, *, only_where_it_pays: bool = False,
                        trial_rows: int = 1) -> int:
     """Replace every float32 CPU ``nn.Linear`` in ``model`` (bfloat16 too, on a CPU that
-    multiplies it natively) by its :class:`PackedLinear`,
-    in place, and return how many were replaced: all of them, or none (a layer whose
-    packed output differs from its own on a probe leaves the model as it was, logged).
+    multiplies it natively) by its :class:`PackedLinear`, in place, and return how many
+    were replaced. Each packed layer is checked against ``nn.Linear`` on a probe first; one
+    that differs among the first :data:`TRIAL_BYTES` of weights leaves the model as it was,
+    one further on stops the packing there (logged either way; the layers before it,
+    which agreed, stay packed).
 
     ``only_where_it_pays``: first time ``trial_rows`` rows (one, unless a compiled
-    program runs the one-row steps) through every layer both ways (:func:`packing_trial`,
-    while the packed copies exist anyway), and leave the model as it was where packing
-    does not pay (:attr:`PackingTrial.pays`; logged either way).
+    program runs the one-row steps) through the first :data:`TRIAL_BYTES` of layers both
+    ways (:func:`packing_trial`, while their packed copies exist anyway), and leave the
+    model as it was where packing does not pay (:attr:`PackingTrial.pays`; logged either
+    way).
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     >>> pack_linear_layers(model) in (0, 2)
     True
     """
-    replacements = packed_replacements(model)
+    replacements = packed_replacements(model, up_to_bytes=TRIAL_BYTES)
     if only_where_it_pays and replacements:
         trial = trial_of(replacements, rows=trial_rows)
         if not trial.pays:
@@ -276,15 +289,16 @@ def pack_linear_layers(model: torch.nn.Module, *, only_where_it_pays: bool = Fal
                         "this CPU (%s; option.prepack_weights=true packs them anyway)", trial)
             return 0
         logger.info("packing pays on this CPU (%s)", trial)
-    return install_replacements(model, replacements)
+    return pack_from(model, replacements)
 
 
-def packed_replacements(model: torch.nn.Module) -> list:
-    """``(parent, name, PackedLinear)`` for every layer of ``model`` that
-    :func:`pack_linear_layers` would replace, built but not put in place (the packed
-    weights are copies: until they are, or are dropped, the model's weights are held
-    twice); an empty list where nothing can be packed, or where a layer's packed output
-    differs from its own on a probe (logged).
+def packed_replacements(model: torch.nn.Module, *, up_to_bytes: Optional[int] = None) -> list:
+    """``(parent, name, PackedLinear)`` for the layers of ``model`` that
+    :func:`pack_linear_layers` would replace, in order, until their weights add up to
+    ``up_to_bytes`` (all of them where ``None``), built but not put in place (the packed
+    weights are copies: until they are, or are dropped, those weights are held twice); an
+    empty list where nothing can be packed, or where a layer's packed output differs from
+    its own on a probe (logged).
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     >>> [(name, type(layer).__name__) for _, name, layer in packed_replacements(model)] in (
@@ -293,17 +307,49 @@ def packed_replacements(model: torch.nn.Module) -> list:
     """
     if packing_unavailable() is not None:
         return []
-    replacements = []
+    replacements, held = [], 0
     for parent, name, child in plain_linear_layers(model):
-        packed = PackedLinear.from_linear(child)
-        if packed is None:
-            continue
-        if not agrees_on_probe(child, packed, child.in_features, child.weight.dtype):
-            logger.warning("oneDNN's packed %s differs from nn.Linear on a probe: "
-                           "linear layers left unpacked", name)
+        if up_to_bytes is not None and held >= up_to_bytes:
+            break
+        packed = _checked_twin(name, child)
+        if packed is False:
             return []
-        replacements.append((parent, name, packed))
+        if packed is not None:
+            replacements.append((parent, name, packed))
+            held += child.weight.nbytes
     return replacements
+
+
+def pack_from(model: torch.nn.Module, replacements) -> int:
+    """Put ``replacements`` (from :func:`packed_replacements`) in place, then pack the
+    layers still plain one at a time, each put in place before the next is packed (so that
+    a large model's weights are never held twice: its plain weight goes as its packed copy
+    arrives); how many layers were replaced. A layer whose packed output differs from its
+    own on a probe stops the packing there (logged); those before it stay packed."""
+    count = install_replacements(model, replacements, own_the_rest=False)
+    if count:
+        # (names, not the layers: a list of them would keep every plain weight to the end)
+        for parent, name in [(parent, name) for parent, name, _ in plain_linear_layers(model)]:
+            packed = _checked_twin(name, getattr(parent, name),
+                                   stop="the layers from it on left unpacked")
+            if packed is False:
+                break
+            if packed is not None:
+                count += install_replacements(model, [(parent, name, packed)], own_the_rest=False)
+        own_the_other_weights(model)
+    return count
+
+
+def _checked_twin(name: str, linear: torch.nn.Linear,
+                  stop: str = "linear layers left unpacked"):
+    """``linear``'s :class:`PackedLinear`; ``None`` where it cannot be packed; ``False``
+    (logged, with ``stop``) where the packed layer differs from it on a probe."""
+    packed = PackedLinear.from_linear(linear)
+    if packed is not None and not agrees_on_probe(linear, packed, linear.in_features,
+                                                  linear.weight.dtype):
+        logger.warning("oneDNN's packed %s differs from nn.Linear on a probe: %s", name, stop)
+        return False
+    return packed
 
 
 def trial_of(replacements, rows: int = 1) -> PackingTrial:
@@ -320,20 +366,20 @@ def plain_linear_layers(model: torch.nn.Module):
             for name, child in parent.named_children() if type(child) is torch.nn.Linear]
 
 
-def install_replacements(model: torch.nn.Module, replacements) -> int:
+def install_replacements(model: torch.nn.Module, replacements, *, own_the_rest: bool = True) -> int:
     """Put each ``(parent, name, layer)`` of ``replacements`` (layers whose ``weight`` is
     derived from the ``nn.Linear`` they replace) in place, and return how many there were.
 
     A replaced weight that another module still uses (a tied input embedding) is a copy
     and says so: ``weight.duplicates_a_weight`` is ``True``, and a count of the model's own
-    weights skips it. The weights left as they were get memory of their own
-    (:func:`own_the_other_weights`)."""
+    weights skips it. With ``own_the_rest``, the weights left as they were get memory of
+    their own (:func:`own_the_other_weights`)."""
     kept = {id(p) for module in model.modules() if type(module) is not torch.nn.Linear
             for p in module.parameters(recurse=False)}
     for parent, name, layer in replacements:
         layer.weight.duplicates_a_weight = id(getattr(parent, name).weight) in kept
         setattr(parent, name, layer)
-    if replacements:
+    if replacements and own_the_rest:
         own_the_other_weights(model)
     return len(replacements)
 
