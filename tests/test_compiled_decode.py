@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -211,6 +212,36 @@ def test_a_program_that_shares_the_weights_refuses_weights_of_another_shape(
     weights["lm_head.weight"] = weights["lm_head.weight"][:-1]
     with pytest.raises(ValueError, match="other names, shapes or dtypes"):
         entry.load(from_cache=True, weights=weights)
+
+
+def test_the_question_before_compiling_is_asked_under_the_cache_s_lock_and_can_decline(
+        smollm2_tokenizer, tmp_path, monkeypatch, caplog):
+    """Workers starting together ask one at a time (the first one's answer, and its program
+    if it compiled one, are there for the next); an answer of no compiles nothing."""
+    forbid_compiling(monkeypatch)
+    cache = tmp_path / "cache"
+    asked, inside = [], []
+
+    def declining() -> bool:
+        inside.append(1)
+        asked.append(len(inside))  # how many were asking at once
+        time.sleep(0.2)
+        inside.pop()
+        return False
+
+    models = [build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED) for _ in range(2)]
+    loaded = ["not run", "not run"]
+    threads = [threading.Thread(target=lambda i=i: loaded.__setitem__(
+        i, compiled_decode.compile_one_row(models[i], cache=cache, before_compiling=declining)))
+        for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert loaded == [None, None]
+    assert asked == [1, 1]  # both asked, never at once
+    assert not list(cache.glob("*/program.pt2"))
+    assert "compiling the one-row" not in caplog.text  # not tried, so not failed either
 
 
 def test_a_cached_program_that_does_not_load_is_removed_to_be_compiled_again(
@@ -888,7 +919,6 @@ def test_a_start_that_finds_its_program_in_the_cache_runs_no_packing_trial(
     asked = packing_trial_figures(monkeypatch, *XEON)
     first, _ = load_model_and_tokenizer(props)  # compiles, or loads the session's programs
     assert llama_decode.step_of(first).compiled and asked in ([], [1])
-    assert compiled_decode.one_row_program_ready(first)
     asked.clear()
     forbid_compiling(monkeypatch)
     again, _ = load_model_and_tokenizer(props)

@@ -75,7 +75,7 @@ import threading
 import time
 import zipfile
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -477,7 +477,9 @@ def _untouched(shape, dtype: torch.dtype) -> torch.Tensor:
 # -- compiling -------------------------------------------------------------------------
 
 def compile_one_row(model, *, share_weights: bool = False, cache: Optional[Path] = None,
-                    shipped: Optional[Path] = None) -> Optional[CompiledOneRow]:
+                    shipped: Optional[Path] = None,
+                    before_compiling: Optional[Callable[[], bool]] = None
+                    ) -> Optional[CompiledOneRow]:
     """``model``'s one-row program from the cache, or compiled into it; ``None`` (logged)
     where the model is not one it runs or compiling fails (no C++ compiler, say). Call it
     before the model's layers are packed: it reads their plain weights.
@@ -494,26 +496,16 @@ def compile_one_row(model, *, share_weights: bool = False, cache: Optional[Path]
     written, the package is compiled into a temporary directory, removed once loaded.
     ``shipped``: a model directory's :data:`SHIPPED_FOLDER`, read (without a lock, never
     written) before the cache; its program is taken where its key is this one's.
+    ``before_compiling``: asked, under the cache's lock, where the program is neither
+    shipped nor cached, just before it would be compiled; where it answers ``False``
+    nothing is compiled and ``None`` is returned (workers starting together: the others
+    wait for the first one's answer, and find its program in the cache if it compiled one).
     """
     reason = OneRowGraph.unsupported_reason(model)
     if reason:
         logger.warning("no compiled one-row decode step: %s", reason)
         return None
-    return _program_of(OneRowGraph(model), share_weights, cache, shipped)
-
-
-def one_row_program_ready(model, *, share_weights: bool = True, cache: Optional[Path] = None,
-                          shipped: Optional[Path] = None) -> bool:
-    """Whether :func:`compile_one_row` would find ``model``'s one-row program in ``shipped``
-    or the cache (:func:`cache_root` by default) rather than compile it: a question of file
-    names, answered without loading anything (a program that does not load is compiled
-    again all the same)."""
-    if OneRowGraph.unsupported_reason(model):
-        return False
-    key = cache_key(OneRowGraph(model), share_weights)
-    folders = [Path(shipped)] if shipped is not None else []
-    folders.append(Path(cache) if cache is not None else cache_root())
-    return any(CacheEntry(folder / key).complete() for folder in folders)
+    return _program_of(OneRowGraph(model), share_weights, cache, shipped, before_compiling)
 
 
 def compile_batch(model, rows: int = BATCH_ROWS, *, cache: Optional[Path] = None,
@@ -536,9 +528,12 @@ def compile_batch(model, rows: int = BATCH_ROWS, *, cache: Optional[Path] = None
 
 
 def _program_of(graph: OneRowGraph, share_weights: bool, cache: Optional[Path],
-                shipped: Optional[Path]) -> Optional[CompiledOneRow]:
-    """``graph``'s program from ``shipped``, else the cache, else compiled; ``None``
-    (logged) where compiling fails."""
+                shipped: Optional[Path],
+                before_compiling: Optional[Callable[[], bool]] = None
+                ) -> Optional[CompiledOneRow]:
+    """``graph``'s program from ``shipped``, else the cache, else compiled (unless
+    ``before_compiling`` answers ``False``); ``None`` where it is not compiled, or
+    compiling fails (logged)."""
     started = time.perf_counter()
     what = _described_graph(graph)
     weights = model_weights(graph) if share_weights else None
@@ -552,8 +547,9 @@ def _program_of(graph: OneRowGraph, share_weights: bool, cache: Optional[Path],
             if program is None and not entry.complete():
                 _log_other_keys(Path(shipped), key)
         if program is None:
-            program = _cached_or_compiled(graph, key, weights, cache, started)
-        program.rows = graph.rows
+            program = _cached_or_compiled(graph, key, weights, cache, started, before_compiling)
+        if program is not None:
+            program.rows = graph.rows
         return program
     except Exception as error:  # noqa: BLE001 - the eager step serves those steps then
         logger.warning("compiling the %s decode step failed (%s: %s); %s steps run the eager "
@@ -564,10 +560,12 @@ def _program_of(graph: OneRowGraph, share_weights: bool, cache: Optional[Path],
 
 def _cached_or_compiled(graph: OneRowGraph, key: str,
                         weights: Optional[Dict[str, torch.Tensor]], cache: Optional[Path],
-                        started: float) -> CompiledOneRow:
+                        started: float, before_compiling: Optional[Callable[[], bool]] = None
+                        ) -> Optional[CompiledOneRow]:
     """The program of ``key`` from the cache ``cache`` (:func:`cache_root` by default), or
-    compiled into it (into a temporary directory where it cannot be written); then the
-    least recently used entries beyond :func:`kept_entries` are evicted.
+    compiled into it (into a temporary directory where it cannot be written) unless
+    ``before_compiling`` answers ``False`` (then ``None``); then the least recently used
+    entries beyond :func:`kept_entries` are evicted.
 
     A cache whose key lock cannot be created (a directory mounted read-only, or baked into
     an image and owned by another user) is read without the lock: nobody can be writing it
@@ -602,6 +600,8 @@ def _cached_or_compiled(graph: OneRowGraph, key: str,
                 root = temporary = _temporary_cache(f"the read-only cache {root} holds no "
                                                     "program for this model")
                 entry = CacheEntry(root / key)
+            if before_compiling is not None and not before_compiling():
+                return None
             if entry.directory.exists():  # incomplete, or does not load (logged)
                 shutil.rmtree(entry.directory, ignore_errors=True)
             logger.info("compiling the %s decode program (once per machine and model "

@@ -282,9 +282,18 @@ def _prepare_for_a_cpu(model, props: ModelProperties):
     if not _compiles_on_a_cpu(model, props):
         prepack_for_cpu(model, props)
         return None, None
-    if _packing_outruns_the_programs(model, props, shipped):
+    packed_instead = False
+
+    def unless_packing_outruns_the_programs() -> bool:
+        nonlocal packed_instead
+        packed_instead = _packing_outruns_the_programs(model, props)
+        return not packed_instead
+
+    one_row = compiled_decode.compile_one_row(
+        model, share_weights=share, shipped=shipped,
+        before_compiling=unless_packing_outruns_the_programs if _trial_first(props) else None)
+    if packed_instead:
         return None, None  # the layers are packed: the eager step serves
-    one_row = compiled_decode.compile_one_row(model, share_weights=share, shipped=shipped)
     if one_row is not None and share and props.prepack_weights is None:
         logger.info("linear layers left unpacked: the compiled one-row step reads their "
                     "weights (option.compiled_weights=shared)")
@@ -312,23 +321,26 @@ def _prepare_for_a_cpu(model, props: ModelProperties):
 PACKED_SPEEDUP_OVER_THE_PROGRAMS = 1.2
 
 
-def _packing_outruns_the_programs(model, props: ModelProperties, shipped: Path) -> bool:
-    """Before a first start compiles the programs (``option.decode_step=auto``, weights
-    shared, ``option.prepack_weights`` unset), time one row through the layers plain and
-    packed (:func:`~djl_stream.generation.packed_linear.packing_trial`, under a second for
+def _trial_first(props: ModelProperties) -> bool:
+    """Whether a first start times packing before it compiles
+    (:func:`_packing_outruns_the_programs`): with ``option.decode_step=auto``, weights
+    shared and ``option.prepack_weights`` unset; whoever set any of them chose."""
+    return (props.decode_step == "auto" and props.compiled_weights == "shared"
+            and props.prepack_weights is None)
+
+
+def _packing_outruns_the_programs(model, props: ModelProperties) -> bool:
+    """Asked just before a first start compiles the programs (neither the cache nor the
+    model directory holds them; under the cache's lock, so that workers starting together
+    wait for one answer), time one row through the layers plain and packed
+    (:func:`~djl_stream.generation.packed_linear.packing_trial`, under a second for
     SmolLM2; over the first :data:`~djl_stream.generation.packed_linear.TRIAL_BYTES` of a
-    larger model's);
-    where packing is :data:`PACKED_SPEEDUP_OVER_THE_PROGRAMS` times faster or more, put the
-    packed layers in place and return ``True``: the eager step serves, nothing is compiled.
-    A start that finds the one-row program in its cache or the model directory (a trial
-    chose it there before, or ``djl-stream compile`` shipped it) runs no trial."""
-    from djl_stream.generation import compiled_decode, packed_linear
+    larger model's); where packing is :data:`PACKED_SPEEDUP_OVER_THE_PROGRAMS` times
+    faster or more, pack the layers and return ``True``: the eager step serves, nothing
+    is compiled. A later start that finds the programs cached runs no trial."""
+    from djl_stream.generation import packed_linear
     from djl_stream.generation.allocators import release_cached_memory
 
-    if (props.decode_step != "auto" or props.compiled_weights != "shared"
-            or props.prepack_weights is not None
-            or compiled_decode.one_row_program_ready(model, shipped=shipped)):
-        return False
     replacements = packed_linear.packed_replacements(model,
                                                      up_to_bytes=packed_linear.TRIAL_BYTES)
     if not replacements:
