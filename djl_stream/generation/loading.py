@@ -306,19 +306,22 @@ def _prepare_for_a_cpu(model, props: ModelProperties):
     return one_row, None
 
 
-#: With ``option.decode_step=auto`` on a CPU, the compiled programs are left out where
-#: oneDNN's packed layers multiply one row this many times faster, or more, than the plain
-#: weights the programs read (through MKL, as ``nn.Linear`` does). What the programs save
-#: is what lies between the products (norms, rotary embedding, activations, Python): on
-#: this project's 2-core Xeon a SmolLM2 token took 22.8 ms with them against 28.4 with the
-#: eager step over the same plain layers (``make bench-peers``, 2026-11-26), whose one-row
-#: products take about 21 ms, so about a quarter of a small model's products, and less of
-#: a larger one's, whose layers are wider. Where packing gains more than a fifth, the
-#: packed eager step is the faster one. On the Xeon packing makes one row 1.4-1.5x
-#: *slower* (the programs run); on the 2-core AMD EPYC this project was first measured
-#: on, 1.6x faster (29 against 47 ms): there the programs would have made the default
-#: slower than the packed eager step (inferred from those figures: no program ran there).
-PACKED_SPEEDUP_OVER_THE_PROGRAMS = 1.2
+#: What the compiled programs save a one-row decode step besides its matrix products, per
+#: decoder layer (norms, rotary embedding, activations, the Python between them): on this
+#: project's 2-core Xeon a SmolLM2 token took 22.8 ms with the programs against 28.4 with
+#: the eager step over the same plain layers (``make bench-peers``, 2026-11-26), 5.6 ms
+#: over 30 layers. With ``option.decode_step=auto`` on a CPU, the programs are left out
+#: where oneDNN's packed layers would save a one-row step more than this does: the
+#: programs multiply with the plain weights (through MKL, as ``nn.Linear`` does), the
+#: eager step with the packed ones. On the Xeon packing makes one row 1.4-1.5x *slower*
+#: (the programs run); on the 2-core AMD EPYC this project was first measured on, 1.6x
+#: faster (29 against 47 ms for SmolLM2's products, 18 ms a step against the programs'
+#: 6): there the programs would have made the default slower than the packed eager step
+#: (inferred from those figures: no program ran there). A saving per layer, not a ratio:
+#: for SmolLM2 packing must gain about 1.4x to beat the programs, for a model of wider
+#: layers (a 1B model's products take 10 times as long for half as many layers) a few
+#: percent.
+PROGRAMS_SAVE_PER_LAYER = 0.19e-3
 
 
 def _trial_first(props: ModelProperties) -> bool:
@@ -335,9 +338,12 @@ def _packing_outruns_the_programs(model, props: ModelProperties) -> bool:
     wait for one answer), time one row through the layers plain and packed
     (:func:`~djl_stream.generation.packed_linear.packing_trial`, under a second for
     SmolLM2; over the first :data:`~djl_stream.generation.packed_linear.TRIAL_BYTES` of a
-    larger model's); where packing is :data:`PACKED_SPEEDUP_OVER_THE_PROGRAMS` times
-    faster or more, pack the layers and return ``True``: the eager step serves, nothing
-    is compiled. A later start that finds the programs cached runs no trial."""
+    larger model's, the gain scaled up to them all); where packing saves a one-row step
+    more than the programs do (:data:`PROGRAMS_SAVE_PER_LAYER` for each decoder layer),
+    pack the layers and return ``True``: the eager step serves, nothing is compiled. A
+    later start that finds the programs cached runs no trial."""
+    import torch
+
     from djl_stream.generation import packed_linear
     from djl_stream.generation.allocators import release_cached_memory
 
@@ -346,19 +352,26 @@ def _packing_outruns_the_programs(model, props: ModelProperties) -> bool:
     if not replacements:
         return False
     trial = packed_linear.trial_of(replacements, rows=1)
-    if trial.speedup < PACKED_SPEEDUP_OVER_THE_PROGRAMS:
-        logger.info("compiling the decode programs: they multiply with the plain weights, "
-                    "and oneDNN's packed layers are not %.1fx faster on this CPU (%s)",
-                    PACKED_SPEEDUP_OVER_THE_PROGRAMS, trial)
+    # the trial times the first TRIAL_BYTES of a larger model's layers (none of them in
+    # place yet): its gain, scaled up to them all
+    timed = sum(getattr(parent, name).weight.nbytes for parent, name, _ in replacements)
+    every = sum(layer.weight.nbytes for _, _, layer in packed_linear.plain_linear_layers(model)
+                if layer.weight.dtype == torch.float32)
+    gain = (trial.plain_seconds - trial.packed_seconds) * max(every, timed) / timed
+    saved = len(model.model.layers) * PROGRAMS_SAVE_PER_LAYER
+    if gain <= saved:
+        logger.info("compiling the decode programs: oneDNN's packed layers would not save a "
+                    "one-row step on this CPU the %.1f ms the programs do (%s)", saved * 1e3,
+                    trial)
         del replacements  # the packed copies: given back now rather than at the first idle
         release_cached_memory()
         return False
     packed = packed_linear.pack_from(model, replacements)
     logger.info("no compiled decode steps (option.decode_step=auto): oneDNN's packed layers "
-                "multiply %.1fx faster than the plain weights the programs would read on this "
-                "CPU (%s); prepacked %d linear layers for the eager step "
-                "(option.decode_step=compiled compiles the programs anyway)",
-                trial.speedup, trial, packed)
+                "save a one-row step %.1f ms on this CPU, the programs about %.1f, and they "
+                "would multiply with the plain weights (%s); prepacked %d linear layers for "
+                "the eager step (option.decode_step=compiled compiles the programs anyway)",
+                gain * 1e3, saved * 1e3, trial, packed)
     return True
 
 
