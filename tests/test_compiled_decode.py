@@ -939,6 +939,29 @@ def test_a_first_start_where_packing_gains_less_drops_the_packed_copies_and_comp
     assert not llama_decode.step_of(model).compiled
 
 
+def test_without_a_c_compiler_a_first_start_does_not_time_packing_for_the_programs(
+        tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """The question before compiling is not asked where nothing could compile: the eager
+    step's own packing trial is then the only one."""
+    from torch._inductor import cpp_builder
+
+    from djl_stream.generation.loading import load_model_and_tokenizer
+
+    def no_compiler():
+        raise RuntimeError("no C++ compiler on this machine")
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    asked = packing_trial_figures(monkeypatch, *XEON)
+    caplog.set_level(logging.INFO)
+    model, _ = load_model_and_tokenizer(ModelProperties.from_init_properties(
+        {"model_dir": str(tiny_model_dir)}))
+    assert not llama_decode.step_of(model).compiled
+    assert "compiling the one-row decode step failed (RuntimeError: no C++ compiler" in caplog.text
+    assert asked == [1]  # the eager step's packing trial alone
+    assert "compiling the decode programs" not in caplog.text
+
+
 def test_a_start_that_finds_its_program_in_the_cache_runs_no_packing_trial(
         tiny_model_dir, one_row_cache, monkeypatch):
     from djl_stream.generation.loading import load_model_and_tokenizer

@@ -600,8 +600,10 @@ def _cached_or_compiled(graph: OneRowGraph, key: str,
                 root = temporary = _temporary_cache(f"the read-only cache {root} holds no "
                                                     "program for this model")
                 entry = CacheEntry(root / key)
-            if before_compiling is not None and not before_compiling():
-                return None
+            if before_compiling is not None:
+                _find_compiler()  # (none: the question's trial would be for nothing)
+                if not before_compiling():
+                    return None
             if entry.directory.exists():  # incomplete, or does not load (logged)
                 shutil.rmtree(entry.directory, ignore_errors=True)
             logger.info("compiling the %s decode program (once per machine and model "
@@ -736,14 +738,18 @@ def evict_unused(root: Path, keep: int) -> List[Path]:
     return removed
 
 
+def _find_compiler() -> None:
+    """Raise where Inductor finds no C++ compiler (its own search, ``cpp.cxx`` included)."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    get_cpp_compiler()
+
+
 def _compile_into(graph: OneRowGraph, entry: CacheEntry, share_weights: bool = False) -> None:
     """Export and compile ``graph``, keep what the program reads (nothing where it reads
     the model's weights: their description), and move the files into ``entry`` at once (a
     crash leaves no half-written entry behind)."""
-    # Without a C++ compiler Inductor fails only after the export: find it first.
-    from torch._inductor.cpp_builder import get_cpp_compiler
-
-    get_cpp_compiler()
+    _find_compiler()  # Inductor would fail only after the export
     work = Path(tempfile.mkdtemp(prefix=f"{entry.directory.name}.", dir=entry.directory.parent))
     try:
         example = graph.example_inputs()
