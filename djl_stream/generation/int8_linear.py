@@ -199,20 +199,11 @@ def quantize_linear_layers(model: torch.nn.Module) -> int:
     >>> quantize_linear_layers(model) in (0, 2)
     True
     """
-    from djl_stream.generation.packed_linear import (install_replacements, own_the_other_weights,
-                                                     plain_linear_layers)
+    from djl_stream.generation.packed_linear import install_replacements
 
     unavailable = int8_matmul_unavailable()
     if unavailable is not None:
         logger.warning("int8 linear layers unavailable: %s", unavailable)
         return 0
-    count = 0
-    # one layer at a time, its float weight let go before the next is quantized (names,
-    # not the layers: a list of them would keep every float weight to the end)
-    for parent, name in [(parent, name) for parent, name, _ in plain_linear_layers(model)]:
-        quantized = Int8Linear.from_linear(getattr(parent, name))
-        if quantized is not None:
-            count += install_replacements(model, [(parent, name, quantized)], own_the_rest=False)
-    if count:
-        own_the_other_weights(model)
-    return count
+    # one layer at a time: each float weight let go before the next is quantized
+    return install_replacements(model, [], then=lambda name, layer: Int8Linear.from_linear(layer))

@@ -203,15 +203,6 @@ class PackingTrial:
         trial's noise, so that a model is not packed at one start and not at the next)."""
         return self.packed_seconds < self.plain_seconds * SLOWER_AT_ONE_ROW
 
-    @property
-    def speedup(self) -> float:
-        """How many times faster the packed layers were (below 1: slower).
-
-        >>> PackingTrial(plain_seconds=0.047, packed_seconds=0.029).speedup > 1.6
-        True
-        """
-        return self.plain_seconds / self.packed_seconds if self.packed_seconds else math.inf
-
     def __str__(self) -> str:
         rows = "one row" if self.rows == 1 else f"{self.rows} rows"
         return (f"{rows} through the layers: {self.plain_seconds * 1e3:.1f} ms with "
@@ -322,22 +313,15 @@ def packed_replacements(model: torch.nn.Module, *, up_to_bytes: Optional[int] = 
 
 def pack_from(model: torch.nn.Module, replacements) -> int:
     """Put ``replacements`` (from :func:`packed_replacements`) in place, then pack the
-    layers still plain one at a time, each put in place before the next is packed (so that
-    a large model's weights are never held twice: its plain weight goes as its packed copy
-    arrives); how many layers were replaced. A layer whose packed output differs from its
-    own on a probe stops the packing there (logged); those before it stay packed."""
-    count = install_replacements(model, replacements, own_the_rest=False)
-    if count:
-        # (names, not the layers: a list of them would keep every plain weight to the end)
-        for parent, name in [(parent, name) for parent, name, _ in plain_linear_layers(model)]:
-            packed = _checked_twin(name, getattr(parent, name),
-                                   stop="the layers from it on left unpacked")
-            if packed is False:
-                break
-            if packed is not None:
-                count += install_replacements(model, [(parent, name, packed)], own_the_rest=False)
-        own_the_other_weights(model)
-    return count
+    layers still plain one at a time (:func:`install_replacements`: a large model's weights
+    are never held twice, its plain weight goes as its packed copy arrives); how many
+    layers were replaced, none where ``replacements`` is empty. A layer whose packed output
+    differs from its own on a probe stops the packing there (logged); those before it stay
+    packed."""
+    if not replacements:
+        return 0
+    return install_replacements(model, replacements, then=lambda name, layer: _checked_twin(
+        name, layer, stop="the layers from it on left unpacked"))
 
 
 def _checked_twin(name: str, linear: torch.nn.Linear,
@@ -366,22 +350,41 @@ def plain_linear_layers(model: torch.nn.Module):
             for name, child in parent.named_children() if type(child) is torch.nn.Linear]
 
 
-def install_replacements(model: torch.nn.Module, replacements, *, own_the_rest: bool = True) -> int:
+def install_replacements(model: torch.nn.Module, replacements, *,
+                         then: Optional[Callable] = None) -> int:
     """Put each ``(parent, name, layer)`` of ``replacements`` (layers whose ``weight`` is
-    derived from the ``nn.Linear`` they replace) in place, and return how many there were.
+    derived from the ``nn.Linear`` they replace) in place; then, with ``then``, replace the
+    layers still plain one at a time, each put in place before the next is made
+    (``then(name, layer)`` gives its replacement, ``None`` to leave it, ``False`` to stop
+    there): a list of them all made first would hold every original weight and its
+    replacement at once. Returns how many layers were replaced.
 
     A replaced weight that another module still uses (a tied input embedding) is a copy
     and says so: ``weight.duplicates_a_weight`` is ``True``, and a count of the model's own
-    weights skips it. With ``own_the_rest``, the weights left as they were get memory of
-    their own (:func:`own_the_other_weights`)."""
+    weights skips it. The weights left as they were get memory of their own
+    (:func:`own_the_other_weights`)."""
     kept = {id(p) for module in model.modules() if type(module) is not torch.nn.Linear
             for p in module.parameters(recurse=False)}
-    for parent, name, layer in replacements:
+
+    def put(parent, name, layer) -> None:
         layer.weight.duplicates_a_weight = id(getattr(parent, name).weight) in kept
         setattr(parent, name, layer)
-    if replacements and own_the_rest:
+
+    for parent, name, layer in replacements:
+        put(parent, name, layer)
+    count = len(replacements)
+    if then is not None:
+        # (names, not the layers: a list of them would keep every plain weight to the end)
+        for parent, name in [(parent, name) for parent, name, _ in plain_linear_layers(model)]:
+            layer = then(name, getattr(parent, name))
+            if layer is False:
+                break
+            if layer is not None:
+                put(parent, name, layer)
+                count += 1
+    if count:
         own_the_other_weights(model)
-    return len(replacements)
+    return count
 
 
 def own_the_other_weights(model: torch.nn.Module) -> None:
