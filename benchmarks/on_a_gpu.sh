@@ -16,7 +16,7 @@
 #
 # STEPS picks some of them, by name (default: all, in this order): tests decode_step bench
 # bench_forward peers quantization server_tests. BENCH_REPETITIONS sets make bench's
-# repetitions (default 3). A lent GPU machine's minutes are few:
+# repetitions (default 3), QUANT_METHODS the quantization step's methods (default: all). A lent GPU machine's minutes are few:
 #   STEPS="tests bench peers" benchmarks/on_a_gpu.sh OUT
 #
 # MODEL_DIR is the model served (default: model/). Where its weights cannot be copied to
@@ -69,7 +69,7 @@ step peers 240 $python -m benchmarks.peers --model-dir "$model" --device cuda --
     --peers "djl-stream,djl-stream eager,djl-stream w8a8,transformers serve" \
     --clients 1,4,16 --repetitions 2 --output "$out/peers.md"
 step quantization 200 $python -m benchmarks.quantization --model-dir "$model" --device cuda \
-    --methods none,int8,w8a8,bitsandbytes8,bitsandbytes4 --tokens 16 --steps 24 --repetitions 2 \
+    --methods "${QUANT_METHODS:-none,int8,w8a8,bitsandbytes8,bitsandbytes4}" --tokens 16 --steps 24 --repetitions 2 \
     --output "$out/quantization.md"
 step server_tests 300 $python -m pytest -q -p no:cacheprovider tests/test_isolation.py \
     tests/test_server_concurrency.py tests/test_server.py

@@ -33,7 +33,9 @@ PARSERS = {
 }
 # What the script's variables hold when it runs (any path will do for parsing).
 VARIABLES = {"$python": "python", '"$model"': "/tmp/model", '"$forward"': "/tmp/forward",
-             '"$out/': '"/tmp/out/', '"${BENCH_REPETITIONS:-3}"': "3"}
+             '"$out/': '"/tmp/out/', '"${BENCH_REPETITIONS:-3}"': "3",
+             '"${QUANT_METHODS:-none,int8,w8a8,bitsandbytes8,bitsandbytes4}"':
+             "none,int8,w8a8,bitsandbytes8,bitsandbytes4"}
 
 
 def script_steps() -> List[Tuple[str, List[str]]]:
