@@ -116,7 +116,7 @@ class ModelProperties:
         dtype: ``fp32``, ``fp16``, ``bf16`` or ``auto`` (half precision on GPU, fp32 on CPU).
         quantize: load the weights quantized: ``int8`` (weight-only, torchao; CPU and
             GPU), ``w8a8`` (int8 weights and per-token int8 activations: djl-stream's int8
-            layers on a CPU, torchao on a GPU), ``bitsandbytes8`` or ``bitsandbytes4``
+            layers on a CPU; on a GPU ``int8`` serves instead, with a warning), ``bitsandbytes8`` or ``bitsandbytes4``
             (made for CUDA); ``None`` for none
             (see :mod:`djl_stream.generation.quantization`). djl-serving's deprecated
             ``load_in_8bit=true`` / ``load_in_4bit=true`` mean ``bitsandbytes8`` / ``4``.
