@@ -16,7 +16,7 @@ from typing import List, Tuple
 
 import pytest
 
-from benchmarks import decode_step, quantization, random_weights
+from benchmarks import cycle_trace, decode_step, quantization, random_weights
 from benchmarks import run as bench_run
 from benchmarks.peers import run as peers_run
 from benchmarks.peers.servers import PEERS
@@ -30,6 +30,7 @@ PARSERS = {
     "benchmarks.run": bench_run.build_parser,
     "benchmarks.peers": peers_run.build_parser,
     "benchmarks.quantization": quantization.build_parser,
+    "benchmarks.cycle_trace": cycle_trace.build_parser,
 }
 # What the script's variables hold when it runs (any path will do for parsing).
 VARIABLES = {"$python": "python", '"$model"': "/tmp/model", '"$forward"': "/tmp/forward",

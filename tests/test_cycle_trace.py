@@ -1,0 +1,44 @@
+"""benchmarks.cycle_trace: the scheduler's passes timed from inside, on the tiny model (CPU).
+
+The tool exists for a GPU (see its docstring); here it is checked to time what the
+scheduler runs, to report a burst's rounds and a late arrival, and to leave the scheduler
+as it found it."""
+
+from __future__ import annotations
+
+from benchmarks import cycle_trace
+from djl_stream.generation import scheduler as scheduler_module
+from djl_stream.generation.batch import CausalLMBatch
+
+
+def test_a_round_reports_the_passes_that_read_the_burst_and_a_late_arrival(tiny_model_dir,
+                                                                           capsys):
+    decode, concatenate = (scheduler_module.Scheduler._decode,
+                           CausalLMBatch.__dict__["concatenate"])
+    cycle_trace.main(["--model-dir", str(tiny_model_dir), "--device", "cpu", "--clients", "3",
+                      "--decode-step", "eager",
+                      "--tokens", "4", "--late", "2", "--late-rounds", "1"])
+    out = capsys.readouterr().out
+    burst, late = out.split("## ")[1:3]
+    assert burst.startswith("3 clients:") and "totals: " in burst
+    # every prompt of the round was read by some prefill pass (alone or beside a step)
+    read = sum(int(line.split(" prompts")[0].split()[-1]) for line in burst.splitlines()
+               if line.startswith("  +") and " prefill " in line)
+    assert read == 3
+    assert "decode 3x" in burst or "decode 4x" in burst  # 4 tokens: the first from a prefill
+    assert late.startswith("2 clients + 1 late:") and "late arrival's" in late
+    # the wrappers are gone once the trace ends
+    assert scheduler_module.Scheduler._decode is decode
+    assert CausalLMBatch.__dict__["concatenate"] is concatenate
+
+
+def test_a_pass_counts_the_collector_s_pauses_inside_it():
+    import gc
+
+    with cycle_trace.CycleTrace() as trace:
+        with trace._timing("decode", "test"):
+            gc.collect()
+    (timed,) = trace.passes
+    assert timed.gc > 0 and 2 in timed.gc_generations
+    assert timed.cpu > 0 and timed.wall >= timed.gc
+    assert gc.callbacks.count(trace._on_collection) == 0
