@@ -11,7 +11,10 @@ event loop was busy 68 % of the time and the streams' threads 12 %; with the pum
 (most of it the sockets' ``send``) and 4 %. Where the model's step costs little (64 rows
 in 1.3 ms, as on a GPU), 64 clients received 1.6-1.75x the tokens/s, at about half the
 inter-token gap (``python -m benchmarks.stream_overhead --vocab 512``;
-docs/PERFORMANCE.md, "Many clients at once").
+docs/PERFORMANCE.md, "Many clients at once"), and on an H100 (SmolLM2's shapes, steps
+replayed from CUDA graphs) 64 clients' inter-token gap went from 12 to 8-9 ms and their
+tokens/s from 1,003-1,144 to 1,402-1,568 (``make bench --device cuda``, two runs a day
+apart on two machines).
 
 :class:`StreamPump` keeps one thread on the iterator instead: it pulls item after item and
 appends each to a queue the event loop reads, waking the loop only when it is not already
