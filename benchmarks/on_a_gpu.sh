@@ -55,6 +55,11 @@ if [ "${RANDOM_WEIGHTS:-0}" = 1 ]; then
     model=$random
 fi
 
+# The tests read the embedded model's tokenizer from model/; where model/ was not set up
+# (its weights and tokenizer are made by make model, which needs the embedded package), they
+# read it from the model directory served, which holds the same tokenizer.
+[ -f model/config.json ] || export DJL_STREAM_TEST_MODEL_DIR=$model
+
 step tests 180 $python -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py \
     tests/test_quantization.py
 step decode_step 150 $python -m benchmarks.decode_step --model-dir "$model" --device cuda \
