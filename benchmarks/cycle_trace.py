@@ -27,6 +27,10 @@ It was written for a GPU whose first bursts stalled for 0.5-1 s in passes that t
 ms the next time (docs/PERFORMANCE.md, "Targets missed"); on a CPU it shows the same
 cycles at CPU speed.
 
+On a GPU, ``CUDA_MODULE_LOADING=EAGER`` in the environment loads every kernel when CUDA
+starts instead of at its first launch (the default, ``LAZY``): a stall that it removes
+was a first launch.
+
 Example::
 
     python -m benchmarks.cycle_trace --model-dir model --clients 4,16 --tokens 16 --late 0
@@ -40,6 +44,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import os
 import statistics
 import sys
 import threading
@@ -283,8 +288,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     lm = LoadedModel.load(args.model_dir, device=args.device, decode_step=args.decode_step)
     prompts = [lm.prompt(p).text for p in PROMPTS]
+    loading = os.environ.get("CUDA_MODULE_LOADING", "unset: LAZY")
     print(f"{args.model_dir} on {lm.device}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, RSS {resident_mib()} MB after loading",
+          f"{torch.get_num_threads()} threads, RSS {resident_mib()} MB after loading"
+          + (f", CUDA_MODULE_LOADING {loading}" if lm.device.type == "cuda" else ""),
           flush=True)
     rounds = [(int(c), False) for c in args.clients.split(",") if c]
     rounds += [(args.late, True)] * (args.late_rounds if args.late > 0 else 0)
