@@ -65,11 +65,17 @@ def _load(model_dir: str, method: str):
     return load_model_and_tokenizer(ModelProperties.from_init_properties(init))[0]
 
 
-def _row_name(method: str, unset: str = "float32") -> str:
+def _row_name(method: str, unset: str = "float32", on_gpu: bool = False) -> str:
+    """
+    >>> _row_name("w8a8", "bfloat16", on_gpu=True)
+    '`w8a8` (a GPU serves `int8` for it), `option.decode_step=eager`'
+    """
     compiled = method.endswith(COMPILED)
     method = method[:-len(COMPILED)] if compiled else method
     name = (f"unset ({unset})" if method == "none"
             else f"unset, `option.dtype={method}`" if method in DTYPES else f"`{method}`")
+    if method == "w8a8" and on_gpu:  # (djl_stream.generation.quantization says why)
+        name += " (a GPU serves `int8` for it)"
     return name + (", `option.decode_step=compiled`" if compiled
                    else ", `option.decode_step=eager`")
 
@@ -145,7 +151,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             ids = greedy_ids(model, tokenizer, prompt, args.tokens)
             firsts.append(next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), len(ref)))
             shares.append(teacher_forced_agreement(model, prompt, ref))
-        lines.append(f"| {_row_name(method, unset)} | {step * 1e3:.1f} ms | {base / step:.2f}x | "
+        on_gpu = next(model.parameters()).device.type == "cuda"
+        lines.append(f"| {_row_name(method, unset, on_gpu)} | {step * 1e3:.1f} ms | {base / step:.2f}x | "
                      f"{', '.join(map(str, firsts))} of {args.tokens} | "
                      f"{statistics.mean(shares) * 100:.1f} % |")
     print("\n".join(lines))
