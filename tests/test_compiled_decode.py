@@ -232,7 +232,7 @@ def test_the_question_before_compiling_is_asked_under_the_cache_s_lock_and_can_d
     models = [build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED) for _ in range(2)]
     loaded = ["not run", "not run"]
     threads = [threading.Thread(target=lambda i=i: loaded.__setitem__(
-        i, compiled_decode.compile_one_row(models[i], cache=cache, before_compiling=declining)))
+        i, compiled_decode.compile_one_row(models[i], cache=cache, programs_wanted=declining)))
         for i in range(2)]
     for thread in threads:
         thread.start()
@@ -972,6 +972,45 @@ def test_a_start_that_finds_its_program_in_the_cache_runs_no_packing_trial(
     assert llama_decode.step_of(first).compiled and asked in ([], [1])
     asked.clear()
     forbid_compiling(monkeypatch)
+    again, _ = load_model_and_tokenizer(props)
+    assert llama_decode.step_of(again).compiled and asked == []
+
+
+def test_a_program_compiled_on_request_does_not_answer_the_question_for_auto(
+        tiny_model_dir, one_row_cache, tmp_path, monkeypatch):
+    """A program that ``option.decode_step=compiled`` left in the cache does not decide for
+    the next ``auto`` start: on a CPU where packed layers are faster (the AMD EPYC's
+    figures, this project's machine on 2026-11-27) that start still asks, packs and serves
+    the eager step. A yes is kept beside the program: the start after it asks nothing."""
+    import shutil
+
+    from djl_stream.generation.loading import load_model_and_tokenizer
+    from djl_stream.generation.packed_linear import PackedLinear
+
+    compiled, _ = load_model_and_tokenizer(ModelProperties.from_init_properties(
+        {"model_dir": str(tiny_model_dir), "decode_step": "compiled"}))
+    assert llama_decode.step_of(compiled).compiled
+    cache = tmp_path / "inductor"
+    for entry in one_row_cache.iterdir():  # the programs, not the session's answers
+        if entry.is_dir():
+            shutil.copytree(entry, cache / one_row_cache.name / entry.name)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    forbid_compiling(monkeypatch)
+    props = ModelProperties.from_init_properties({"model_dir": str(tiny_model_dir)})
+
+    asked = packing_trial_figures(monkeypatch, *EPYC)
+    packed, _ = load_model_and_tokenizer(props)
+    assert not llama_decode.step_of(packed).compiled and asked == [1]
+    assert isinstance(packed.model.layers[0].mlp.up_proj, PackedLinear)
+    assert not list((cache / one_row_cache.name).glob("*.programs-wanted"))
+
+    asked = packing_trial_figures(monkeypatch, *XEON)
+    programs, _ = load_model_and_tokenizer(props)
+    assert llama_decode.step_of(programs).compiled and asked == [1]
+    # one answer, under the one-row program's key (the batch program follows it)
+    assert len(list((cache / one_row_cache.name).glob("*.programs-wanted"))) == 1
+
+    asked = packing_trial_figures(monkeypatch, *EPYC)
     again, _ = load_model_and_tokenizer(props)
     assert llama_decode.step_of(again).compiled and asked == []
 

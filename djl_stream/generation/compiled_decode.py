@@ -478,7 +478,7 @@ def _untouched(shape, dtype: torch.dtype) -> torch.Tensor:
 
 def compile_one_row(model, *, share_weights: bool = False, cache: Optional[Path] = None,
                     shipped: Optional[Path] = None,
-                    before_compiling: Optional[Callable[[], bool]] = None
+                    programs_wanted: Optional[Callable[[], bool]] = None
                     ) -> Optional[CompiledOneRow]:
     """``model``'s one-row program from the cache, or compiled into it; ``None`` (logged)
     where the model is not one it runs or compiling fails (no C++ compiler, say). Call it
@@ -496,16 +496,20 @@ def compile_one_row(model, *, share_weights: bool = False, cache: Optional[Path]
     written, the package is compiled into a temporary directory, removed once loaded.
     ``shipped``: a model directory's :data:`SHIPPED_FOLDER`, read (without a lock, never
     written) before the cache; its program is taken where its key is this one's.
-    ``before_compiling``: asked, under the cache's lock, where the program is neither
-    shipped nor cached, just before it would be compiled; where it answers ``False``
-    nothing is compiled and ``None`` is returned (workers starting together: the others
-    wait for the first one's answer, and find its program in the cache if it compiled one).
+    ``programs_wanted``: asked, under the cache's lock, where the program is not shipped
+    and no start on this machine has answered it yes for this key (the answer is kept in
+    the cache beside the program, :func:`programs_were_wanted`): before a cached program is
+    taken, or just before one is compiled. Where it answers ``False`` nothing is compiled
+    or taken and ``None`` is returned; a yes is kept, a no asked again at the next start.
+    Workers starting together ask one at a time: the others find the first one's answer,
+    and its program if it compiled one. A program cached by a start that was not asked
+    (``option.decode_step=compiled``) answers nothing.
     """
     reason = OneRowGraph.unsupported_reason(model)
     if reason:
         logger.warning("no compiled one-row decode step: %s", reason)
         return None
-    return _program_of(OneRowGraph(model), share_weights, cache, shipped, before_compiling)
+    return _program_of(OneRowGraph(model), share_weights, cache, shipped, programs_wanted)
 
 
 def compile_batch(model, rows: int = BATCH_ROWS, *, cache: Optional[Path] = None,
@@ -529,10 +533,10 @@ def compile_batch(model, rows: int = BATCH_ROWS, *, cache: Optional[Path] = None
 
 def _program_of(graph: OneRowGraph, share_weights: bool, cache: Optional[Path],
                 shipped: Optional[Path],
-                before_compiling: Optional[Callable[[], bool]] = None
+                programs_wanted: Optional[Callable[[], bool]] = None
                 ) -> Optional[CompiledOneRow]:
     """``graph``'s program from ``shipped``, else the cache, else compiled (unless
-    ``before_compiling`` answers ``False``); ``None`` where it is not compiled, or
+    ``programs_wanted`` answers ``False``); ``None`` where it is not compiled, or
     compiling fails (logged)."""
     started = time.perf_counter()
     what = _described_graph(graph)
@@ -547,7 +551,8 @@ def _program_of(graph: OneRowGraph, share_weights: bool, cache: Optional[Path],
             if program is None and not entry.complete():
                 _log_other_keys(Path(shipped), key)
         if program is None:
-            program = _cached_or_compiled(graph, key, weights, cache, started, before_compiling)
+            program = _cached_or_compiled(graph, key, weights, cache, started,
+                                          programs_wanted)
         if program is not None:
             program.rows = graph.rows
         return program
@@ -558,14 +563,33 @@ def _program_of(graph: OneRowGraph, share_weights: bool, cache: Optional[Path],
         return None
 
 
+def programs_were_wanted(root: Path, key: str) -> bool:
+    """Whether a start asked :func:`compile_one_row`'s ``programs_wanted`` for ``key`` in
+    the cache ``root`` and was answered yes: kept as a file beside the entry, not in it,
+    since it is this CPU's answer for these shapes, which outlives a program evicted or
+    compiled again."""
+    return (Path(root) / f"{key}.programs-wanted").is_file()
+
+
+def _ask(programs_wanted: Callable[[], bool], root: Path, key: str, writable: bool) -> bool:
+    """``programs_wanted``'s answer, a yes kept in a writable cache."""
+    wanted = programs_wanted()
+    if wanted and writable:
+        (root / f"{key}.programs-wanted").write_text(
+            "option.decode_step=auto asked whether the decode programs are the faster way "
+            "on this CPU for these shapes: yes\n")
+    return wanted
+
+
 def _cached_or_compiled(graph: OneRowGraph, key: str,
                         weights: Optional[Dict[str, torch.Tensor]], cache: Optional[Path],
-                        started: float, before_compiling: Optional[Callable[[], bool]] = None
+                        started: float, programs_wanted: Optional[Callable[[], bool]] = None
                         ) -> Optional[CompiledOneRow]:
     """The program of ``key`` from the cache ``cache`` (:func:`cache_root` by default), or
-    compiled into it (into a temporary directory where it cannot be written) unless
-    ``before_compiling`` answers ``False`` (then ``None``); then the least recently used
-    entries beyond :func:`kept_entries` are evicted.
+    compiled into it (into a temporary directory where it cannot be written), unless
+    ``programs_wanted``, asked where no start answered it before, answers ``False`` (then
+    ``None``); then the least recently used entries beyond :func:`kept_entries` are
+    evicted.
 
     A cache whose key lock cannot be created (a directory mounted read-only, or baked into
     an image and owned by another user) is read without the lock: nobody can be writing it
@@ -590,20 +614,27 @@ def _cached_or_compiled(graph: OneRowGraph, key: str,
             except OSError as error:
                 logger.info("the %s program's cache %s is read-only (%s): read without "
                             "its lock", what, root, error)
+            answered = programs_wanted is None or programs_were_wanted(root, key)
+            if not answered and entry.complete():
+                # left by a start that was not asked (option.decode_step=compiled, or one
+                # before answers were kept): the program is there, the answer is not
+                if not _ask(programs_wanted, root, key, writable):
+                    return None
+                answered = True
             one_row = _loaded(entry, started, weights, where="the cache",
                               otherwise="compiling it again", what=what)
             if one_row is not None:
                 if writable:
                     _mark_used(entry)
                 return one_row
+            if not answered:
+                _find_compiler()  # (none: the question's trial would be for nothing)
+                if not _ask(programs_wanted, root, key, writable):
+                    return None
             if not writable and temporary is None:
                 root = temporary = _temporary_cache(f"the read-only cache {root} holds no "
                                                     "program for this model")
                 entry = CacheEntry(root / key)
-            if before_compiling is not None:
-                _find_compiler()  # (none: the question's trial would be for nothing)
-                if not before_compiling():
-                    return None
             if entry.directory.exists():  # incomplete, or does not load (logged)
                 shutil.rmtree(entry.directory, ignore_errors=True)
             logger.info("compiling the %s decode program (once per machine and model "

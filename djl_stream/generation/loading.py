@@ -291,7 +291,7 @@ def _prepare_for_a_cpu(model, props: ModelProperties):
 
     one_row = compiled_decode.compile_one_row(
         model, share_weights=share, shipped=shipped,
-        before_compiling=unless_packing_outruns_the_programs if _trial_first(props) else None)
+        programs_wanted=unless_packing_outruns_the_programs if _trial_first(props) else None)
     if packed_instead:
         return None, None  # the layers are packed: the eager step serves
     if one_row is not None and share and props.prepack_weights is None:
@@ -340,8 +340,10 @@ def _packing_outruns_the_programs(model, props: ModelProperties) -> bool:
     SmolLM2; over the first :data:`~djl_stream.generation.packed_linear.TRIAL_BYTES` of a
     larger model's, the gain scaled up to them all); where packing saves a one-row step
     more than the programs do (:data:`PROGRAMS_SAVE_PER_LAYER` for each decoder layer),
-    pack the layers and return ``True``: the eager step serves, nothing is compiled. A
-    later start that finds the programs cached runs no trial."""
+    pack the layers and return ``True``: the eager step serves, nothing is compiled. Once
+    a start answered that the programs are wanted, later ones run no trial (the answer is
+    kept in the cache); a program compiled by ``option.decode_step=compiled`` answers
+    nothing, so the next ``auto`` start still asks."""
     import torch
 
     from djl_stream.generation import packed_linear
