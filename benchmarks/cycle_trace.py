@@ -59,6 +59,7 @@ from djl_stream.generation import scheduler as scheduler_module
 from djl_stream.generation.batch import CausalLMBatch
 
 from .inprocess import LoadedModel
+from .measure import ProcessMemory
 from .settings import PROMPTS
 
 
@@ -185,11 +186,8 @@ class Round:
 
 
 def resident_mib() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS"):
-                return int(line.split()[1]) // 1024
-    return 0
+    memory = ProcessMemory.of()
+    return memory.rss >> 20 if memory is not None else 0
 
 
 def run_round(lm: LoadedModel, prompts: Sequence[str], clients: int, tokens: int, *,
@@ -204,9 +202,9 @@ def run_round(lm: LoadedModel, prompts: Sequence[str], clients: int, tokens: int
     def client(i: int) -> None:
         barrier.wait()
         began = time.perf_counter()
-        for received[i], _ in enumerate(generator(lm.model, lm.tokenizer,
-                                                  [prompts[i % len(prompts)]],
-                                                  max_new_tokens=tokens, ignore_eos=True), 1):
+        for _ in generator(lm.model, lm.tokenizer, [prompts[i % len(prompts)]],
+                           max_new_tokens=tokens, ignore_eos=True):
+            received[i] += 1
             if received[i] == 1:
                 first[i] = (time.perf_counter() - began) * 1e3
 

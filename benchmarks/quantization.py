@@ -151,8 +151,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             ids = greedy_ids(model, tokenizer, prompt, args.tokens)
             firsts.append(next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), len(ref)))
             shares.append(teacher_forced_agreement(model, prompt, ref))
-        on_gpu = next(model.parameters()).device.type == "cuda"
-        lines.append(f"| {_row_name(method, unset, on_gpu)} | {step * 1e3:.1f} ms | {base / step:.2f}x | "
+        lines.append(f"| {_row_name(method, unset, args.device == 'cuda')} | {step * 1e3:.1f} ms | {base / step:.2f}x | "
                      f"{', '.join(map(str, firsts))} of {args.tokens} | "
                      f"{statistics.mean(shares) * 100:.1f} % |")
     print("\n".join(lines))

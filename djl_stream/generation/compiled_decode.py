@@ -498,7 +498,7 @@ def compile_one_row(model, *, share_weights: bool = False, cache: Optional[Path]
     written) before the cache; its program is taken where its key is this one's.
     ``programs_wanted``: asked, under the cache's lock, where the program is not shipped
     and no start on this machine has answered it yes for this key (the answer is kept in
-    the cache beside the program, :func:`programs_were_wanted`): before a cached program is
+    the cache beside the program, :func:`_wanted_file`): before a cached program is
     taken, or just before one is compiled. Where it answers ``False`` nothing is compiled
     or taken and ``None`` is returned; a yes is kept, a no asked again at the next start.
     Workers starting together ask one at a time: the others find the first one's answer,
@@ -563,19 +563,18 @@ def _program_of(graph: OneRowGraph, share_weights: bool, cache: Optional[Path],
         return None
 
 
-def programs_were_wanted(root: Path, key: str) -> bool:
-    """Whether a start asked :func:`compile_one_row`'s ``programs_wanted`` for ``key`` in
-    the cache ``root`` and was answered yes: kept as a file beside the entry, not in it,
-    since it is this CPU's answer for these shapes, which outlives a program evicted or
-    compiled again."""
-    return (Path(root) / f"{key}.programs-wanted").is_file()
+def _wanted_file(root: Path, key: str) -> Path:
+    """Where a start that asked :func:`compile_one_row`'s ``programs_wanted`` for ``key``
+    and was answered yes says so: beside the entry, not in it, since it is this CPU's
+    answer for these shapes, which outlives a program evicted or compiled again."""
+    return Path(root) / f"{key}.programs-wanted"
 
 
 def _ask(programs_wanted: Callable[[], bool], root: Path, key: str, writable: bool) -> bool:
-    """``programs_wanted``'s answer, a yes kept in a writable cache."""
+    """``programs_wanted``'s answer, a yes kept in a writable cache (:func:`_wanted_file`)."""
     wanted = programs_wanted()
     if wanted and writable:
-        (root / f"{key}.programs-wanted").write_text(
+        _wanted_file(root, key).write_text(
             "option.decode_step=auto asked whether the decode programs are the faster way "
             "on this CPU for these shapes: yes\n")
     return wanted
@@ -614,7 +613,7 @@ def _cached_or_compiled(graph: OneRowGraph, key: str,
             except OSError as error:
                 logger.info("the %s program's cache %s is read-only (%s): read without "
                             "its lock", what, root, error)
-            answered = programs_wanted is None or programs_were_wanted(root, key)
+            answered = programs_wanted is None or _wanted_file(root, key).is_file()
             if not answered and entry.complete():
                 # left by a start that was not asked (option.decode_step=compiled, or one
                 # before answers were kept): the program is there, the answer is not
