@@ -94,6 +94,8 @@ class CycleTrace:
         self._cuda = device if device is not None and device.type == "cuda" else None
         self._undo: List[Callable[[], None]] = []
         self._gc_started = 0.0
+        self._in_flight = 0
+        self._settled = threading.Condition()
 
     def __enter__(self) -> "CycleTrace":
         def running(s):
@@ -135,6 +137,12 @@ class CycleTrace:
         self.passes.clear()
         self.collections.clear()
 
+    def settle(self, timeout: float = 10.0) -> None:
+        """Wait for the passes under way to be recorded: a client has its last token while
+        the step that made it is still handing tokens out, before its time is written."""
+        with self._settled:
+            self._settled.wait_for(lambda: self._in_flight == 0, timeout)
+
     def _on_collection(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._gc_started = time.perf_counter()
@@ -149,6 +157,8 @@ class CycleTrace:
 
     @contextlib.contextmanager
     def _timing(self, kind: str, label: str):
+        with self._settled:
+            self._in_flight += 1
         segments, cpu, start = self._segments(), time.thread_time(), time.perf_counter()
         try:
             yield
@@ -159,6 +169,9 @@ class CycleTrace:
                                     sum(d for _, d, _ in inside),
                                     tuple(g for _, _, g in inside),
                                     self._segments() - segments))
+            with self._settled:
+                self._in_flight -= 1
+                self._settled.notify_all()
 
     def _wrap(self, owner, name: str, kind: str, describe: Callable[..., str]) -> None:
         original = owner.__dict__[name]
@@ -298,6 +311,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             trace.clear()
             began = time.perf_counter()
             result = run_round(lm, prompts, clients, args.tokens, late=late)
+            trace.settle()
             print(report(result, trace, began, args.max_lines) + "\n", flush=True)
 
 

@@ -21,11 +21,15 @@ def test_a_round_reports_the_passes_that_read_the_burst_and_a_late_arrival(tiny_
     out = capsys.readouterr().out
     burst, late = out.split("## ")[1:3]
     assert burst.startswith("3 clients:") and "totals: " in burst
-    # every prompt of the round was read by some prefill pass (alone or beside a step)
+    # every prompt of the round was read by some prefill pass (alone or beside a step; a
+    # prompt read in two chunks is named by both passes)
     read = sum(int(line.split(" prompts")[0].split()[-1]) for line in burst.splitlines()
                if line.startswith("  +") and " prefill " in line)
-    assert read == 3
-    assert "decode 3x" in burst or "decode 4x" in burst  # 4 tokens: the first from a prefill
+    assert read >= 3, burst
+    # 4 tokens a client, the first from a prefill: at least 3 decode steps were timed (how
+    # many more depends on when the scheduler's thread sees the clients' prompts and ends)
+    decodes = int(burst.split("decode ")[1].split("x")[0])
+    assert 3 <= decodes <= 3 * 4, burst
     assert late.startswith("2 clients + 1 late:") and "late arrival's" in late
     # the wrappers are gone once the trace ends
     assert scheduler_module.Scheduler._decode is decode
