@@ -74,7 +74,6 @@ def test_the_targets_are_ratios_of_the_rows_and_say_by_how_much_one_is_missed():
                "llama.cpp F32": _result("llama.cpp F32", 0.024, 30.0),
                "transformers serve": _result("transformers serve", 0.060, 100.0),
                "djl-stream w8a8": _result("djl-stream w8a8", 0.018, 200.0),
-               "djl-stream compiled": _result("djl-stream compiled", 0.0270, 155.0),
                "djl-stream compiled copy": _result("djl-stream compiled copy", 0.0264, 140.0),
                "djl-stream eager": _result("djl-stream eager", 0.0312, 150.0),
                "djl-stream w8a8 copy": _result("djl-stream w8a8 copy", 0.0132, 150.0)}
@@ -82,29 +81,25 @@ def test_the_targets_are_ratios_of_the_rows_and_say_by_how_much_one_is_missed():
     expected = {
         0: "**FAIL** djl-stream single-stream ITL p50 <= 1.15x llama.cpp F32's: 1.25x "
            "(missed by 9%)",
-        1: "**PASS** djl-stream compiled single-stream ITL p50 <= 1.15x llama.cpp "
-           "F32's: 1.13x; 27.0 ms vs 24.0 ms",
-        2: "**PASS** djl-stream compiled copy single-stream ITL p50 <= 1.15x llama.cpp "
+        1: "**PASS** djl-stream compiled copy single-stream ITL p50 <= 1.15x llama.cpp "
            "F32's: 1.10x; 26.4 ms vs 24.0 ms",
-        3: "**FAIL** djl-stream eager single-stream ITL p50 <= 1.15x llama.cpp "
+        2: "**FAIL** djl-stream eager single-stream ITL p50 <= 1.15x llama.cpp "
            "F32's: 1.30x (missed by 13%); 31.2 ms vs 24.0 ms",
         # each float32 server's throughput against each peer's
-        4: "**PASS** djl-stream aggregate tokens/s at 16 clients >= 1.5x transformers "
+        3: "**PASS** djl-stream aggregate tokens/s at 16 clients >= 1.5x transformers "
            "serve's: 1.6",
-        5: "**PASS** djl-stream compiled aggregate tokens/s at 16 clients >= 1.5x "
-           "transformers serve's: 1.55x",
-        6: "**FAIL** djl-stream compiled copy aggregate tokens/s at 16 clients >= 1.5x "
+        4: "**FAIL** djl-stream compiled copy aggregate tokens/s at 16 clients >= 1.5x "
            "transformers serve's: 1.40x (missed by 7%)",
-        8: "**PASS** djl-stream aggregate tokens/s at 16 clients >= 4.0x llama.cpp F32's: 5.3",
-        11: "**PASS** djl-stream eager aggregate tokens/s at 16 clients >= 4.0x "
-            "llama.cpp F32's: 5.0",
-        12: "**NOT MEASURED** djl-stream int8 single-stream",
-        13: "**PASS** djl-stream w8a8 single-stream >= 1.6x our float32 (djl-stream, ITL "
+        6: "**PASS** djl-stream aggregate tokens/s at 16 clients >= 4.0x llama.cpp F32's: 5.3",
+        8: "**PASS** djl-stream eager aggregate tokens/s at 16 clients >= 4.0x "
+           "llama.cpp F32's: 5.0",
+        9: "**NOT MEASURED** djl-stream int8 single-stream",
+        10: "**PASS** djl-stream w8a8 single-stream >= 1.6x our float32 (djl-stream, ITL "
             "p50): 1.67x",
         # the int8 row with a copy against the float32 row with a copy, then the defaults'
-        14: "**PASS** djl-stream w8a8 copy single-stream >= 1.6x our float32 (djl-stream "
+        11: "**PASS** djl-stream w8a8 copy single-stream >= 1.6x our float32 (djl-stream "
             "compiled copy, ITL p50): 2.00x; 13.2 ms vs 26.4 ms",
-        15: "**PASS** djl-stream w8a8 copy single-stream >= 1.6x our float32 (djl-stream, "
+        12: "**PASS** djl-stream w8a8 copy single-stream >= 1.6x our float32 (djl-stream, "
             "ITL p50): 2.27x",
     }
     for index, prefix in expected.items():

@@ -5,9 +5,8 @@ server renders a template of its own), greedy decoding, and a fixed number of ne
 
 * **djl-stream**: ``djl-stream serve model``, OpenAI ``/v1/completions`` with
   ``ignore_eos`` (vLLM's name for it), in float32 (with the defaults, which on a CPU
-  compile the decode programs over the model's own weights, or serve the eager step over
-  oneDNN's packed layers where a first start finds those faster; with the programs
-  asked for, ``option.decode_step=compiled``; with the eager step,
+  compile the decode programs over the model's own weights, or the one-row program and
+  oneDNN's packed layers beside it where those multiply batches much faster; with the eager step,
   ``option.decode_step=eager``; and with a program holding its own copy of the weights,
   ``option.compiled_weights=copy``), with ``option.quantize=int8`` (weight-only), with
   ``option.quantize=w8a8`` (its programs over the int8 weights, and with a copy) and
@@ -218,8 +217,9 @@ def _djl_stream_peer(name: str, **how) -> Peer:
 PEERS: Dict[str, Peer] = {peer.name: peer for peer in (
     _djl_stream_peer("djl-stream",
                      weights="float32, from model/ (the defaults: on a CPU the compiled "
-                             "programs over the model's weights, or the eager step over "
-                             "oneDNN's packed layers where a first start finds those faster)",
+                             "programs over the model's weights, or the one-row program "
+                             "and oneDNN's packed layers beside it where those multiply "
+                             "batches much faster)",
                      weights_on_gpu="bfloat16, from model/ (the defaults: on a GPU bfloat16, "
                                     "float16 where it has none; decode steps replayed "
                                     "from CUDA graphs)"),
@@ -228,12 +228,6 @@ PEERS: Dict[str, Peer] = {peer.name: peer for peer in (
                      weights_on_gpu="bfloat16, from model/ (option.decode_step=eager: "
                                     "no CUDA graphs)",
                      options=(("decode_step", "eager"),)),
-    _djl_stream_peer("djl-stream compiled",
-                     weights="float32, from model/ (option.decode_step=compiled: the "
-                             "programs over the model's weights, whatever packing would save)",
-                     weights_on_gpu="bfloat16, from model/ (option.decode_step=compiled: "
-                                    "on a GPU CUDA graphs, as the defaults)",
-                     options=(("decode_step", "compiled"),)),
     _djl_stream_peer("djl-stream compiled copy",
                      weights="float32, from model/ (option.compiled_weights=copy)",
                      weights_on_gpu="bfloat16, from model/ (option.compiled_weights is a CPU "
