@@ -399,6 +399,10 @@ def _compile(args: argparse.Namespace) -> int:
     init["decode_step"] = "compiled"
     if args.weights:
         init["compiled_weights"] = args.weights
+    # unset, whether the layers are packed beside the programs is the serving machine's
+    # trial: this one's layers left plain, so that the batch program a machine where
+    # packing does not pay loads is compiled and shipped too
+    init.setdefault("prepack_weights", "false")
     try:
         model, _ = load_model_and_tokenizer(ModelProperties.from_init_properties(init))
     except (PropertyError, ModelLoadError) as error:

@@ -5,12 +5,14 @@
 (:func:`~djl_stream.generation.llama_decode._decode_logits`) as a module over the model's
 plain projection weights. :func:`compile_one_row` exports it (``torch.export``, with the
 cache's column count and the attended span as dynamic sizes) and compiles it with
-AOTInductor into a package: weights frozen into the program, every matrix product
-through Inductor's C++ GEMM template reading its own blocked copy of the weight
-(``freezing``, ``max_autotune`` with the ``CPP`` backend), the whole step one C++ function.
-Measured on the 2-core CPU this project is measured on (``python -m
-benchmarks.decode_step --compiled``), a one-row step of SmolLM2-135M takes about 20 ms
-against 36-39 ms eager, the same greedy tokens. With ``option.quantize=w8a8`` the graph
+AOTInductor into a package, the whole step one C++ function. Each float32 product is
+written as a reduction (:class:`OneRowProduct`), which Inductor compiles into a
+vectorized loop reading the weight's rows in their plain layout as fast as the machine
+streams memory: on a 2-core AMD EPYC (Zen 3) a one-row step of SmolLM2-135M takes 24 ms
+against 47 ms with the products traced as matrix products (MKL's there) and 52-55 ms
+eager (``python -m benchmarks.decode_step --compiled``, the same greedy tokens); on the
+2-core Intel Xeon, where MKL's one-row products already read at 24 GB/s, the program with
+matrix products took 20-22 ms against 36-39 eager. With ``option.quantize=w8a8`` the graph
 holds its :class:`~djl_stream.generation.int8_linear.Int8Linear` layers: Inductor fuses
 each row's rounding to int8 into the kernels around an integer product over the int8
 weights, and a one-row step takes about 16 ms against about 34 ms for w8a8's eager step.
@@ -31,21 +33,20 @@ loads it in seconds. The cache is ``$TORCHINDUCTOR_CACHE_DIR/djl_stream_one_row`
 own default, ``/tmp/torchinductor_$USER``, where the variable is unset): point it at a
 volume that outlives the container to keep the package across container restarts.
 
-``option.compiled_weights=shared`` compiles it without ``freezing`` instead
+``option.compiled_weights=shared`` (the default) compiles it without ``freezing`` instead
 (``compile_one_row(model, share_weights=True)``): the weights stay the program's inputs in
-their plain layout, its matrix products are ATen's as the eager step's, and it is handed
-the model's own tensors, so it holds no copy; the cache entry is the program alone and
-its key ignores the weights' bytes. On the same CPU, one stream through a server: 35.7 ms
-a token against 28.7 with its own copy and 48.3 for the eager step (``python -m
-benchmarks.compiled_weights``), 23.2 against 22.7 and 30.5 in a later run of the peers'
-harness, at the eager server's memory.
+their plain layout, and it is handed the model's own tensors, so it holds no copy; the cache entry is the program alone and
+its key ignores the weights' bytes. With the products as reductions the two read the
+weights alike: on the EPYC one stream through a server took 25 ms a token sharing them
+and 26 with a copy (``python -m benchmarks.peers``, 2026-11-27).
 
 What the cache holds per key (:class:`CacheEntry`) for a program with its own copy: the
-package without weights, the constants the program reads (the packed weights and norms, loaded with ``mmap``: the
+package without weights, the constants the program reads (the weights and norms, loaded with ``mmap``: the
 pages are the file's, shared by every worker on the machine) and the shapes of the
 constants it does not read. AOTInductor keeps every weight of the exported module among
-its constants (the plain projections, which the program no longer reads once it packed
-them, would double the file and the memory); :func:`compile_one_row` finds out which are
+its constants (where a product packs a copy of its weight, as the C++ GEMM template of
+a ``w8a8`` product may, the original is not read, and would double the file and the
+memory); :func:`compile_one_row` finds out which are
 read by running the program with each set to zeros, and those that are not read are
 given to the loaded program as untouched anonymous memory (no physical pages). The
 cache keeps the most recently used programs (:data:`KEPT_ENTRIES`,
@@ -75,7 +76,7 @@ import threading
 import time
 import zipfile
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -524,9 +525,7 @@ def _untouched(shape, dtype: torch.dtype) -> torch.Tensor:
 # -- compiling -------------------------------------------------------------------------
 
 def compile_one_row(model, *, share_weights: bool = False, cache: Optional[Path] = None,
-                    shipped: Optional[Path] = None,
-                    programs_wanted: Optional[Callable[[], bool]] = None
-                    ) -> Optional[CompiledOneRow]:
+                    shipped: Optional[Path] = None) -> Optional[CompiledOneRow]:
     """``model``'s one-row program from the cache, or compiled into it; ``None`` (logged)
     where the model is not one it runs or compiling fails (no C++ compiler, say). Call it
     before the model's layers are packed: it reads their plain weights.
@@ -543,20 +542,12 @@ def compile_one_row(model, *, share_weights: bool = False, cache: Optional[Path]
     written, the package is compiled into a temporary directory, removed once loaded.
     ``shipped``: a model directory's :data:`SHIPPED_FOLDER`, read (without a lock, never
     written) before the cache; its program is taken where its key is this one's.
-    ``programs_wanted``: asked, under the cache's lock, where the program is not shipped
-    and no start on this machine has answered it yes for this key (the answer is kept in
-    the cache beside the program, :func:`_wanted_file`): before a cached program is
-    taken, or just before one is compiled. Where it answers ``False`` nothing is compiled
-    or taken and ``None`` is returned; a yes is kept, a no asked again at the next start.
-    Workers starting together ask one at a time: the others find the first one's answer,
-    and its program if it compiled one. A program cached by a start that was not asked
-    (``option.decode_step=compiled``) answers nothing.
     """
     reason = OneRowGraph.unsupported_reason(model)
     if reason:
         logger.warning("no compiled one-row decode step: %s", reason)
         return None
-    return _program_of(OneRowGraph(model), share_weights, cache, shipped, programs_wanted)
+    return _program_of(OneRowGraph(model), share_weights, cache, shipped)
 
 
 def compile_batch(model, rows: int = BATCH_ROWS, *, cache: Optional[Path] = None,
@@ -579,12 +570,9 @@ def compile_batch(model, rows: int = BATCH_ROWS, *, cache: Optional[Path] = None
 
 
 def _program_of(graph: OneRowGraph, share_weights: bool, cache: Optional[Path],
-                shipped: Optional[Path],
-                programs_wanted: Optional[Callable[[], bool]] = None
-                ) -> Optional[CompiledOneRow]:
-    """``graph``'s program from ``shipped``, else the cache, else compiled (unless
-    ``programs_wanted`` answers ``False``); ``None`` where it is not compiled, or
-    compiling fails (logged)."""
+                shipped: Optional[Path]) -> Optional[CompiledOneRow]:
+    """``graph``'s program from ``shipped``, else the cache, else compiled; ``None``
+    where compiling fails (logged)."""
     started = time.perf_counter()
     what = _described_graph(graph)
     weights = model_weights(graph) if share_weights else None
@@ -598,8 +586,7 @@ def _program_of(graph: OneRowGraph, share_weights: bool, cache: Optional[Path],
             if program is None and not entry.complete():
                 _log_other_keys(Path(shipped), key)
         if program is None:
-            program = _cached_or_compiled(graph, key, weights, cache, started,
-                                          programs_wanted)
+            program = _cached_or_compiled(graph, key, weights, cache, started)
         if program is not None:
             program.rows = graph.rows
         return program
@@ -610,32 +597,12 @@ def _program_of(graph: OneRowGraph, share_weights: bool, cache: Optional[Path],
         return None
 
 
-def _wanted_file(root: Path, key: str) -> Path:
-    """Where a start that asked :func:`compile_one_row`'s ``programs_wanted`` for ``key``
-    and was answered yes says so: beside the entry, not in it, since it is this CPU's
-    answer for these shapes, which outlives a program evicted or compiled again."""
-    return Path(root) / f"{key}.programs-wanted"
-
-
-def _ask(programs_wanted: Callable[[], bool], root: Path, key: str, writable: bool) -> bool:
-    """``programs_wanted``'s answer, a yes kept in a writable cache (:func:`_wanted_file`)."""
-    wanted = programs_wanted()
-    if wanted and writable:
-        _wanted_file(root, key).write_text(
-            "option.decode_step=auto asked whether the decode programs are the faster way "
-            "on this CPU for these shapes: yes\n")
-    return wanted
-
-
 def _cached_or_compiled(graph: OneRowGraph, key: str,
                         weights: Optional[Dict[str, torch.Tensor]], cache: Optional[Path],
-                        started: float, programs_wanted: Optional[Callable[[], bool]] = None
-                        ) -> Optional[CompiledOneRow]:
+                        started: float) -> CompiledOneRow:
     """The program of ``key`` from the cache ``cache`` (:func:`cache_root` by default), or
-    compiled into it (into a temporary directory where it cannot be written), unless
-    ``programs_wanted``, asked where no start answered it before, answers ``False`` (then
-    ``None``); then the least recently used entries beyond :func:`kept_entries` are
-    evicted.
+    compiled into it (into a temporary directory where it cannot be written); then the
+    least recently used entries beyond :func:`kept_entries` are evicted.
 
     A cache whose key lock cannot be created (a directory mounted read-only, or baked into
     an image and owned by another user) is read without the lock: nobody can be writing it
@@ -660,23 +627,12 @@ def _cached_or_compiled(graph: OneRowGraph, key: str,
             except OSError as error:
                 logger.info("the %s program's cache %s is read-only (%s): read without "
                             "its lock", what, root, error)
-            answered = programs_wanted is None or _wanted_file(root, key).is_file()
-            if not answered and entry.complete():
-                # left by a start that was not asked (option.decode_step=compiled, or one
-                # before answers were kept): the program is there, the answer is not
-                if not _ask(programs_wanted, root, key, writable):
-                    return None
-                answered = True
             one_row = _loaded(entry, started, weights, where="the cache",
                               otherwise="compiling it again", what=what)
             if one_row is not None:
                 if writable:
                     _mark_used(entry)
                 return one_row
-            if not answered:
-                _find_compiler()  # (none: the question's trial would be for nothing)
-                if not _ask(programs_wanted, root, key, writable):
-                    return None
             if not writable and temporary is None:
                 root = temporary = _temporary_cache(f"the read-only cache {root} holds no "
                                                     "program for this model")

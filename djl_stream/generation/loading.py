@@ -256,15 +256,14 @@ def prepare_for_decoding(model, tokenizer, props: ModelProperties, *, on_gpu: bo
     is loaded from its cache or compiled
     (:func:`~djl_stream.generation.compiled_decode.compile_one_row`) from the plain layers,
     before they are packed: by default (``option.compiled_weights=shared``) it reads the
-    plain weights themselves, and the layers are left plain (packed copies beside them
-    would be the memory sharing saves) unless ``option.prepack_weights=true``; a program
-    for batches of :data:`~djl_stream.generation.compiled_decode.BATCH_ROWS` rows then
-    reads them too (:func:`~djl_stream.generation.compiled_decode.compile_batch`), where
-    they are left plain; with ``copy`` it packs its own copy of their weights for its C++
-    kernels. A program the model directory ships (``djl-stream compile``) comes first where
-    it was compiled for this CPU and PyTorch. With ``auto``, a first start on a CPU whose
-    packed layers multiply much faster than its plain ones serves with the packed eager
-    step instead (:func:`_packing_outruns_the_programs`). Returns the step or ``None``."""
+    plain weights themselves; with ``option.prepack_weights`` unset the layers are packed
+    beside them only where packed copies multiply a batch much faster
+    (:func:`_packed_beside_the_programs`), and where they are left plain a program for
+    batches of :data:`~djl_stream.generation.compiled_decode.BATCH_ROWS` rows reads them
+    too (:func:`~djl_stream.generation.compiled_decode.compile_batch`); with ``copy`` it
+    holds a copy of its own. A program the model directory ships (``djl-stream
+    compile``) comes first where it was compiled for this CPU and PyTorch. Returns the
+    step or ``None``."""
     one_row, batch_program = _prepare_for_a_cpu(model, props) if not on_gpu else (None, None)
     return attach_decode_step(model, tokenizer, props, one_row=one_row,
                               batch_program=batch_program,
@@ -282,99 +281,75 @@ def _prepare_for_a_cpu(model, props: ModelProperties):
     if not _compiles_on_a_cpu(model, props):
         prepack_for_cpu(model, props)
         return None, None
-    packed_instead = False
-
-    def unless_packing_outruns_the_programs() -> bool:
-        nonlocal packed_instead
-        packed_instead = _packing_outruns_the_programs(model, props)
-        return not packed_instead
-
-    one_row = compiled_decode.compile_one_row(
-        model, share_weights=share, shipped=shipped,
-        programs_wanted=unless_packing_outruns_the_programs if _trial_first(props) else None)
-    if packed_instead:
-        return None, None  # the layers are packed: the eager step serves
-    if one_row is not None and share and props.prepack_weights is None:
+    one_row = compiled_decode.compile_one_row(model, share_weights=share, shipped=shipped)
+    if one_row is not None and share and not props.prepack_weights:
+        if props.prepack_weights is None and _packed_beside_the_programs(model):
+            return one_row, None  # the eager step multiplies batches with the packed layers
         logger.info("linear layers left unpacked: the compiled one-row step reads their "
                     "weights (option.compiled_weights=shared)")
         # (a program reads plain weights: not where the layers are packed)
         return one_row, compiled_decode.compile_batch(model, shipped=shipped)
-    # With its own copy, the program runs every one-row step: the layers serve batches
-    # and prompts only, so the trial times a batch (on the Xeon, packing slows one row but
+    # Where a program runs the one-row steps (with a copy of its own, or the model's plain
+    # weights kept for it by option.prepack_weights=true), the layers serve batches and
+    # prompts only, so the trial times a batch (on the Xeon, packing slows one row but
     # gave a compiled server 15 % more tokens/s at 4 clients).
     prepack_for_cpu(model, props, trial_rows=1 if one_row is None else BATCH_HINT)
     return one_row, None
 
 
-#: What the compiled programs save a one-row decode step besides its matrix products, per
-#: decoder layer (norms, rotary embedding, activations, the Python between them): on this
-#: project's 2-core Xeon a SmolLM2 token took 22.8 ms with the programs against 28.4 with
-#: the eager step over the same plain layers (``make bench-peers``, 2026-11-26), 5.6 ms
-#: over 30 layers. With ``option.decode_step=auto`` on a CPU, the programs are left out
-#: where oneDNN's packed layers would save a one-row step more than this does: the
-#: programs multiply with the plain weights (through MKL, as ``nn.Linear`` does), the
-#: eager step with the packed ones. On the Xeon packing makes one row 1.4-1.5x *slower*
-#: (the programs run); on the 2-core AMD EPYC this project was first measured on, 1.6x
-#: faster (29 against 47 ms for SmolLM2's products, 18 ms a step against the programs'
-#: 6): there the programs would have made the default slower than the packed eager step
-#: (inferred from those figures: no program ran there). A saving per layer, not a ratio:
-#: for SmolLM2 packing must gain about 1.4x to beat the programs, for a model of wider
-#: layers (a 1B model's products take 10 times as long for half as many layers) a few
-#: percent.
-PROGRAMS_SAVE_PER_LAYER = 0.19e-3
+#: How many times faster oneDNN's packed layers must multiply a batch of
+#: :data:`~djl_stream.generation.packed_linear.BATCH_HINT` rows than the plain ones for
+#: ``option.decode_step=auto`` to pack them beside the plain weights its one-row program
+#: reads (memory for the weights again: 538 MB for SmolLM2, its tied LM head's copy
+#: included). On the 2-core AMD EPYC this project was measured on 16 rows' products took
+#: 73 ms plain against 39 packed (1.9x; 4 rows 2.4x: MKL is slow there at a few rows), on
+#: the 2-core Intel Xeon 50 against 45 (1.1x), where the batch program over the plain
+#: weights serves instead (it saves the step's work between its products, 58 against
+#: 66 ms at 16 rows).
+PACKED_BESIDE_SPEEDUP = 1.5
 
 
-def _trial_first(props: ModelProperties) -> bool:
-    """Whether a first start times packing before it compiles
-    (:func:`_packing_outruns_the_programs`): with ``option.decode_step=auto``, weights
-    shared and ``option.prepack_weights`` unset; whoever set any of them chose."""
-    return (props.decode_step == "auto" and props.compiled_weights == "shared"
-            and props.prepack_weights is None)
+def _packed_beside_the_programs(model) -> bool:
+    """With ``option.decode_step=auto``, after the one-row program that reads the plain
+    weights loaded: time :data:`~djl_stream.generation.packed_linear.BATCH_HINT` rows
+    through the layers plain and packed, and where packed ones are
+    :data:`PACKED_BESIDE_SPEEDUP` times faster or more, and their copies fit in half the
+    memory available, put them in place for the eager step (batches, prompts), the plain
+    weights held on by the program. Returns whether they were packed (logged either way)."""
+    from djl_stream.generation.packed_linear import BATCH_HINT, pack_linear_layers
 
-
-def _packing_outruns_the_programs(model, props: ModelProperties) -> bool:
-    """Asked just before a first start compiles the programs (neither the cache nor the
-    model directory holds them; under the cache's lock, so that workers starting together
-    wait for one answer), time one row through the layers plain and packed
-    (:func:`~djl_stream.generation.packed_linear.packing_trial`, under a second for
-    SmolLM2; over the first :data:`~djl_stream.generation.packed_linear.TRIAL_BYTES` of a
-    larger model's, the gain scaled up to them all); where packing saves a one-row step
-    more than the programs do (:data:`PROGRAMS_SAVE_PER_LAYER` for each decoder layer),
-    pack the layers and return ``True``: the eager step serves, nothing is compiled. Once
-    a start answered that the programs are wanted, later ones run no trial (the answer is
-    kept in the cache); a program compiled by ``option.decode_step=compiled`` answers
-    nothing, so the next ``auto`` start still asks."""
     import torch
 
-    from djl_stream.generation import packed_linear
-    from djl_stream.generation.allocators import release_cached_memory
+    copies = sum(layer.weight.nbytes for layer in model.modules()
+                 if type(layer) is torch.nn.Linear and layer.weight.dtype == torch.float32)
+    if not copies:  # (w8a8's int8 layers: the batch program multiplies those)
+        return False
+    available = _memory_available()
+    if available is not None and 2 * copies > available:
+        logger.info("linear layers left unpacked: packed copies beside the plain weights the "
+                    "compiled one-row step reads would take %.0f MB, over half the %.0f MB "
+                    "available", copies / 1e6, available / 1e6)
+        return False
+    packed = pack_linear_layers(model, only_where_it_pays=True, trial_rows=BATCH_HINT,
+                                speedup_wanted=PACKED_BESIDE_SPEEDUP)
+    if packed:
+        logger.info("prepacked %d linear layers for batches and prompts, beside the plain "
+                    "weights the compiled one-row step reads (%.0f MB more)", packed,
+                    copies / 1e6)
+    return packed > 0
 
-    replacements = packed_linear.packed_replacements(model,
-                                                     up_to_bytes=packed_linear.TRIAL_BYTES)
-    if not replacements:
-        return False
-    trial = packed_linear.trial_of(replacements, rows=1)
-    # the trial times the first TRIAL_BYTES of a larger model's layers (none of them in
-    # place yet): its gain, scaled up to them all
-    timed = sum(getattr(parent, name).weight.nbytes for parent, name, _ in replacements)
-    every = sum(layer.weight.nbytes for _, _, layer in packed_linear.plain_linear_layers(model)
-                if layer.weight.dtype == torch.float32)
-    gain = (trial.plain_seconds - trial.packed_seconds) * max(every, timed) / timed
-    saved = len(model.model.layers) * PROGRAMS_SAVE_PER_LAYER
-    if gain <= saved:
-        logger.info("compiling the decode programs: oneDNN's packed layers would not save a "
-                    "one-row step on this CPU the %.1f ms the programs do (%s)", saved * 1e3,
-                    trial)
-        del replacements  # the packed copies: given back now rather than at the first idle
-        release_cached_memory()
-        return False
-    packed = packed_linear.pack_from(model, replacements)
-    logger.info("no compiled decode steps (option.decode_step=auto): oneDNN's packed layers "
-                "save a one-row step %.1f ms on this CPU, the programs about %.1f, and they "
-                "would multiply with the plain weights (%s); prepacked %d linear layers for "
-                "the eager step (option.decode_step=compiled compiles the programs anyway)",
-                gain * 1e3, saved * 1e3, trial, packed)
-    return True
+
+def _memory_available() -> Optional[int]:
+    """Bytes of memory the system can give without swapping (``MemAvailable``), or
+    ``None`` where ``/proc/meminfo`` does not say (not Linux)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _compiles_on_a_cpu(model, props: ModelProperties) -> bool:

@@ -25,9 +25,11 @@ with one row at 24 GB/s, packed ones at 16.5 GB/s, and packing gained 6-11% from
 rows. So where ``option.prepack_weights`` is unset the load times one row through every
 layer both ways (:func:`packing_trial`) and keeps the layers unpacked where packing makes
 it :data:`SLOWER_AT_ONE_ROW` times slower or worse (``pack_linear_layers(model,
-only_where_it_pays=True)``). Where a compiled program with its own copy of the weights
-runs the one-row steps (``option.decode_step=compiled``), the layers serve batches and
-prompts only, and the trial times :data:`BATCH_HINT` rows instead (``trial_rows``).
+only_where_it_pays=True)``). Where a compiled program runs the one-row steps
+(:mod:`~djl_stream.generation.compiled_decode`: with its own copy of the weights, or
+reading the model's plain weights, which packing then copies), the layers serve batches
+and prompts only, and the trial times :data:`BATCH_HINT` rows instead (``trial_rows``;
+beside the plain weights, packing must be ``speedup_wanted`` times faster).
 
 This is what TorchInductor's ``freezing`` does to a compiled CPU graph (in bf16) and what
 Intel's extension for PyTorch did as ``ipex.optimize``; here it is done once at load, in
@@ -203,6 +205,11 @@ class PackingTrial:
         trial's noise, so that a model is not packed at one start and not at the next)."""
         return self.packed_seconds < self.plain_seconds * SLOWER_AT_ONE_ROW
 
+    @property
+    def speedup(self) -> float:
+        """How many times faster the packed layers were (under 1: slower)."""
+        return self.plain_seconds / self.packed_seconds if self.packed_seconds else math.inf
+
     def __str__(self) -> str:
         rows = "one row" if self.rows == 1 else f"{self.rows} rows"
         return (f"{rows} through the layers: {self.plain_seconds * 1e3:.1f} ms with "
@@ -254,7 +261,7 @@ def packing_trial(pairs, repetitions: int = 7,
 
 
 def pack_linear_layers(model: torch.nn.Module, *, only_where_it_pays: bool = False,
-                       trial_rows: int = 1) -> int:
+                       trial_rows: int = 1, speedup_wanted: Optional[float] = None) -> int:
     """Replace every float32 CPU ``nn.Linear`` in ``model`` (bfloat16 too, on a CPU that
     multiplies it natively) by its :class:`PackedLinear`, in place, and return how many
     were replaced. Each packed layer is checked against ``nn.Linear`` on a probe first; one
@@ -266,7 +273,9 @@ def pack_linear_layers(model: torch.nn.Module, *, only_where_it_pays: bool = Fal
     program runs the one-row steps) through the first :data:`TRIAL_BYTES` of layers both
     ways (:func:`packing_trial`, while their packed copies exist anyway), and leave the
     model as it was where packing does not pay (:attr:`PackingTrial.pays`; logged either
-    way).
+    way). ``speedup_wanted``: where packing costs memory (copies beside plain weights a
+    compiled program keeps reading), it pays only where the packed layers are this many
+    times faster or more.
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     >>> pack_linear_layers(model) in (0, 2)
@@ -278,6 +287,12 @@ def pack_linear_layers(model: torch.nn.Module, *, only_where_it_pays: bool = Fal
         if not trial.pays:
             logger.info("linear layers left unpacked: oneDNN's packed layers are slower on "
                         "this CPU (%s; option.prepack_weights=true packs them anyway)", trial)
+            return 0
+        if speedup_wanted is not None and trial.speedup < speedup_wanted:
+            logger.info("linear layers left unpacked: oneDNN's packed layers are %.2fx as "
+                        "fast on this CPU, under the %.2fx their memory is packed for (%s; "
+                        "option.prepack_weights=true packs them anyway)", trial.speedup,
+                        speedup_wanted, trial)
             return 0
         logger.info("packing pays on this CPU (%s)", trial)
     return pack_from(model, replacements)

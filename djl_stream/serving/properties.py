@@ -125,8 +125,10 @@ class ModelProperties:
             steps on SmolLM2 on an AMD EPYC; see :mod:`djl_stream.generation.packed_linear`);
             ``None`` (``auto``) does so unless a trial at load finds it slows one row's
             products on this CPU (it does on some Intel Xeons; 16 rows' where a compiled
-            program with its own copy runs the one-row steps), ``True`` always (where
-            this PyTorch can), ``False`` never.
+            program runs the one-row steps; beside the plain weights the default
+            programs read, only where packed layers multiply 16 rows 1.5x faster or
+            more and their copies fit in half the memory available), ``True`` always
+            (where this PyTorch can), ``False`` never.
         decode_step: who runs a decode step: ``forward`` (the model's forward),
             ``eager`` (djl-stream's Llama decode step, written for its KV cache: about 12 %
             faster on SmolLM2 on a CPU), ``compiled`` (that step, plus programs for one-row
@@ -135,8 +137,7 @@ class ModelProperties:
             and kept in ``$TORCHINDUCTOR_CACHE_DIR``: a single stream about 1.25x faster
             than ``eager`` on SmolLM2; see :mod:`djl_stream.generation.compiled_decode`) or
             ``auto`` (on a CPU ``compiled`` where the model is a Llama-architecture one
-            with float32 or ``w8a8`` linear layers, unless a first start finds this CPU's
-            packed layers much faster than the plain ones the programs read, ``eager``
+            with float32 or ``w8a8`` linear layers, ``eager``
             for other Llama-architecture ones; on one CUDA GPU that step replayed from CUDA graphs,
             :mod:`djl_stream.generation.cuda_graphs`, which ``compiled`` means there too;
             ``forward`` elsewhere; see :mod:`djl_stream.generation.llama_decode`). Where
@@ -144,10 +145,11 @@ class ModelProperties:
         compiled_weights: what the compiled steps read: ``shared`` (the model's own
             weights, no memory of their own, and a cached program that serves any weights of
             the same shapes; the layers are left unpacked unless ``prepack_weights`` is
-            ``True``, and a second program, for steps of 7 to 16 rows, reads them too) or
-            ``copy`` (one program, for one-row steps, with a copy of the weights packed for
-            its own C++ kernels: a few percent faster for one stream, the weights' size
-            again in memory).
+            ``True`` or a trial finds packed copies beside them much faster for batches,
+            and where they are left plain a second program, for steps of 7 to 16 rows,
+            reads them too) or ``copy`` (one program, for one-row steps, with a copy of
+            the weights of its own: the weights' size again in memory, and the layers
+            packed where that pays for batches).
         tensor_parallel_degree: number of GPUs to spread the model over; ``None`` means
             ``max`` (all visible GPUs). Ignored on CPU.
         enable_streaming: stream by default when a request does not say ``"stream"``.
