@@ -297,26 +297,30 @@ def _prepare_for_a_cpu(model, props: ModelProperties):
     return one_row, None
 
 
-#: How many times faster oneDNN's packed layers must multiply a batch of
-#: :data:`~djl_stream.generation.packed_linear.BATCH_HINT` rows than the plain ones for
-#: ``option.decode_step=auto`` to pack them beside the plain weights its one-row program
-#: reads (memory for the weights again: 538 MB for SmolLM2, its tied LM head's copy
-#: included). On the 2-core AMD EPYC this project was measured on 16 rows' products took
-#: 73 ms plain against 39 packed (1.9x; 4 rows 2.4x: MKL is slow there at a few rows), on
-#: the 2-core Intel Xeon 50 against 45 (1.1x), where the batch program over the plain
-#: weights serves instead (it saves the step's work between its products, 58 against
-#: 66 ms at 16 rows).
-PACKED_BESIDE_SPEEDUP = 1.5
+#: The rows the trial after the one-row program times (:func:`_packed_beside_the_programs`):
+#: the batches no program runs (2 to 6 rows; the batch program takes 7 to 16), where MKL
+#: multiplies plain weights slowest on an AMD EPYC.
+BESIDE_TRIAL_ROWS = 4
+#: How many times faster oneDNN's packed layers must multiply :data:`BESIDE_TRIAL_ROWS`
+#: rows than the plain ones for ``option.decode_step=auto`` to pack them beside the plain
+#: weights its one-row program reads (memory for the weights again: 538 MB for SmolLM2,
+#: its tied LM head's copy included). On the 2-core AMD EPYC (Zen 3) of 2026-11-27, 4
+#: rows' products took 87 ms plain against 49 packed (1.8x; 2 rows 1.9x, 16 rows 1.3x:
+#: ``python -m benchmarks.linear_packing``), and with the layers plain 4 clients got fewer
+#: tokens/s than one (36.5 against 34.6); on the 2-core Intel Xeon 37 against 32 (1.15x),
+#: where the batch program over the plain weights serves instead (it saves the step's work
+#: between its products, 58 against 66 ms at 16 rows).
+PACKED_BESIDE_SPEEDUP = 1.4
 
 
 def _packed_beside_the_programs(model) -> bool:
     """With ``option.decode_step=auto``, after the one-row program that reads the plain
-    weights loaded: time :data:`~djl_stream.generation.packed_linear.BATCH_HINT` rows
+    weights loaded: time :data:`BESIDE_TRIAL_ROWS` rows
     through the layers plain and packed, and where packed ones are
     :data:`PACKED_BESIDE_SPEEDUP` times faster or more, and their copies fit in half the
     memory available, put them in place for the eager step (batches, prompts), the plain
     weights held on by the program. Returns whether they were packed (logged either way)."""
-    from djl_stream.generation.packed_linear import BATCH_HINT, pack_linear_layers
+    from djl_stream.generation.packed_linear import pack_linear_layers
 
     import torch
 
@@ -330,7 +334,7 @@ def _packed_beside_the_programs(model) -> bool:
                     "compiled one-row step reads would take %.0f MB, over half the %.0f MB "
                     "available", copies / 1e6, available / 1e6)
         return False
-    packed = pack_linear_layers(model, only_where_it_pays=True, trial_rows=BATCH_HINT,
+    packed = pack_linear_layers(model, only_where_it_pays=True, trial_rows=BESIDE_TRIAL_ROWS,
                                 speedup_wanted=PACKED_BESIDE_SPEEDUP)
     if packed:
         logger.info("prepacked %d linear layers for batches and prompts, beside the plain "

@@ -126,7 +126,7 @@ class ModelProperties:
             ``None`` (``auto``) does so unless a trial at load finds it slows one row's
             products on this CPU (it does on some Intel Xeons; 16 rows' where a compiled
             program runs the one-row steps; beside the plain weights the default
-            programs read, only where packed layers multiply 16 rows 1.5x faster or
+            programs read, only where packed layers multiply 4 rows 1.4x faster or
             more and their copies fit in half the memory available), ``True`` always
             (where this PyTorch can), ``False`` never.
         decode_step: who runs a decode step: ``forward`` (the model's forward),
