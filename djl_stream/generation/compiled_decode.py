@@ -531,12 +531,10 @@ def compile_one_row(model, *, share_weights: bool = False, cache: Optional[Path]
     before the model's layers are packed: it reads their plain weights.
 
     ``share_weights``: the program reads the model's own weight tensors (the program
-    holds them: they must not change shape or place) rather than copies of its own packed
-    for its C++ GEMM kernels: no memory of its own, a cached program that serves any
-    weights of the same shapes, and a step as fast or somewhat slower (SmolLM2 on the
-    2-core Xeon this project is measured on, one stream through a server: 35.7 ms a token
-    against 28.7 with the copy and 48.3 eager in ``python -m benchmarks.compiled_weights``
-    on a slow evening; 23.2 against 22.7 and 30.5 in the peers' harness an hour later).
+    holds them: they must not change shape or place) rather than copies of its own: no
+    memory of its own, a cached program that serves any weights of the same shapes, and
+    a step as fast (its reductions read plain weights either way: 25 against 26 ms a
+    token through a server on the AMD EPYC of 2026-11-27).
 
     ``cache``: the cache directory, :func:`cache_root` by default; where it cannot be
     written, the package is compiled into a temporary directory, removed once loaded.

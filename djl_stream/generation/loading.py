@@ -306,8 +306,8 @@ BESIDE_TRIAL_ROWS = 4
 #: weights its one-row program reads (memory for the weights again: 538 MB for SmolLM2,
 #: its tied LM head's copy included). On the 2-core AMD EPYC (Zen 3) of 2026-11-27, 4
 #: rows' products took 87 ms plain against 49 packed (1.8x; 2 rows 1.9x, 16 rows 1.3x:
-#: ``python -m benchmarks.linear_packing``), and with the layers plain 4 clients got fewer
-#: tokens/s than one (36.5 against 34.6); on the 2-core Intel Xeon 37 against 32 (1.15x),
+#: ``python -m benchmarks.linear_packing``), and with the layers plain 4 clients got no
+#: more tokens/s than one (34.4 against 35.3, medians of 2 over HTTP); on the 2-core Intel Xeon 37 against 32 (1.15x),
 #: where the batch program over the plain weights serves instead (it saves the step's work
 #: between its products, 58 against 66 ms at 16 rows).
 PACKED_BESIDE_SPEEDUP = 1.4
@@ -320,9 +320,9 @@ def _packed_beside_the_programs(model) -> bool:
     :data:`PACKED_BESIDE_SPEEDUP` times faster or more, and their copies fit in half the
     memory available, put them in place for the eager step (batches, prompts), the plain
     weights held on by the program. Returns whether they were packed (logged either way)."""
-    from djl_stream.generation.packed_linear import pack_linear_layers
-
     import torch
+
+    from djl_stream.generation.packed_linear import pack_linear_layers
 
     copies = sum(layer.weight.nbytes for layer in model.modules()
                  if type(layer) is torch.nn.Linear and layer.weight.dtype == torch.float32)
