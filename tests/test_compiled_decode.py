@@ -378,7 +378,6 @@ def test_with_the_program_s_own_copy_the_packing_trial_times_a_batch(tiny_model_
                                                                      one_row_cache, monkeypatch):
     """option.compiled_weights=copy: the program runs every one-row step, so the layers'
     packing trial times a batch of packed_linear.BATCH_HINT rows; an eager load times one."""
-    from djl_stream.generation import packed_linear
     from djl_stream.generation.loading import load_model_and_tokenizer
 
     asked = []
@@ -820,10 +819,9 @@ def test_option_compiled_weights_shared_adds_a_batch_program_reading_the_same_we
 
 
 def packing_trial_figures(monkeypatch, plain_seconds, packed_seconds):
-    """Have the load's packing trials report these times (one row through the layers,
-    each way), as a CPU of that kind would; the rows they were asked for are listed."""
-    from djl_stream.generation import packed_linear
-
+    """Have the load's packing trials report these times (the rows asked for through the
+    layers, each way), as a CPU of that kind would; the rows they were asked for are
+    listed."""
     asked = []
 
     def trial(pairs, repetitions=7, rows=1):

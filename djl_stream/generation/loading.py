@@ -307,25 +307,26 @@ BESIDE_TRIAL_ROWS = 4
 #: its tied LM head's copy included). On the 2-core AMD EPYC (Zen 3) of 2026-11-27, 4
 #: rows' products took 87 ms plain against 49 packed (1.8x; 2 rows 1.9x, 16 rows 1.3x:
 #: ``python -m benchmarks.linear_packing``), and with the layers plain 4 clients got no
-#: more tokens/s than one (34.4 against 35.3, medians of 2 over HTTP); on the 2-core Intel Xeon 37 against 32 (1.15x),
-#: where the batch program over the plain weights serves instead (it saves the step's work
-#: between its products, 58 against 66 ms at 16 rows).
+#: more tokens/s than one (34.4 against 35.3, medians of 2 over HTTP); on the 2-core
+#: Intel Xeon 37 against 32 (1.15x), where the batch program over the plain weights
+#: serves instead (it saves the step's work between its products, 58 against 66 ms at 16
+#: rows).
 PACKED_BESIDE_SPEEDUP = 1.4
 
 
 def _packed_beside_the_programs(model) -> bool:
-    """With ``option.decode_step=auto``, after the one-row program that reads the plain
-    weights loaded: time :data:`BESIDE_TRIAL_ROWS` rows
+    """With ``option.prepack_weights`` unset, after the one-row program that reads the
+    plain weights loaded: time :data:`BESIDE_TRIAL_ROWS` rows
     through the layers plain and packed, and where packed ones are
     :data:`PACKED_BESIDE_SPEEDUP` times faster or more, and their copies fit in half the
     memory available, put them in place for the eager step (batches, prompts), the plain
     weights held on by the program. Returns whether they were packed (logged either way)."""
     import torch
 
-    from djl_stream.generation.packed_linear import pack_linear_layers
+    from djl_stream.generation.packed_linear import pack_linear_layers, plain_linear_layers
 
-    copies = sum(layer.weight.nbytes for layer in model.modules()
-                 if type(layer) is torch.nn.Linear and layer.weight.dtype == torch.float32)
+    copies = sum(layer.weight.nbytes for _, _, layer in plain_linear_layers(model)
+                 if layer.weight.dtype == torch.float32)
     if not copies:  # (w8a8's int8 layers: the batch program multiplies those)
         return False
     available = _memory_available()
