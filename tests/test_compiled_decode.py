@@ -589,10 +589,11 @@ def test_djl_stream_compile_ships_the_program_a_server_then_loads(tiny_model_dir
     model_dir = tmp_path / "tiny"
     shutil.copytree(tiny_model_dir, model_dir)
     assert main(["compile", str(model_dir), "--weights", "shared"]) == 0
-    # the one-row program and the batch program that option.compiled_weights=shared adds
+    # the one-row program, and the batch and few-rows programs that
+    # option.compiled_weights=shared adds (the serving machine's packing trial picks one)
     entries = sorted((model_dir / compiled_decode.SHIPPED_FOLDER).iterdir())
     out = capsys.readouterr().out
-    assert len(entries) == 2 and all(f"wrote {entry}" in out for entry in entries)
+    assert len(entries) == 3 and all(f"wrote {entry}" in out for entry in entries)
 
     # a machine with an empty cache, where packing does not pay: it loads the shipped
     # programs and compiles nothing
@@ -604,7 +605,16 @@ def test_djl_stream_compile_ships_the_program_a_server_then_loads(tiny_model_dir
     model, _ = load_model_and_tokenizer(props)
     step = llama_decode.step_of(model)
     assert step is not None and step.compiled and step.batch_program is not None
-    assert sorted([step.one_row.path, step.batch_program.path]) == entries
+    batch_program_path = step.batch_program.path
+
+    # where packing pays, the few-rows program is loaded from the model directory too
+    packing_trial_figures(monkeypatch, *EPYC)
+    model, _ = load_model_and_tokenizer(ModelProperties.from_init_properties(
+        {"model_dir": str(model_dir)}))
+    step = llama_decode.step_of(model)
+    assert step.batch_program is None
+    assert step.few_rows is not None
+    assert sorted([step.one_row.path, batch_program_path, step.few_rows.path]) == entries
 
 
 # -- called with the GIL released (aoti_call) -------------------------------------------
@@ -659,13 +669,14 @@ def test_where_the_library_cannot_be_called_directly_pytorch_s_loader_runs_it(
 # -- the batch program (option.compiled_weights=shared) --------------------------------
 
 BATCH_PROMPTS = ["Hello there", "The quick brown fox jumps over", "Once upon a time",
-                 "A", "Water boils at"]
+                 "A", "Water boils at", "Seven", "In the beginning"]
 
 
-def decode_in_one_batch(model, tokenizer, prompts, new_tokens, room_for_rows):
+def decode_in_one_batch(model, tokenizer, prompts, new_tokens, room_for_rows,
+                        ran_flag="last_step_batch_program"):
     """``prompts`` decoded greedily in one batch whose cache has ``room_for_rows`` more
     rows (a scheduler's cache reserves rows on a CPU); each row's tokens, and whether each
-    decode step ran the batch program."""
+    decode step ran the batch program (the step's ``ran_flag``)."""
     sequences = [GenerationSequence(i, tokenizer(p)["input_ids"], tokenizer,
                                     max_new_tokens=new_tokens, eos_token_ids=set(),
                                     ignore_eos=True) for i, p in enumerate(prompts)]
@@ -675,7 +686,7 @@ def decode_in_one_batch(model, tokenizer, prompts, new_tokens, room_for_rows):
     ran = []
     while batch is not None:
         _, batch = generate_token(model, batch)
-        ran.append(llama_decode.step_of(model).last_step_batch_program)
+        ran.append(getattr(llama_decode.step_of(model), ran_flag))
     return [seq.generated_ids for seq in sequences], ran
 
 
@@ -750,7 +761,59 @@ def test_the_one_row_program_multiplies_as_reductions_and_the_batch_program_as_p
     model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
     layers = len(model.model.layers)
     assert _matrix_products(compiled_decode.OneRowGraph(model)) == []
+    assert _matrix_products(compiled_decode.FewRowsGraph(model)) == []
     assert len(_matrix_products(compiled_decode.BatchGraph(model, rows=4))) == 7 * layers + 1
+
+
+@pytest.fixture()
+def few_rows_step(smollm2_tokenizer, one_row_cache):
+    """The tiny Llama's step with the few-rows program (2 to 6 rows) reading its plain
+    weights (from the session's cache after the first compile), and the tokens the eager
+    step gives each batch of :data:`BATCH_PROMPTS` first."""
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
+    program = compiled_decode.compile_few_rows(model)
+    assert program is not None and program.rows == compiled_decode.FEW_ROWS == 6
+    assert program.shares_weights
+    eager = llama_decode.attach(model, smollm2_tokenizer)
+    expected = {rows: greedy_in_one_batch(model, smollm2_tokenizer, BATCH_PROMPTS[:rows], 10)
+                for rows in (1, 2, 3, 6, 7)}
+    step = llama_decode.attach(model, smollm2_tokenizer, few_rows=program)
+    assert eager is not None and step is not None and step.few_rows is program
+    return model, step, expected
+
+
+@pytest.mark.parametrize("rows,runs_program", [(1, False), (2, True), (3, True), (6, True),
+                                               (7, False)])
+def test_the_few_rows_program_runs_2_to_6_rows_at_their_own_count_with_the_same_tokens(
+        smollm2_tokenizer, few_rows_step, rows, runs_program):
+    model, step, expected = few_rows_step
+    tokens, ran = decode_in_one_batch(model, smollm2_tokenizer, BATCH_PROMPTS[:rows], 10,
+                                      room_for_rows=8, ran_flag="last_step_few_rows")
+    assert tokens == expected[rows]
+    assert ran == [runs_program] * 9
+
+
+def test_a_few_rows_program_that_fails_gives_way_to_the_eager_step(
+        smollm2_tokenizer, few_rows_step, monkeypatch, caplog):
+    model, step, expected = few_rows_step
+
+    def failing(*inputs):
+        raise RuntimeError("the program failed")
+
+    monkeypatch.setattr(step.few_rows, "_program", failing)
+    tokens, ran = decode_in_one_batch(model, smollm2_tokenizer, BATCH_PROMPTS[:3], 10,
+                                      room_for_rows=8, ran_flag="last_step_few_rows")
+    assert tokens == expected[3]
+    assert step.few_rows is None and not any(ran)
+    assert "steps of a few rows run the eager step from now on" in caplog.text
+
+
+def test_the_few_rows_product_hands_on_rows_by_outputs_in_their_plain_layout():
+    linear = torch.nn.Linear(8, 5)
+    rows = torch.randn(3, 8)
+    product = compiled_decode.FewRowsProduct(linear)(rows)
+    assert product.shape == (3, 5) and product.stride() == (5, 1)
+    assert torch.allclose(product, linear(rows), atol=1e-6)
 
 
 def test_a_float32_step_multiplies_no_int8(smollm2_tokenizer):
@@ -851,6 +914,7 @@ def test_by_default_a_cpu_load_compiles_both_programs_over_the_model_s_own_weigh
     step = llama_decode.step_of(model)
     assert step.compiled and step.one_row.shares_weights
     assert step.batch_program is not None and step.batch_program.rows == compiled_decode.BATCH_ROWS
+    assert step.few_rows is None  # (the batch program's plain layers: MKL's products)
     assert step.one_row.path.parent == one_row_cache
     assert type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear  # read by the programs
     assert asked == [loading.BESIDE_TRIAL_ROWS]  # a batch timed, after the program loaded
@@ -861,8 +925,9 @@ def test_by_default_where_packed_layers_multiply_a_batch_much_faster_they_serve_
         tiny_model_dir, one_row_cache, monkeypatch, caplog):
     """On a CPU whose packed layers multiply 4 rows 1.8x faster than the plain ones (the
     AMD EPYC's figures), the one-row program keeps reading the plain weights and the
-    layers are packed beside them for the eager step's batches: no batch program, and
-    one-row and batched steps give the forward's tokens."""
+    layers are packed beside them for the eager step's batches of 7 rows or more: no batch
+    program, the few-rows program for 2 to 6 rows, and steps of each give the forward's
+    tokens."""
     from djl_stream.generation import loading
     from djl_stream.generation.loading import load_model_and_tokenizer
 
@@ -872,17 +937,21 @@ def test_by_default_where_packed_layers_multiply_a_batch_much_faster_they_serve_
         {"model_dir": str(tiny_model_dir)}))
     step = llama_decode.step_of(model)
     assert step.compiled and step.one_row.shares_weights and step.batch_program is None
+    assert step.few_rows is not None and step.few_rows.rows == compiled_decode.FEW_ROWS
+    assert step.few_rows.shares_weights
     assert isinstance(model.model.layers[0].mlp.up_proj, packed_linear.PackedLinear)
     assert asked == [loading.BESIDE_TRIAL_ROWS]
     assert "beside the plain weights the compiled one-row step reads" in caplog.text
+    assert "one-row and 2- to 6-row decode steps run the compiled programs" in caplog.text
 
     reference, _ = load_model_and_tokenizer(ModelProperties.from_init_properties(
         {"model_dir": str(tiny_model_dir), "decode_step": "forward",
          "prepack_weights": "false"}))
-    prompts = BATCH_PROMPTS[:3]
-    for rows in (1, 3):  # one row: the program; three: the packed eager step
-        assert (greedy_in_one_batch(model, tokenizer, prompts[:rows], 12)
-                == greedy_in_one_batch(reference, tokenizer, prompts[:rows], 12))
+    # one row: the one-row program; three: the few-rows program over the plain weights;
+    # seven: the eager step over the packed layers
+    for rows in (1, 3, 7):
+        assert (greedy_in_one_batch(model, tokenizer, BATCH_PROMPTS[:rows], 12)
+                == greedy_in_one_batch(reference, tokenizer, BATCH_PROMPTS[:rows], 12))
 
 
 def test_by_default_packed_copies_that_would_crowd_the_memory_are_not_made(

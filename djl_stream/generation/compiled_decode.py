@@ -26,6 +26,14 @@ eager step's; what it removes is everything between them. The rows are fixed: a 
 for any row count (the row count a dynamic size) took 75 ms a step at 16 rows against
 58 ms for this one and 66 ms eager (SmolLM2, 2-core Xeon).
 
+Where the layers are packed beside the plain weights (an AMD EPYC's case:
+:func:`~djl_stream.generation.loading.prepare_for_decoding`), a third program serves steps
+of 2 to :data:`FEW_ROWS` rows at their own row count (:class:`FewRowsGraph`,
+:func:`compile_few_rows`; the rows a dynamic size), its products reductions whose loop
+reads each row of the weight once for all the rows (:class:`FewRowsProduct`): on the
+EPYC 31 ms a 2-row step, 43 a 4-row one and 65 a 6-row one against 56, 64 and 75 for
+the eager step over packed layers.
+
 The package is kept in a cache directory, keyed by everything its code depends on (the
 weights' bytes, the model's geometry, this CPU, PyTorch's version, the step's source), so
 only the first start on a machine pays the compile (about 90 s for SmolLM2); a restart
@@ -120,6 +128,14 @@ KEPT_ENTRIES_VARIABLE = "DJL_STREAM_COMPILED_CACHE_ENTRIES"
 #: the program (fewer rows run the eager step: a program's step costs what its rows cost).
 #: 16, the batch ``make bench-peers`` measures most.
 BATCH_ROWS = 16
+
+#: The most rows the few-rows program runs (:class:`FewRowsGraph`, :func:`compile_few_rows`):
+#: it runs each step of 2 to this many rows at its own row count (a dynamic size). On the
+#: 2-core AMD EPYC (Zen 3) of 2026-11-27 a step of SmolLM2 over buffers of 2,048 columns
+#: (100 attended) took 30.5, 42.7 and 65.1 ms at 2, 4 and 6 rows against 56.2, 63.7 and
+#: 75.2 for the eager step over packed layers (minimum of 3 rounds of 5 steps, the two in
+#: turns, a ``/tmp`` script); a first version lost to it from 8 rows (102 against 91).
+FEW_ROWS = 6
 
 #: ``torch.export`` fixes a size of 0 or 1 seen in the example inputs, and a plain int
 #: argument is not a dynamic size at all; the first column attended over (often 0) is
@@ -316,8 +332,99 @@ class BatchGraph(OneRowGraph):
         return {**super().dynamic_shapes(), "real": None}
 
 
+class FewRowsProduct(torch.nn.Module):
+    """A float32 linear layer's product for a few rows written as a reduction whose loop
+    reads each row of the weight once for all the rows (the weight's rows outermost), for
+    :class:`FewRowsGraph`; over the layer's own weight and bias, no copies.
+
+    Why: on the AMD EPYC, MKL multiplies 2 to 6 rows by plain weights at 11 GB/s or less
+    and oneDNN's packed layers do little better (SmolLM2's 211 products: 87 ms plain, 49
+    packed at 4 rows), while this loop reads them at the memory's speed while the rows'
+    arithmetic keeps up (the 211 products in one compiled graph: 21 ms at 2 rows, 40 at
+    4, 51 at 8). Computed as ``(outputs, rows)``, the sums are handed on as a contiguous
+    ``(rows, outputs)`` tensor whose layout ``as_strided`` pins: left to itself, Inductor
+    gives the activations after it the transposed layout, and the next products then
+    vectorize over the rows with a parallel region inside their loop over the outputs (a
+    2-row step of a 2-layer model of SmolLM2's widths: 150-195 ms against 8-9).
+
+    Example::
+
+        >>> linear = torch.nn.Linear(4, 3)
+        >>> x = torch.randn(2, 4)
+        >>> torch.allclose(FewRowsProduct(linear)(x), linear(x), atol=1e-6)
+        True
+    """
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sums = (self.weight.unsqueeze(1) * x.unsqueeze(0)).sum(-1)  # (outputs, rows)
+        outputs, rows = sums.shape
+        products = torch.as_strided(sums.t().contiguous(), (rows, outputs), (outputs, 1))
+        return products if self.bias is None else products + self.bias
+
+
+class FewRowsGraph(OneRowGraph):
+    """The decode step of a batch of 2 to ``rows`` rows (:data:`FEW_ROWS` by default) at
+    its own row count, a dynamic size (:func:`compile_few_rows`): the one-row graph's
+    inputs that many rows deep, its float32 products :class:`FewRowsProduct`'s. Only
+    float32 layers (``w8a8``'s batch program runs from 2 rows).
+
+    Example::
+
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16,
+        ...     intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+        >>> graph = FewRowsGraph(model)
+        >>> graph.rows, graph.example_inputs()[0].shape[0]
+        (6, 6)
+    """
+
+    @staticmethod
+    def unsupported_reason(model) -> Optional[str]:
+        reason = OneRowGraph.unsupported_reason(model)
+        if reason is None and _holds_int8_layers(model):
+            return "the few-rows program multiplies float32 layers only"
+        return reason
+
+    @staticmethod
+    def _product(linear: torch.nn.Module) -> torch.nn.Module:
+        return FewRowsProduct(linear)
+
+    def __init__(self, model, rows: int = FEW_ROWS):
+        super().__init__(model)
+        if rows < 3:  # (an export's dynamic size must not be 0 or 1 in the example)
+            raise ValueError("a few-rows program runs 2 rows up to 3 or more")
+        self.rows = rows
+
+    def forward(self, hidden, cos, sin, mask, keys, values, column, start_marker):
+        start = start_marker.shape[0] - _START_OFFSET
+        # Every row real, but written through the padded batch's way of indexing the
+        # buffers themselves: a scatter into their first rows (a view, whose row count
+        # the export does not see as the buffers' own) had the program copy each buffer
+        # whole twice a layer, every step (4 rows over 2,048 columns: 150 ms a step)
+        real = torch.ones(hidden.shape[0], 1, 1, 1, dtype=torch.bool, device=hidden.device)
+        return llama_decode._decode_logits(self.geometry, self._layers(), self.final_norm,
+                                           self.lm_head, hidden, cos, sin, mask, keys, values,
+                                           column, start, real=real,
+                                           padding_to_last_column=True)
+
+    def dynamic_shapes(self) -> dict:
+        rows = torch.export.Dim("rows", min=2, max=self.rows)
+        dynamic = torch.export.Dim.DYNAMIC
+        buffers = [{0: rows, 2: dynamic}] * len(self.projections)
+        return {"hidden": {0: rows}, "cos": {0: rows}, "sin": {0: rows},
+                "mask": {0: rows, 3: dynamic}, "keys": buffers, "values": buffers,
+                "column": None, "start_marker": {0: dynamic}}
+
+
 def _described_graph(graph: OneRowGraph) -> str:
     """How the log names ``graph``'s program."""
+    if isinstance(graph, FewRowsGraph):
+        return f"2- to {graph.rows}-row"
     return "one-row" if graph.rows == 1 else f"{graph.rows}-row"
 
 
@@ -394,7 +501,7 @@ def cache_key(graph: OneRowGraph, share_weights: bool = False) -> str:
     for text in (torch.__version__, repr(graph.geometry), f"rows={graph.rows}", _cpu_identity(),
                  json.dumps(inductor_options(share_weights), sort_keys=True),
                  str(_START_OFFSET),
-                 *_step_sources(_holds_int8_layers(graph), isinstance(graph, BatchGraph))):
+                 *_step_sources(_holds_int8_layers(graph), type(graph))):
         digest.update(text.encode())
     for name, tensor in graph.state_dict(keep_vars=True).items():
         tensor = tensor.detach().contiguous()
@@ -405,9 +512,9 @@ def cache_key(graph: OneRowGraph, share_weights: bool = False) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _step_sources(int8_layers: bool, batch: bool = False) -> tuple:
-    """The source of the code a program is traced from, ``w8a8``'s int8 layers' too where
-    the graph holds them: an edit to it means another program (edits elsewhere, in the
+def _step_sources(int8_layers: bool, graph_type: type = OneRowGraph) -> tuple:
+    """The source of the code a program of ``graph_type`` is traced from, ``w8a8``'s int8
+    layers' too where the graph holds them: an edit to it means another program (edits elsewhere, in the
     cache's own code or in the int8 layers for a float32 program, say, do not). Read once,
     under a lock: ``inspect.getsource`` parses the module, and CPython 3.11's parser fails
     now and then when two threads parse at once ("AST constructor recursion depth
@@ -421,8 +528,10 @@ def _step_sources(int8_layers: bool, batch: bool = False) -> tuple:
               llama_decode._qkv, llama_decode._layer_dicts)
     if int8_layers:
         traced += (int8_linear.Int8Linear, int8_linear.quantize_rows)
-    if batch:
+    if graph_type is BatchGraph:
         traced += (BatchGraph,)
+    elif graph_type is FewRowsGraph:
+        traced += (FewRowsGraph, FewRowsProduct)
     with _SOURCES_LOCK:
         return tuple(inspect.getsource(code) for code in traced)
 
@@ -430,10 +539,11 @@ def _step_sources(int8_layers: bool, batch: bool = False) -> tuple:
 _SOURCES_LOCK = threading.Lock()
 
 
-def _holds_int8_layers(graph: OneRowGraph) -> bool:
+def _holds_int8_layers(module: torch.nn.Module) -> bool:
+    """Whether ``module`` (a graph, or a model) holds ``w8a8``'s int8 layers."""
     from djl_stream.generation.int8_linear import Int8Linear
 
-    return any(isinstance(module, Int8Linear) for module in graph.modules())
+    return any(isinstance(inner, Int8Linear) for inner in module.modules())
 
 
 def model_weights(graph: OneRowGraph) -> Dict[str, torch.Tensor]:
@@ -567,6 +677,29 @@ def compile_batch(model, rows: int = BATCH_ROWS, *, cache: Optional[Path] = None
     return _program_of(BatchGraph(model, rows), True, cache, shipped)
 
 
+def compile_few_rows(model_or_graph, *, cache: Optional[Path] = None,
+                     shipped: Optional[Path] = None) -> Optional[CompiledOneRow]:
+    """The program for decode steps of 2 to :data:`FEW_ROWS` rows (:class:`FewRowsGraph`,
+    given, or built from a model) over the model's own plain float32 weights, from the
+    cache or compiled into it, as :func:`compile_one_row`'s; ``None`` (logged) where the
+    model is not one it runs or compiling fails. Its ``rows`` is the most rows it runs;
+    a step runs it at its own row count (no padding).
+
+    A graph built before the model's layers are packed keeps reading their plain
+    weights afterwards (:func:`~djl_stream.generation.loading.prepare_for_decoding`
+    builds it before the packing trial, and compiles it only where the layers were
+    packed)."""
+    if isinstance(model_or_graph, FewRowsGraph):
+        graph = model_or_graph
+    else:
+        reason = FewRowsGraph.unsupported_reason(model_or_graph)
+        if reason:
+            logger.warning("no compiled few-rows decode step: %s", reason)
+            return None
+        graph = FewRowsGraph(model_or_graph)
+    return _program_of(graph, True, cache, shipped)
+
+
 def _program_of(graph: OneRowGraph, share_weights: bool, cache: Optional[Path],
                 shipped: Optional[Path]) -> Optional[CompiledOneRow]:
     """``graph``'s program from ``shipped``, else the cache, else compiled; ``None``
@@ -638,7 +771,7 @@ def _cached_or_compiled(graph: OneRowGraph, key: str,
             if entry.directory.exists():  # incomplete, or does not load (logged)
                 shutil.rmtree(entry.directory, ignore_errors=True)
             logger.info("compiling the %s decode program (once per machine and model "
-                        "shapes: about 45 s for SmolLM2 on a 2-core CPU; "
+                        "shapes: 1.5 to 2 minutes for SmolLM2 on a 2-core CPU; "
                         "option.decode_step=eager goes without it)", what)
             _compile_into(graph, entry, share_weights=weights is not None)
         one_row = entry.load(from_cache=False, weights=weights)

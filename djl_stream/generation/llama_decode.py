@@ -340,10 +340,13 @@ class LlamaDecodeStep:
     :func:`~djl_stream.generation.compiled_decode.compile_batch`, of ``rows`` rows) runs
     the steps of batches from :func:`first_rows_of` its rows up to all of them, padded up
     to them;
-    if it ever fails, it is dropped alike.
+    if it ever fails, it is dropped alike. ``few_rows`` (from
+    :func:`~djl_stream.generation.compiled_decode.compile_few_rows`) runs the steps of 2
+    rows up to its ``rows`` at their own row count, where no batch program runs them;
+    dropped alike where it fails.
     """
 
-    def __init__(self, model, *, one_row=None, batch_program=None):
+    def __init__(self, model, *, one_row=None, batch_program=None, few_rows=None):
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(reason)
@@ -362,10 +365,13 @@ class LlamaDecodeStep:
         self.multiplies_int8 = any(type(m) is Int8Linear for m in self.products())
         self.one_row = one_row
         self.batch_program = batch_program
+        self.few_rows = few_rows
         #: Whether the last decode step's logits came from the compiled one-row program.
         self.last_step_compiled = False
         #: Whether the last decode step's logits came from the batch program.
         self.last_step_batch_program = False
+        #: Whether the last decode step's logits came from the few-rows program.
+        self.last_step_few_rows = False
         #: On a CUDA GPU, a :class:`~djl_stream.generation.cuda_graphs.CudaGraphSteps` that
         #: replays decode steps from CUDA graphs (:func:`attach` with ``cuda_graphs``).
         self.graphs = None
@@ -523,6 +529,7 @@ class LlamaDecodeStep:
             self.last_step_replayed = logits is not None
             self.last_step_compiled = False
             self.last_step_batch_program = False
+            self.last_step_few_rows = False
             if logits is None:
                 inputs = self._inputs(batch.input_ids, batch.position_ids, batch.attention_mask)
                 if self.one_row is not None and len(batch) == 1:
@@ -531,6 +538,9 @@ class LlamaDecodeStep:
                 if logits is None and self._runs_batch_program(len(batch), keys):
                     logits = self._batch_program_logits(inputs, keys, values, column, start)
                     self.last_step_batch_program = logits is not None
+                if logits is None and self._runs_few_rows(len(batch)):
+                    logits = self._few_rows_logits(inputs, keys, values, column, start)
+                    self.last_step_few_rows = logits is not None
             if logits is None:
                 logits = _decode_logits(self.geometry, self.layers, self.final_norm, self.lm_head,
                                         *inputs, keys, values,
@@ -564,6 +574,23 @@ class LlamaDecodeStep:
         program = self.batch_program
         return (program is not None and self.batch_program_from() <= rows <= program.rows
                 and keys[0].shape[0] >= program.rows)
+
+    def _runs_few_rows(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows runs the few-rows program (2 rows up to its
+        ``rows``)."""
+        return self.few_rows is not None and 2 <= rows <= self.few_rows.rows
+
+    def _few_rows_logits(self, inputs, keys, values, column: int, start: int):
+        """The few-rows program's logits of a step of ``inputs``' rows (each buffer's first
+        that many rows: the batch's), or ``None`` where it failed (it is dropped then: the
+        eager step writes the same column again)."""
+        rows = inputs[0].shape[0]
+        return self._unless_it_fails(
+            "few_rows", "the compiled few-rows decode step failed",
+            "steps of a few rows run the eager step from now on",
+            lambda: self.few_rows.run(*inputs, [k[:rows] for k in keys],
+                                      [v[:rows] for v in values], torch.tensor([column]),
+                                      start))
 
     def batch_program_from(self) -> int:
         """The fewest rows the batch program runs (:func:`first_rows_of`); 0 without one."""
@@ -637,8 +664,8 @@ def last_step_ran_apart(model) -> bool:
     return step is not None and step.last_step_replayed
 
 
-def attach(model, tokenizer, *, one_row=None, batch_program=None, cuda_graphs: bool = False
-           ) -> Optional[LlamaDecodeStep]:
+def attach(model, tokenizer, *, one_row=None, batch_program=None, few_rows=None,
+           cuda_graphs: bool = False) -> Optional[LlamaDecodeStep]:
     """Build ``model``'s :class:`LlamaDecodeStep` (on a CPU, with its products of 10 to 15
     rows padded to 16 where a trial finds that faster: :func:`_pad_rows`), check it
     against the model's forward on probe batches of 1 and 3 rows and on a mixed pass, and
@@ -652,7 +679,10 @@ def attach(model, tokenizer, *, one_row=None, batch_program=None, cuda_graphs: b
     :func:`~djl_stream.generation.compiled_decode.compile_batch`), batches from
     :func:`first_rows_of` its rows run it once it agrees with the forward on a probe of
     that many rows;
-    where it does not, they run the eager step (logged). With ``cuda_graphs`` (a model on
+    where it does not, they run the eager step (logged). With ``few_rows`` (from
+    :func:`~djl_stream.generation.compiled_decode.compile_few_rows`), the steps of 2 rows
+    up to its ``rows`` that no batch program runs run it once it agrees with the forward
+    on probes of 2 and 3 rows (else the eager step, logged). With ``cuda_graphs`` (a model on
     one CUDA GPU), decode steps are replayed
     from CUDA graphs (:mod:`~djl_stream.generation.cuda_graphs`) once those agree with the
     forward on the probes of 1 and 3 rows; where they do not, the eager step runs (logged).
@@ -682,6 +712,8 @@ def attach(model, tokenizer, *, one_row=None, batch_program=None, cuda_graphs: b
             step.one_row = _checked_one_row(step, model, tokenizer, one_row)
         if batch_program is not None:
             step.batch_program = _checked_batch_program(step, model, tokenizer, batch_program)
+        if few_rows is not None:
+            step.few_rows = _checked_few_rows(step, model, tokenizer, few_rows)
         if cuda_graphs:
             step.graphs = _checked_graphs(step, model, tokenizer)
     except Exception as error:  # noqa: BLE001 - serving goes on without the step
@@ -694,12 +726,14 @@ def attach(model, tokenizer, *, one_row=None, batch_program=None, cuda_graphs: b
         logger.info("decode steps are replayed from CUDA graphs (batches padded to %s rows); "
                     "mixed passes run djl-stream's Llama decode step",
                     ", ".join(map(str, ROW_BUCKETS)))
-    elif step.compiled or step.batch_program is not None:
+    elif step.compiled or step.batch_program is not None or step.few_rows is not None:
         ran = (["one-row"] if step.compiled else []) + (
+            [f"2- to {step.few_rows.rows}-row"] if step.few_rows is not None else []) + (
             [f"{step.batch_program_from()}- to {step.batch_program.rows}-row"]
             if step.batch_program is not None else [])
         logger.info("%s decode steps run the compiled program%s; other steps run "
-                    "djl-stream's Llama decode step", " and ".join(ran),
+                    "djl-stream's Llama decode step",
+                    " and ".join([", ".join(ran[:-1]), ran[-1]] if len(ran) > 1 else ran),
                     "s" if len(ran) > 1 else "")
     else:
         logger.info("decode steps run djl-stream's Llama decode step%s",
@@ -751,6 +785,22 @@ def _checked_batch_program(step: LlamaDecodeStep, model, tokenizer, program):
         return None
     finally:
         step.batch_program = None
+
+
+def _checked_few_rows(step: LlamaDecodeStep, model, tokenizer, program):
+    """``program`` if its logits on probes of 2 and 3 rows agree with the model's
+    forward, else ``None`` (logged)."""
+    step.few_rows = program
+    try:
+        for rows in (2, 3):
+            if not (_agrees(step, model, tokenizer, rows) and step.last_step_few_rows):
+                logger.warning("the compiled few-rows decode step differs from the model's "
+                               "forward on a probe of %d rows; those steps run the eager "
+                               "step", rows)
+                return None
+        return program
+    finally:
+        step.few_rows = None
 
 
 def _checked_graphs(step: LlamaDecodeStep, model, tokenizer):

@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -258,21 +259,34 @@ def prepare_for_decoding(model, tokenizer, props: ModelProperties, *, on_gpu: bo
     before they are packed: by default (``option.compiled_weights=shared``) it reads the
     plain weights themselves; with ``option.prepack_weights`` unset the layers are packed
     beside them only where packed copies multiply a batch much faster
-    (:func:`_packed_beside_the_programs`), and where they are left plain a program for
-    batches of :data:`~djl_stream.generation.compiled_decode.BATCH_ROWS` rows reads them
-    too (:func:`~djl_stream.generation.compiled_decode.compile_batch`); with ``copy`` it
+    (:func:`_packed_beside_the_programs`), and a program for steps of 2 to
+    :data:`~djl_stream.generation.compiled_decode.FEW_ROWS` rows reads the plain weights
+    then (:func:`~djl_stream.generation.compiled_decode.compile_few_rows`); where they
+    are left plain a program for batches of
+    :data:`~djl_stream.generation.compiled_decode.BATCH_ROWS` rows reads them instead
+    (:func:`~djl_stream.generation.compiled_decode.compile_batch`); with ``copy`` it
     holds a copy of its own. A program the model directory ships (``djl-stream
     compile``) comes first where it was compiled for this CPU and PyTorch. Returns the
     step or ``None``."""
-    one_row, batch_program = _prepare_for_a_cpu(model, props) if not on_gpu else (None, None)
-    return attach_decode_step(model, tokenizer, props, one_row=one_row,
-                              batch_program=batch_program,
+    programs = _prepare_for_a_cpu(model, props) if not on_gpu else CpuPrograms()
+    return attach_decode_step(model, tokenizer, props, one_row=programs.one_row,
+                              batch_program=programs.batch, few_rows=programs.few_rows,
                               cuda_graphs=on_gpu and props.decode_step in ("auto", "compiled"))
 
 
-def _prepare_for_a_cpu(model, props: ModelProperties):
-    """:func:`prepare_for_decoding`'s CPU part: the layers packed or not, and the one-row
-    and batch programs, either ``None``."""
+@dataclasses.dataclass
+class CpuPrograms:
+    """The compiled programs a CPU load gives the decode step (any of them ``None``): the
+    one-row program, the batch program and the few-rows program."""
+
+    one_row: Any = None
+    batch: Any = None
+    few_rows: Any = None
+
+
+def _prepare_for_a_cpu(model, props: ModelProperties) -> CpuPrograms:
+    """:func:`prepare_for_decoding`'s CPU part: the layers packed or not, and the
+    programs."""
     from djl_stream.generation import compiled_decode
     from djl_stream.generation.packed_linear import BATCH_HINT
 
@@ -280,21 +294,28 @@ def _prepare_for_a_cpu(model, props: ModelProperties):
     shipped = Path(props.model_dir) / compiled_decode.SHIPPED_FOLDER
     if not _compiles_on_a_cpu(model, props):
         prepack_for_cpu(model, props)
-        return None, None
+        return CpuPrograms()
     one_row = compiled_decode.compile_one_row(model, share_weights=share, shipped=shipped)
     if one_row is not None and share and not props.prepack_weights:
+        # built over the plain layers before they may be packed: it keeps reading them
+        few_rows_graph = (compiled_decode.FewRowsGraph(model)
+                          if compiled_decode.FewRowsGraph.unsupported_reason(model) is None
+                          else None)
         if props.prepack_weights is None and _packed_beside_the_programs(model):
-            return one_row, None  # the eager step multiplies batches with the packed layers
+            # the eager step multiplies batches of more rows with the packed layers
+            few_rows = (compiled_decode.compile_few_rows(few_rows_graph, shipped=shipped)
+                        if few_rows_graph is not None else None)
+            return CpuPrograms(one_row, few_rows=few_rows)
         logger.info("linear layers left unpacked: the compiled one-row step reads their "
                     "weights (option.compiled_weights=shared)")
         # (a program reads plain weights: not where the layers are packed)
-        return one_row, compiled_decode.compile_batch(model, shipped=shipped)
+        return CpuPrograms(one_row, compiled_decode.compile_batch(model, shipped=shipped))
     # Where a program runs the one-row steps (with a copy of its own, or the model's plain
     # weights kept for it by option.prepack_weights=true), the layers serve batches and
     # prompts only, so the trial times a batch (on the Xeon, packing slows one row but
     # gave a compiled server 15 % more tokens/s at 4 clients).
     prepack_for_cpu(model, props, trial_rows=1 if one_row is None else BATCH_HINT)
-    return one_row, None
+    return CpuPrograms(one_row)
 
 
 #: The rows the trial after the one-row program times (:func:`_packed_beside_the_programs`):
@@ -376,19 +397,19 @@ def _compiles_on_a_cpu(model, props: ModelProperties) -> bool:
 
 
 def attach_decode_step(model, tokenizer, props: ModelProperties, one_row=None,
-                       batch_program=None, cuda_graphs: bool = False):
+                       batch_program=None, few_rows=None, cuda_graphs: bool = False):
     """Give ``model`` djl-stream's Llama decode step unless ``option.decode_step`` is
     ``forward`` (or the model is not one it runs: then its forward runs, logged); with
     ``one_row`` (``option.decode_step=compiled``: see :func:`prepare_for_decoding`), its
     one-row steps run that program, with ``batch_program`` its steps of most of that
-    program's rows; with ``cuda_graphs`` (``auto`` or ``compiled`` on a GPU), its steps
+    program's rows, with ``few_rows`` its steps of 2 rows up to that program's; with ``cuda_graphs`` (``auto`` or ``compiled`` on a GPU), its steps
     are replayed from CUDA graphs. Returns the step or ``None``."""
     from djl_stream.generation import llama_decode
 
     if props.decode_step == "forward":
         return None
     return llama_decode.attach(model, tokenizer, one_row=one_row, batch_program=batch_program,
-                               cuda_graphs=cuda_graphs)
+                               few_rows=few_rows, cuda_graphs=cuda_graphs)
 
 
 def prepack_for_cpu(model, props: ModelProperties, trial_rows: int = 1) -> int:

@@ -145,9 +145,10 @@ class ModelProperties:
         compiled_weights: what the compiled steps read: ``shared`` (the model's own
             weights, no memory of their own, and a cached program that serves any weights of
             the same shapes; the layers are left unpacked unless ``prepack_weights`` is
-            ``True`` or a trial finds packed copies beside them much faster for batches,
-            and where they are left plain a second program, for steps of 7 to 16 rows,
-            reads them too) or ``copy`` (one program, for one-row steps, with a copy of
+            ``True`` or a trial finds packed copies beside them much faster for batches:
+            then a second program, for steps of 2 to 6 rows, reads the plain weights too;
+            where they are left plain a second program, for steps of 7 to 16 rows, reads
+            them) or ``copy`` (one program, for one-row steps, with a copy of
             the weights of its own: the weights' size again in memory, and the layers
             packed where that pays for batches).
         tensor_parallel_degree: number of GPUs to spread the model over; ``None`` means
