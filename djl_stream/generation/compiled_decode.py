@@ -332,7 +332,7 @@ class BatchGraph(OneRowGraph):
         return {**super().dynamic_shapes(), "real": None}
 
 
-class FewRowsProduct(torch.nn.Module):
+class FewRowsProduct(OneRowProduct):
     """A float32 linear layer's product for a few rows written as a reduction whose loop
     reads each row of the weight once for all the rows (the weight's rows outermost), for
     :class:`FewRowsGraph`; over the layer's own weight and bias, no copies.
@@ -354,11 +354,6 @@ class FewRowsProduct(torch.nn.Module):
         >>> torch.allclose(FewRowsProduct(linear)(x), linear(x), atol=1e-6)
         True
     """
-
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        self.weight = linear.weight
-        self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sums = (self.weight.unsqueeze(1) * x.unsqueeze(0)).sum(-1)  # (outputs, rows)
