@@ -413,12 +413,13 @@ def _compile(args: argparse.Namespace) -> int:
         print("djl-stream compile: this model got no compiled decode step here (the log above "
               "says why)", file=sys.stderr)
         return 1
-    # (with option.compiled_weights=shared, the batch program too, and the few-rows
-    # program a machine where packing pays loads beside packed layers)
+    # (with option.compiled_weights=shared, the batch program too, and, over float32
+    # layers left plain, the few-rows program a machine where packing pays loads)
     programs = [p for p in (step.one_row, step.batch_program) if p is not None]
-    if step.one_row.shares_weights and step.batch_program is not None:
-        few_rows = compiled_decode.compile_few_rows(model)
-        programs += [few_rows] if few_rows is not None else []
+    if (step.one_row.shares_weights
+            and compiled_decode.FewRowsGraph.unsupported_reason(model) is None):
+        programs.append(compiled_decode.compile_few_rows(model))
+    programs = [p for p in programs if p is not None]
     try:
         targets = [compiled_decode.ship(program, Path(args.model_dir)) for program in programs]
     except (ValueError, OSError) as error:

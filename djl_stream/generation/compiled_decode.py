@@ -90,6 +90,7 @@ import torch
 
 from djl_stream.file_lock import exclusive_lock
 from djl_stream.generation.aoti_call import released_gil_program
+from djl_stream.generation.cpu_info import cpu_fields
 from djl_stream.generation import llama_decode
 
 logger = logging.getLogger(__name__)
@@ -469,16 +470,9 @@ def cache_root() -> Path:
 def _cpu_identity() -> str:
     """This CPU's model and instruction-set flags: the package's C++ is built with
     ``-march=native``, and would not run (or not as tuned) on another CPU."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
+    seen = cpu_fields(("model name", "flags", "Features", "CPU part"))
+    if seen is None:
         return f"{platform.machine()} {platform.processor()}"
-    wanted = ("model name", "flags", "Features", "CPU part")
-    seen = {}
-    for line in lines:
-        key, _, value = line.partition(":")
-        if key.strip() in wanted:
-            seen.setdefault(key.strip(), value.strip())
     return json.dumps(seen, sort_keys=True)
 
 

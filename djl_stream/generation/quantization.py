@@ -153,15 +153,10 @@ def lacks_int8_dot_products(cpuinfo: str = "/proc/cpuinfo") -> bool:
     ...     lacks_int8_dot_products(f.name)
     True
     """
-    try:
-        with open(cpuinfo, encoding="ascii", errors="replace") as lines:
-            for line in lines:
-                key, _, value = line.partition(":")
-                if key.strip() == "flags":
-                    return not (set(value.split()) & INT8_DOT_PRODUCT_FLAGS)
-    except OSError:
-        pass
-    return False
+    from djl_stream.generation.cpu_info import cpu_fields
+
+    flags = (cpu_fields(("flags",), cpuinfo) or {}).get("flags")
+    return flags is not None and not (set(flags.split()) & INT8_DOT_PRODUCT_FLAGS)
 
 
 def _torchao(method: str, config_name: str):

@@ -1,0 +1,35 @@
+"""What ``/proc/cpuinfo`` says of this CPU, read in one place: the compiled programs' cache
+keys name the CPU model and its instruction-set flags
+(:mod:`~djl_stream.generation.compiled_decode`), and ``option.quantize=w8a8`` looks for
+int8 dot-product instructions among the flags (:mod:`~djl_stream.generation.quantization`).
+
+Example::
+
+    >>> import tempfile
+    >>> with tempfile.NamedTemporaryFile("w") as f:
+    ...     _ = f.write("processor\\t: 0\\nflags\\t\\t: fpu avx2\\nprocessor\\t: 1\\nflags\\t\\t: fpu\\n")
+    ...     f.flush()
+    ...     cpu_fields(("flags", "model name"), f.name)
+    {'flags': 'fpu avx2'}
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional
+
+
+def cpu_fields(wanted: Iterable[str], cpuinfo: str = "/proc/cpuinfo") -> Optional[Dict[str, str]]:
+    """The first value of each field named in ``wanted`` that ``cpuinfo`` holds (the
+    first processor's: the file repeats them per processor), or ``None`` where the file
+    cannot be read (not Linux)."""
+    wanted = set(wanted)
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as lines:
+            seen: Dict[str, str] = {}
+            for line in lines:
+                key, _, value = line.partition(":")
+                if key.strip() in wanted:
+                    seen.setdefault(key.strip(), value.strip())
+            return seen
+    except OSError:
+        return None
