@@ -413,10 +413,11 @@ def _compile(args: argparse.Namespace) -> int:
         print("djl-stream compile: this model got no compiled decode step here (the log above "
               "says why)", file=sys.stderr)
         return 1
-    # (with option.compiled_weights=shared, the batch program too, and, over float32
-    # layers left plain, the few-rows program a machine where packing pays loads)
-    programs = [p for p in (step.one_row, step.batch_program) if p is not None]
-    if (step.one_row.shares_weights
+    # (with option.compiled_weights=shared, the batch program too, or the few-rows program
+    # over option.quantize=int8's layers, and, over float32 layers left plain, the
+    # few-rows program a machine where packing pays loads)
+    programs = [p for p in (step.one_row, step.batch_program, step.few_rows) if p is not None]
+    if (step.one_row.shares_weights and step.few_rows is None
             and compiled_decode.FewRowsGraph.unsupported_reason(model) is None):
         programs.append(compiled_decode.compile_few_rows(model))
     programs = [p for p in programs if p is not None]

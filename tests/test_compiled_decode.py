@@ -954,6 +954,60 @@ def test_by_default_where_packed_layers_multiply_a_batch_much_faster_they_serve_
                 == greedy_in_one_batch(reference, tokenizer, BATCH_PROMPTS[:rows], 12))
 
 
+def test_an_int8_load_runs_every_step_of_up_to_16_rows_through_programs_over_its_int8_bytes(
+        tiny_model_dir, one_row_cache, monkeypatch, caplog):
+    """option.quantize=int8 on a CPU: the one-row program and a few-rows program for 2 to
+    16 rows, both reading the int8 layers' own bytes (no float32 copy, no packing trial),
+    each with the eager int8 step's tokens."""
+    from djl_stream.generation.int8_weights import Int8WeightOnlyLinear
+    from djl_stream.generation.loading import load_model_and_tokenizer
+
+    asked = packing_trial_figures(monkeypatch, *EPYC)
+    caplog.set_level(logging.INFO)
+    model, tokenizer = load_model_and_tokenizer(ModelProperties.from_init_properties(
+        {"model_dir": str(tiny_model_dir), "quantize": "int8"}))
+    step = llama_decode.step_of(model)
+    assert step.compiled and step.one_row.shares_weights and step.batch_program is None
+    assert step.few_rows is not None and step.few_rows.shares_weights
+    assert step.few_rows.rows == compiled_decode.INT8_WEIGHTS_FEW_ROWS == 16
+    assert asked == []
+    assert "one-row and 2- to 16-row decode steps run the compiled programs" in caplog.text
+    up = model.model.layers[0].mlp.up_proj
+    assert type(up) is Int8WeightOnlyLinear
+    for program in (step.one_row, step.few_rows):
+        given = [t for t in program._constants.values() if t.data_ptr() == up.weight.data_ptr()]
+        assert [t.dtype for t in given] == [torch.float32]  # its int8 bytes as words
+        assert not any(t.dtype == torch.float32 and t.shape == up.weight.shape
+                       for t in program._constants.values())  # no float32 weight
+
+    reference, _ = load_model_and_tokenizer(ModelProperties.from_init_properties(
+        {"model_dir": str(tiny_model_dir), "quantize": "int8", "decode_step": "eager"}))
+    assert llama_decode.step_of(reference).one_row is None
+    for rows in (1, 3, 7):
+        tokens, ran = decode_in_one_batch(model, tokenizer, BATCH_PROMPTS[:rows], 10,
+                                          room_for_rows=8, ran_flag="last_step_few_rows")
+        assert tokens == greedy_in_one_batch(reference, tokenizer, BATCH_PROMPTS[:rows], 10)
+        assert ran == [rows > 1] * 9
+
+
+def test_the_int8_programs_multiply_as_reductions_and_their_key_follows_the_int8_product(
+        smollm2_tokenizer):
+    import inspect
+
+    from djl_stream.generation.int8_weights import Int8WeightProduct, quantize_weights_only
+
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
+    float_key = compiled_decode.cache_key(compiled_decode.OneRowGraph(model), True)
+    assert quantize_weights_only(model) == 15
+    one_row, few_rows = compiled_decode.OneRowGraph(model), compiled_decode.FewRowsGraph(model)
+    assert _matrix_products(one_row) == [] and _matrix_products(few_rows) == []
+    assert few_rows.rows == 16
+    source = inspect.getsource(Int8WeightProduct)
+    assert source in compiled_decode._step_sources(False, type(one_row), True)
+    assert source not in compiled_decode._step_sources(False, type(one_row), False)
+    assert compiled_decode.cache_key(one_row, True) != float_key
+
+
 def test_by_default_packed_copies_that_would_crowd_the_memory_are_not_made(
         tiny_model_dir, one_row_cache, monkeypatch, caplog):
     from djl_stream.generation import loading

@@ -1,6 +1,7 @@
-"""Quantized weights (``option.quantize``), loaded with the real libraries: torchao's int8
-weight-only on this CPU, and bitsandbytes' CPU kernels (its CUDA path cannot run here: the
-arguments it gets there are checked against transformers' own ``BitsAndBytesConfig``)."""
+"""Quantized weights (``option.quantize``), loaded as a server loads them: djl-stream's own
+int8 weight-only layers on this CPU (torchao's on a GPU), and bitsandbytes' CPU kernels
+(its CUDA path cannot run here: the arguments it gets there are checked against
+transformers' own ``BitsAndBytesConfig``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import pytest
 import torch
 
 from djl_stream.generation.int8_linear import int8_matmul_unavailable
+from djl_stream.generation.int8_weights import Int8WeightOnlyLinear
 from djl_stream.generation.loading import ModelLoadError, load_model_and_tokenizer
-from djl_stream.generation.packed_linear import PackedLinear
-from djl_stream.generation.quantization import quantization_kwargs
+from djl_stream.generation.quantization import QuantizationUnavailable, quantization_kwargs
 from djl_stream.serving.properties import ModelProperties
 
 IDS = torch.tensor([[1, 400, 401, 402, 403]])
@@ -34,16 +35,20 @@ def float32_logits(tiny_model_dir):
 
 
 def test_int8_stores_every_decoder_weight_as_int8_and_computes_nearly_the_same(
-        tiny_model_dir, float32_logits, caplog):
-    model = load(tiny_model_dir, quantize="int8", prepack_weights="true")
-    # on a CPU the load says int8 is not the fast mode there (this file runs on GPUs too)
-    assert ("option.quantize=w8a8 is the fast int8 mode on a CPU" in caplog.text) == (
-        model.device.type == "cpu")
+        tiny_model_dir, float32_logits):
+    # (the compiled programs over these layers: test_compiled_decode)
+    model = load(tiny_model_dir, quantize="int8", decode_step="eager")
     projections = [m for name, m in model.named_modules() if name.endswith(("_proj"))]
     assert len(projections) == 2 * 7
-    assert all(m.weight.qdata.dtype == torch.int8 for m in projections)
-    # transformers keeps the tied LM head in float32; on a CPU it is then prepacked
-    assert isinstance(model.lm_head, PackedLinear) or model.device.type != "cpu"
+    if model.device.type == "cpu":
+        # djl-stream's own weight-only layers, the tied LM head quantized as a copy (the
+        # input embedding keeps its float32 rows)
+        assert all(type(m) is Int8WeightOnlyLinear for m in projections + [model.lm_head])
+        assert all(m.weight.dtype == torch.int8 for m in projections + [model.lm_head])
+        assert model.lm_head.weight.duplicates_a_weight
+        assert model.model.embed_tokens.weight.dtype == torch.float32
+    else:  # (this file runs on GPUs too: torchao's there)
+        assert all(m.weight.qdata.dtype == torch.int8 for m in projections)
     logits = last_logits(model)
     assert torch.nn.functional.cosine_similarity(logits, float32_logits, dim=0) > 0.999
     assert not torch.equal(logits, float32_logits)  # it did quantize
@@ -71,8 +76,12 @@ def test_on_cuda_bitsandbytes_gets_the_configuration_transformers_documents():
 def test_a_missing_library_is_a_load_error_that_says_what_to_install(monkeypatch, tiny_model_dir):
     monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao now raises ImportError
     monkeypatch.setitem(sys.modules, "torchao.quantization", None)
-    with pytest.raises(ModelLoadError, match="option.quantize=int8 needs torchao: pip install torchao"):
-        load(tiny_model_dir, quantize="int8")
+    # on a GPU int8 is torchao's (contract only: no GPU here); on a CPU djl-stream's own
+    with pytest.raises(QuantizationUnavailable,
+                       match="option.quantize=int8 needs torchao: pip install torchao"):
+        quantization_kwargs("int8", on_gpu=True)
+    model = load(tiny_model_dir, quantize="int8", decode_step="eager")
+    assert type(model.lm_head) is Int8WeightOnlyLinear
 
 
 def test_on_cuda_w8a8_serves_torchao_s_int8_weight_only_config_and_says_so(caplog):

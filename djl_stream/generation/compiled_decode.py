@@ -16,6 +16,10 @@ matrix products took 20-22 ms against 36-39 eager. With ``option.quantize=w8a8``
 holds its :class:`~djl_stream.generation.int8_linear.Int8Linear` layers: Inductor fuses
 each row's rounding to int8 into the kernels around an integer product over the int8
 weights, and a one-row step takes about 16 ms against about 34 ms for w8a8's eager step.
+With ``option.quantize=int8`` (:mod:`~djl_stream.generation.int8_weights`) each product is
+a reduction over the int8 weights, read as float32 words and taken apart by shifts
+(:class:`~djl_stream.generation.int8_weights.Int8WeightProduct`), and a few-rows program
+takes every batch of 2 to :data:`INT8_WEIGHTS_FEW_ROWS` rows.
 
 ``option.compiled_weights=shared`` adds a program for steps of :data:`BATCH_ROWS` rows
 (:class:`BatchGraph`, :func:`compile_batch`), which reads the model's plain weights too: a
@@ -91,6 +95,7 @@ import torch
 from djl_stream.file_lock import exclusive_lock
 from djl_stream.generation.aoti_call import released_gil_program
 from djl_stream.generation.cpu_info import cpu_fields
+from djl_stream.generation.int8_weights import holds_int8_weights
 from djl_stream.generation import llama_decode
 
 logger = logging.getLogger(__name__)
@@ -137,6 +142,11 @@ BATCH_ROWS = 16
 #: 75.2 for the eager step over packed layers (minimum of 3 rounds of 5 steps, the two in
 #: turns, a ``/tmp`` script); a first version lost to it from 8 rows (102 against 91).
 FEW_ROWS = 6
+#: The most rows the few-rows program over ``option.quantize=int8``'s weight-only layers
+#: runs: every batch the batch program would take, since their products cost less there
+#: than the eager step's, which turns the whole int8 weight into floats at every call
+#: (SmolLM2's 211 products at 16 rows on the EPYC: 102 ms in the program against 125).
+INT8_WEIGHTS_FEW_ROWS = BATCH_ROWS
 
 #: ``torch.export`` fixes a size of 0 or 1 seen in the example inputs, and a plain int
 #: argument is not a dynamic size at all; the first column attended over (often 0) is
@@ -219,10 +229,12 @@ class OneRowGraph(torch.nn.Module):
     def unsupported_reason(model) -> Optional[str]:
         """Why the graph cannot be built from ``model`` now, or ``None``: the model must be
         one :class:`~djl_stream.generation.llama_decode.LlamaDecodeStep` runs, with plain
-        float32 linear layers (not yet packed) or ``w8a8``'s
-        :class:`~djl_stream.generation.int8_linear.Int8Linear` layers, whose integer
-        products Inductor compiles too."""
+        float32 linear layers (not yet packed), ``int8``'s
+        :class:`~djl_stream.generation.int8_weights.Int8WeightOnlyLinear` layers or
+        ``w8a8``'s :class:`~djl_stream.generation.int8_linear.Int8Linear` layers, whose
+        integer products Inductor compiles too."""
         from djl_stream.generation.int8_linear import Int8Linear
+        from djl_stream.generation.int8_weights import Int8WeightOnlyLinear
 
         reason = llama_decode.unsupported_reason(model)
         if reason:
@@ -231,17 +243,19 @@ class OneRowGraph(torch.nn.Module):
                    for linear in llama_decode._projections_of(layer).values()]
         for linear in linears + [model.lm_head]:
             plain = type(linear) is torch.nn.Linear and linear.weight.dtype == torch.float32
-            if not plain and type(linear) is not Int8Linear:
+            if not plain and type(linear) not in (Int8Linear, Int8WeightOnlyLinear):
                 return (f"{type(linear).__name__} layers of {linear.weight.dtype}: the graph "
                         "is built from plain float32 weights, before packing, or from "
-                        "option.quantize=w8a8's int8 layers")
+                        "option.quantize=int8's or w8a8's int8 layers")
         return None
 
     @staticmethod
     def _product(linear: torch.nn.Module) -> torch.nn.Module:
         """What multiplies by ``linear``'s weight in the graph: a float32 layer's one-row
-        product as a reduction (:class:`OneRowProduct`); an int8 layer as it is."""
-        return OneRowProduct(linear) if type(linear) is torch.nn.Linear else linear
+        product as a reduction (:class:`OneRowProduct`), an int8 weight-only layer's
+        :class:`~djl_stream.generation.int8_weights.Int8WeightProduct`; ``w8a8``'s int8
+        layer as it is."""
+        return _reduction_of(linear, OneRowProduct)
 
     def forward(self, hidden, cos, sin, mask, keys, values, column, start_marker):
         start = start_marker.shape[0] - _START_OFFSET
@@ -364,10 +378,12 @@ class FewRowsProduct(OneRowProduct):
 
 
 class FewRowsGraph(OneRowGraph):
-    """The decode step of a batch of 2 to ``rows`` rows (:data:`FEW_ROWS` by default) at
+    """The decode step of a batch of 2 to ``rows`` rows (by default :data:`FEW_ROWS`, or
+    :data:`INT8_WEIGHTS_FEW_ROWS` over ``option.quantize=int8``'s layers) at
     its own row count, a dynamic size (:func:`compile_few_rows`): the one-row graph's
-    inputs that many rows deep, its float32 products :class:`FewRowsProduct`'s. Only
-    float32 layers (``w8a8``'s batch program runs from 2 rows).
+    inputs that many rows deep, its float32 products :class:`FewRowsProduct`'s, its int8
+    weight-only ones :class:`~djl_stream.generation.int8_weights.Int8WeightProduct`'s.
+    Not over ``w8a8``'s layers (their batch program runs from 2 rows).
 
     Example::
 
@@ -383,15 +399,17 @@ class FewRowsGraph(OneRowGraph):
     def unsupported_reason(model) -> Optional[str]:
         reason = OneRowGraph.unsupported_reason(model)
         if reason is None and _holds_int8_layers(model):
-            return "the few-rows program multiplies float32 layers only"
+            return "the few-rows program does not multiply w8a8's int8 layers"
         return reason
 
     @staticmethod
     def _product(linear: torch.nn.Module) -> torch.nn.Module:
-        return FewRowsProduct(linear)
+        return _reduction_of(linear, FewRowsProduct)
 
-    def __init__(self, model, rows: int = FEW_ROWS):
+    def __init__(self, model, rows: Optional[int] = None):
         super().__init__(model)
+        if rows is None:  # (the program's products as its layers are)
+            rows = INT8_WEIGHTS_FEW_ROWS if holds_int8_weights(model) else FEW_ROWS
         if rows < 3:  # (its row count a dynamic size from 2: a range, not one count)
             raise ValueError("a few-rows program runs 2 rows up to 3 or more; for 2 "
                              "rows alone, BatchGraph")
@@ -417,6 +435,19 @@ class FewRowsGraph(OneRowGraph):
         return {"hidden": {0: rows}, "cos": {0: rows}, "sin": {0: rows},
                 "mask": {0: rows, 3: dynamic}, "keys": buffers, "values": buffers,
                 "column": None, "start_marker": {0: dynamic}}
+
+
+def _reduction_of(linear: torch.nn.Module, float_product: type) -> torch.nn.Module:
+    """``linear``'s product in a graph whose products are reductions: ``float_product``'s
+    for a float32 layer, :class:`~djl_stream.generation.int8_weights.Int8WeightProduct`
+    for an int8 weight-only one, any other layer (``w8a8``'s) as it is."""
+    from djl_stream.generation.int8_weights import Int8WeightOnlyLinear, Int8WeightProduct
+
+    if type(linear) is torch.nn.Linear:
+        return float_product(linear)
+    if type(linear) is Int8WeightOnlyLinear:
+        return Int8WeightProduct(linear)
+    return linear
 
 
 def _described_graph(graph: OneRowGraph) -> str:
@@ -492,7 +523,8 @@ def cache_key(graph: OneRowGraph, share_weights: bool = False) -> str:
     for text in (torch.__version__, repr(graph.geometry), f"rows={graph.rows}", _cpu_identity(),
                  json.dumps(inductor_options(share_weights), sort_keys=True),
                  str(_START_OFFSET),
-                 *_step_sources(_holds_int8_layers(graph), type(graph))):
+                 *_step_sources(_holds_int8_layers(graph), type(graph),
+                                holds_int8_weights(graph))):
         digest.update(text.encode())
     for name, tensor in graph.state_dict(keep_vars=True).items():
         tensor = tensor.detach().contiguous()
@@ -503,9 +535,11 @@ def cache_key(graph: OneRowGraph, share_weights: bool = False) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _step_sources(int8_layers: bool, graph_type: type = OneRowGraph) -> tuple:
+def _step_sources(int8_layers: bool, graph_type: type = OneRowGraph,
+                  int8_weights: bool = False) -> tuple:
     """The source of the code a program of ``graph_type`` is traced from, ``w8a8``'s int8
-    layers' too where the graph holds them: an edit to it means another program (edits elsewhere, in the
+    layers' too where the graph holds them (``int8_layers``), ``int8``'s weight-only
+    products' where it holds those (``int8_weights``): an edit to it means another program (edits elsewhere, in the
     cache's own code or in the int8 layers for a float32 program, say, do not). Read once,
     under a lock: ``inspect.getsource`` parses the module, and CPython 3.11's parser fails
     now and then when two threads parse at once ("AST constructor recursion depth
@@ -513,12 +547,15 @@ def _step_sources(int8_layers: bool, graph_type: type = OneRowGraph) -> tuple:
     import inspect
 
     from djl_stream.generation import int8_linear
+    from djl_stream.generation.int8_weights import Int8WeightProduct
 
-    traced = (OneRowGraph, OneRowProduct, llama_decode.Geometry, llama_decode._decode_logits,
+    traced = (OneRowGraph, OneRowProduct, _reduction_of, llama_decode.Geometry, llama_decode._decode_logits,
               llama_decode._norm, llama_decode._rotate, llama_decode._mlp,
               llama_decode._qkv, llama_decode._layer_dicts)
     if int8_layers:
         traced += (int8_linear.Int8Linear, int8_linear.quantize_rows)
+    if int8_weights:
+        traced += (Int8WeightProduct,)
     if graph_type is BatchGraph:
         traced += (BatchGraph,)
     elif graph_type is FewRowsGraph:

@@ -2,7 +2,8 @@
 
 A decode step on a CPU streams every weight once, so reading int8 weights instead of
 float32 ones should make it up to four times faster; what decides whether it does is the
-kernel that reads them. torchao's ``Int8WeightOnlyConfig`` (``option.quantize=int8``)
+kernel that reads them. torchao's ``Int8WeightOnlyConfig`` (what ``option.quantize=int8``
+loaded on a CPU until djl-stream's own :mod:`~djl_stream.generation.int8_weights`)
 turns int8 weights back into float32 every step in eager mode (its step is slower than
 float32's on this project's CPU), and ``Int8DynamicActivationInt8WeightConfig`` spends
 hundreds of microseconds per layer choosing quantization parameters in eager mode: its

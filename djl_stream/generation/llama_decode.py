@@ -113,6 +113,7 @@ def unsupported_reason(model) -> Optional[str]:
     'not a Llama-architecture causal LM (Linear)'
     """
     from djl_stream.generation.int8_linear import Int8Linear
+    from djl_stream.generation.int8_weights import Int8WeightOnlyLinear
     from djl_stream.generation.packed_linear import PackedLinear
 
     config = getattr(model, "config", None)
@@ -129,7 +130,7 @@ def unsupported_reason(model) -> Optional[str]:
     linears = [m for layer in model.model.layers
                for m in _projections_of(layer).values()] + [model.lm_head]
     odd = [type(m).__name__ for m in linears
-           if type(m) not in (torch.nn.Linear, PackedLinear, Int8Linear)]
+           if type(m) not in (torch.nn.Linear, PackedLinear, Int8Linear, Int8WeightOnlyLinear)]
     if odd:
         return f"linear layers of type {odd[0]}"
     devices = {p.device for p in model.parameters()}

@@ -288,6 +288,7 @@ def _prepare_for_a_cpu(model, props: ModelProperties) -> CpuPrograms:
     """:func:`prepare_for_decoding`'s CPU part: the layers packed or not, and the
     programs."""
     from djl_stream.generation import compiled_decode
+    from djl_stream.generation.int8_weights import holds_int8_weights
     from djl_stream.generation.packed_linear import BATCH_HINT
 
     share = props.compiled_weights == "shared"
@@ -296,6 +297,11 @@ def _prepare_for_a_cpu(model, props: ModelProperties) -> CpuPrograms:
         prepack_for_cpu(model, props)
         return CpuPrograms()
     one_row = compiled_decode.compile_one_row(model, share_weights=share, shipped=shipped)
+    if one_row is not None and share and holds_int8_weights(model):
+        # option.quantize=int8: the few-rows program multiplies every batch of up to 16
+        # rows (no float32 weights to pack; the eager step turns them into floats)
+        return CpuPrograms(one_row, few_rows=compiled_decode.compile_few_rows(
+            model, shipped=shipped))
     if one_row is not None and share and not props.prepack_weights:
         # built over the plain layers before they may be packed: it keeps reading them
         few_rows_graph = (compiled_decode.FewRowsGraph(model)

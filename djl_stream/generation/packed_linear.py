@@ -411,12 +411,14 @@ def own_the_other_weights(model: torch.nn.Module) -> None:
     through it, so the pages of the whole file stayed resident beside the packed copies
     (SmolLM2: 1.40 GB resident after packing instead of 1.00 GB) until the embedding, the
     last view, let go of the mapping. The same holds for the float32 originals of
-    :class:`~djl_stream.generation.int8_linear.Int8Linear` layers."""
+    :class:`~djl_stream.generation.int8_linear.Int8Linear` and
+    :class:`~djl_stream.generation.int8_weights.Int8WeightOnlyLinear` layers."""
     from djl_stream.generation.int8_linear import Int8Linear
+    from djl_stream.generation.int8_weights import Int8WeightOnlyLinear
 
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, (PackedLinear, Int8Linear)):
+            if isinstance(module, (PackedLinear, Int8Linear, Int8WeightOnlyLinear)):
                 continue
             for parameter in module.parameters(recurse=False):
                 # a quantized weight (a tensor subclass) is left as its library made it

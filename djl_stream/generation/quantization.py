@@ -2,12 +2,16 @@
 
 ``int8``
     Int8 weight-only: each linear layer's weight is stored as int8 with one scale per
-    output channel and multiplied in the activations' own precision, through torchao's
-    ``Int8WeightOnlyConfig`` handed to transformers as a ``TorchAoConfig``. It works on a
-    CPU and on a GPU, and it does not change what a row computes with its batch mates (the
-    activations are not quantized), so batching still never changes a request's text.
-    Weights take a quarter of their float32 size; the LM head stays unquantized
-    (transformers keeps a tied output embedding as it is). Needs ``pip install torchao``.
+    output channel and multiplied in the activations' own precision. It does not change
+    what a row computes with its batch mates (the activations are not quantized), so
+    batching still never changes a request's text. On a CPU this is djl-stream's
+    :class:`~djl_stream.generation.int8_weights.Int8WeightOnlyLinear` (no extra library;
+    the weights load in float32 and are quantized after, the LM head too, as a copy
+    where it is tied to the input embedding), whose int8 products the compiled decode
+    programs run with AVX2 alone: the fast int8 mode on a CPU without int8 dot-product
+    instructions (on a 2-core AMD EPYC of that kind, see BENCHMARKS.md). On a GPU,
+    torchao's ``Int8WeightOnlyConfig`` handed to transformers as a ``TorchAoConfig``
+    (the LM head stays unquantized there); needs ``pip install torchao``.
 ``w8a8``
     Int8 weights *and* activations: each linear layer's weight as int8 with one scale per
     output channel, each input row quantized to int8 as it arrives (dynamic, per token),
@@ -83,18 +87,11 @@ def quantization_kwargs(method: Optional[str], *, on_gpu: bool,
         logger.warning("option.quantize=%s on a CPU: bitsandbytes' CPU kernels stand in for "
                        "its CUDA ones (BENCHMARKS.md's quantization section compares them "
                        "with float32 and int8 there)", method)
-    if method == "int8":
-        if not on_gpu:
-            # Someone asking for int8 on a CPU most likely wants speed: say where it is.
-            logger.warning("option.quantize=int8 on a CPU: a quarter of float32's weight "
-                           "memory, but torchao's weight-only products decode slower than "
-                           "float32's here (0.65x on this project's 2-core Xeon); "
-                           "option.quantize=w8a8 is the fast int8 mode on a CPU (1.6x "
-                           "where it has int8 dot-product instructions)")
-        return {"quantization_config": _torchao("int8", "Int8WeightOnlyConfig")}
-    if method == "w8a8":
+    if method in ("int8", "w8a8"):
         if not on_gpu:
             return {}  # djl-stream's own int8 layers, after loading (quantize_after_load)
+        if method == "int8":
+            return {"quantization_config": _torchao("int8", "Int8WeightOnlyConfig")}
         logger.warning("option.quantize=w8a8 on a GPU: serving int8 weight-only weights "
                        "(option.quantize=int8) instead, the same int8 weight memory: "
                        "torchao's int8 products with dynamically quantized activations "
@@ -106,15 +103,28 @@ def quantization_kwargs(method: Optional[str], *, on_gpu: bool,
 
 def quantize_after_load(model, method: Optional[str], *, on_gpu: bool) -> int:
     """Quantize what ``from_pretrained`` loaded unquantized for ``method``: on a CPU,
-    ``w8a8``'s linear layers (:func:`~djl_stream.generation.int8_linear.quantize_linear_layers`);
-    returns how many layers were quantized (0 for every other method, which
-    :func:`quantization_kwargs` hands to ``from_pretrained``).
+    ``int8``'s linear layers
+    (:func:`~djl_stream.generation.int8_weights.quantize_weights_only`) or ``w8a8``'s
+    (:func:`~djl_stream.generation.int8_linear.quantize_linear_layers`); returns how many
+    layers were quantized (0 for every other method, which :func:`quantization_kwargs`
+    hands to ``from_pretrained``).
 
-    Raises :class:`QuantizationUnavailable` where ``w8a8`` was asked for and no layer
-    could be quantized (the message says why), rather than serve float32 silently.
+    Raises :class:`QuantizationUnavailable` where ``int8`` or ``w8a8`` was asked for and
+    no layer could be quantized (the message says why), rather than serve float32
+    silently.
     """
-    if method != "w8a8" or on_gpu:
+    if on_gpu or method not in ("int8", "w8a8"):
         return 0
+    if method == "int8":
+        from djl_stream.generation.int8_weights import quantize_weights_only
+
+        quantized = quantize_weights_only(model)
+        if not quantized:
+            raise QuantizationUnavailable(
+                "option.quantize=int8: no linear layer could be quantized (the model has "
+                "no float32 nn.Linear on the CPU whose input width is a multiple of 4)")
+        logger.info("quantized %d linear layers to int8 weights (int8 weight-only)", quantized)
+        return quantized
     from djl_stream.generation.int8_linear import int8_matmul_unavailable, quantize_linear_layers
 
     quantized = quantize_linear_layers(model)
@@ -133,7 +143,8 @@ def quantize_after_load(model, method: Optional[str], *, on_gpu: bool) -> int:
                        "(AVX512-VNNI, AVX-VNNI or AMX): PyTorch's integer products are slow "
                        "here, and float32 decodes faster (on a 2-core AMD EPYC of that "
                        "kind one stream got 10.5 tokens/s against float32's 34.6; 1.6x "
-                       "float32's on CPUs with AVX512-VNNI)")
+                       "float32's on CPUs with AVX512-VNNI); option.quantize=int8 is the "
+                       "fast int8 mode here")
     return quantized
 
 

@@ -114,8 +114,8 @@ class ModelProperties:
         model_id: local path (absolute, or relative to ``model_dir``) or hub id of the
             weights; ``None`` means the weights are in ``model_dir`` itself.
         dtype: ``fp32``, ``fp16``, ``bf16`` or ``auto`` (half precision on GPU, fp32 on CPU).
-        quantize: load the weights quantized: ``int8`` (weight-only, torchao; CPU and
-            GPU), ``w8a8`` (int8 weights and per-token int8 activations: djl-stream's int8
+        quantize: load the weights quantized: ``int8`` (weight-only: djl-stream's int8
+            layers and their compiled programs on a CPU, torchao on a GPU), ``w8a8`` (int8 weights and per-token int8 activations: djl-stream's int8
             layers on a CPU; on a GPU ``int8`` serves instead, with a warning), ``bitsandbytes8`` or ``bitsandbytes4``
             (made for CUDA); ``None`` for none
             (see :mod:`djl_stream.generation.quantization`). djl-serving's deprecated
