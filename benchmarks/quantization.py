@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", default="model")
     parser.add_argument("--methods", default="none,bf16,int8,w8a8,bitsandbytes4,bitsandbytes8,"
-                                              "none+compiled,w8a8+compiled",
+                                              "none+compiled,int8+compiled,w8a8+compiled",
                         help="option.quantize values, 'none' (float32) and 'bf16' "
                              "(option.dtype=bf16); '+compiled' adds "
                              "option.decode_step=compiled")

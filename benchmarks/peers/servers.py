@@ -233,7 +233,10 @@ PEERS: Dict[str, Peer] = {peer.name: peer for peer in (
                      weights_on_gpu="bfloat16, from model/ (option.compiled_weights is a CPU "
                                     "option: CUDA graphs, as the defaults)",
                      options=(("compiled_weights", "copy"),)),
-    _djl_stream_peer("djl-stream int8", weights="int8 weight-only (torchao), from model/",
+    _djl_stream_peer("djl-stream int8",
+                     weights="int8 weight-only (djl-stream's layers and their programs), "
+                             "from model/",
+                     weights_on_gpu="int8 weight-only (torchao), from model/",
                      options=(("quantize", "int8"),)),
     _djl_stream_peer("djl-stream w8a8",
                      weights="int8 weights and per-token int8 activations, from model/",
