@@ -1091,8 +1091,10 @@ def test_without_a_c_compiler_the_load_gives_up_before_exporting(smollm2_tokeniz
     real_export = torch.export.export
     monkeypatch.setattr(torch.export, "export",
                         lambda *args, **kwargs: exports.append(1) or real_export(*args, **kwargs))
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("djl-stream-no-such-compiler",))
-    assert compiled_decode.compile_one_row(model, cache=tmp_path / "cache") is None
+    # (config.patch, not monkeypatch: undoing a monkeypatch of a sub-config's entry
+    # deletes it, and every in-process compile after this test then fails)
+    with torch._inductor.config.patch({"cpp.cxx": ("djl-stream-no-such-compiler",)}):
+        assert compiled_decode.compile_one_row(model, cache=tmp_path / "cache") is None
     assert exports == []
     assert "compiling the one-row decode step failed (InvalidCxxCompiler" in caplog.text
     assert not list((tmp_path / "cache").glob("*/program.pt2"))
