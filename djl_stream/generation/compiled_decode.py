@@ -95,7 +95,8 @@ import torch
 from djl_stream.file_lock import exclusive_lock
 from djl_stream.generation.aoti_call import released_gil_program
 from djl_stream.generation.cpu_info import cpu_fields
-from djl_stream.generation.int8_weights import holds_int8_weights
+from djl_stream.generation.int8_weights import (Int8WeightOnlyLinear, Int8WeightProduct,
+                                                holds_int8_weights)
 from djl_stream.generation import llama_decode
 
 logger = logging.getLogger(__name__)
@@ -234,7 +235,6 @@ class OneRowGraph(torch.nn.Module):
         ``w8a8``'s :class:`~djl_stream.generation.int8_linear.Int8Linear` layers, whose
         integer products Inductor compiles too."""
         from djl_stream.generation.int8_linear import Int8Linear
-        from djl_stream.generation.int8_weights import Int8WeightOnlyLinear
 
         reason = llama_decode.unsupported_reason(model)
         if reason:
@@ -441,8 +441,6 @@ def _reduction_of(linear: torch.nn.Module, float_product: type) -> torch.nn.Modu
     """``linear``'s product in a graph whose products are reductions: ``float_product``'s
     for a float32 layer, :class:`~djl_stream.generation.int8_weights.Int8WeightProduct`
     for an int8 weight-only one, any other layer (``w8a8``'s) as it is."""
-    from djl_stream.generation.int8_weights import Int8WeightOnlyLinear, Int8WeightProduct
-
     if type(linear) is torch.nn.Linear:
         return float_product(linear)
     if type(linear) is Int8WeightOnlyLinear:
@@ -547,10 +545,9 @@ def _step_sources(int8_layers: bool, graph_type: type = OneRowGraph,
     import inspect
 
     from djl_stream.generation import int8_linear
-    from djl_stream.generation.int8_weights import Int8WeightProduct
 
-    traced = (OneRowGraph, OneRowProduct, _reduction_of, llama_decode.Geometry, llama_decode._decode_logits,
-              llama_decode._norm, llama_decode._rotate, llama_decode._mlp,
+    traced = (OneRowGraph, OneRowProduct, _reduction_of, llama_decode.Geometry,
+              llama_decode._decode_logits, llama_decode._norm, llama_decode._rotate, llama_decode._mlp,
               llama_decode._qkv, llama_decode._layer_dicts)
     if int8_layers:
         traced += (int8_linear.Int8Linear, int8_linear.quantize_rows)

@@ -50,18 +50,14 @@ Example::
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
 
-from djl_stream.generation.int8_linear import quantize_rows
-
-logger = logging.getLogger(__name__)
+from djl_stream.generation.int8_linear import _PLAIN_TENSORS, quantize_rows
 
 #: int8 weights per float32 word.
 WEIGHTS_PER_WORD = 4
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def interleaved_columns(in_features: int) -> torch.Tensor:
@@ -142,7 +138,7 @@ class Int8WeightProduct(torch.nn.Module):
     :class:`~djl_stream.generation.compiled_decode.FewRowsProduct` does, and for the same
     reason). The words' conversion is paid once per row: a batch costs about a row's
     conversions more for each row (SmolLM2's 211 products in one compiled graph on the
-    2-core AMD EPYC: 9 ms at 1 row, 14 at 2, 54 at 8, 102 at 16).
+    2-core AMD EPYC: about 9 ms at 1 row, 14 at 2, 54 at 8, 102 at 16).
     """
 
     def __init__(self, linear: Int8WeightOnlyLinear):
