@@ -89,6 +89,18 @@ def _int_mm_fails_on_this_cpu() -> Optional[str]:
     return None
 
 
+def hold_int8_weight(layer: torch.nn.Module, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: Optional[torch.Tensor]) -> None:
+    """Give ``layer`` an int8 layer's parameters: ``weight`` (int8, ``(out, in)``),
+    ``weight_scale`` (one per row) and ``bias`` (float32, or ``None``), none trained, and
+    its ``out_features`` and ``in_features``."""
+    layer.out_features, layer.in_features = weight.shape
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(weight_scale, requires_grad=False)
+    layer.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(),
+                                                             requires_grad=False)
+
+
 def quantize_rows(matrix: torch.Tensor):
     """``matrix`` (rows, columns) as int8 and one float32 scale per row, symmetric:
     ``matrix ≈ int8 * scale[:, None]``.
@@ -116,11 +128,7 @@ class Int8Linear(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor,
                  bias: Optional[torch.Tensor]):
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
-        self.weight_scale = torch.nn.Parameter(weight_scale, requires_grad=False)
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(),
-                                                                requires_grad=False)
+        hold_int8_weight(self, weight, weight_scale, bias)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear) -> Optional["Int8Linear"]:

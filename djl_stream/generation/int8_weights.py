@@ -54,7 +54,7 @@ from typing import Optional
 
 import torch
 
-from djl_stream.generation.int8_linear import _PLAIN_TENSORS, quantize_rows
+from djl_stream.generation.int8_linear import _PLAIN_TENSORS, hold_int8_weight, quantize_rows
 
 #: int8 weights per float32 word.
 WEIGHTS_PER_WORD = 4
@@ -85,11 +85,7 @@ class Int8WeightOnlyLinear(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor,
                  bias: Optional[torch.Tensor]):
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
-        self.weight_scale = torch.nn.Parameter(weight_scale, requires_grad=False)
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(),
-                                                                requires_grad=False)
+        hold_int8_weight(self, weight, weight_scale, bias)
         # (not a buffer: the programs take the input as it is, the words interleaved)
         self.column_order = interleaved_columns(self.in_features)
 
