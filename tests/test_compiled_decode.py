@@ -451,38 +451,6 @@ def test_the_scheduler_s_pacer_counts_the_compiled_one_row_steps(smollm2_tokeniz
         scheduler.shutdown()
 
 
-def test_the_pacer_leaves_out_the_steps_of_int8_weights_programs(smollm2_tokenizer,
-                                                                monkeypatch, one_row_cache):
-    # option.quantize=int8: a program step costs a tenth of an eager pass over the int8
-    # layers (they turn every weight into floats), so, as replayed CUDA graphs, its steps
-    # would bound every pass reading a prompt beside it to one column: they are left out
-    import math
-
-    from djl_stream.generation.int8_weights import quantize_weights_only
-    from djl_stream.generation.prefill_pacing import PrefillPacer
-    from djl_stream.generation.scheduler import Scheduler
-
-    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
-    assert quantize_weights_only(model) == 15
-    step, calls = compiled_step(model, smollm2_tokenizer, monkeypatch, int8=True,
-                                share_weights=True)
-    assert step.multiplies_int8_weights
-    pacer = PrefillPacer(1.5, math.inf)
-    scheduler = Scheduler(model, pad_token_id=2, device="cpu", max_batch_size=4, pacer=pacer)
-    try:
-        alone = scheduler.submit([GenerationSequence(
-            0, smollm2_tokenizer(PROMPT)["input_ids"], smollm2_tokenizer,
-            max_new_tokens=100_000, eos_token_ids=set(), ignore_eos=True)])
-        for _ in range(6):
-            next(alone)
-        assert len(calls) >= 5 and step.last_step_compiled
-        assert llama_decode.last_step_ran_apart(model)
-        assert pacer.step_seconds is None  # no step counted: no bound
-        alone.close()
-    finally:
-        scheduler.shutdown()
-
-
 @pytest.mark.skipif(int8_matmul_unavailable() is not None,
                     reason=f"w8a8's int8 layers need torch._int_mm: {int8_matmul_unavailable()}")
 @pytest.mark.parametrize("share_weights", [False, True])

@@ -364,12 +364,6 @@ class LlamaDecodeStep:
         #: Whether the step multiplies ``w8a8``'s int8 layers (its batch program then runs
         #: from fewer rows: :func:`first_rows_of`).
         self.multiplies_int8 = any(type(m) is Int8Linear for m in self.products())
-        from djl_stream.generation.int8_weights import Int8WeightOnlyLinear
-
-        #: Whether the step multiplies ``option.quantize=int8``'s weight-only layers, whose
-        #: eager products turn every weight into floats (:func:`last_step_ran_apart`).
-        self.multiplies_int8_weights = any(type(m) is Int8WeightOnlyLinear
-                                           for m in self.products())
         self.one_row = one_row
         self.batch_program = batch_program
         self.few_rows = few_rows
@@ -655,16 +649,11 @@ def replays_graphs(model) -> bool:
 def last_step_ran_apart(model) -> bool:
     """Whether ``model``'s last decode step ran a way that a pass reading a prompt beside
     the running batch (a mixed pass, always eager) cannot come near: a replayed CUDA graph
-    (SmolLM2's shapes: 3.3 ms on an H200 against 18 ms for the eager step), or a compiled
-    program over ``option.quantize=int8``'s layers, whose eager products turn every
-    weight into floats at every pass (SmolLM2 on the 2-core AMD EPYC: a one-row program
-    step 10 ms, a pass reading a one-token prompt 92 ms). Such a step's time says little
-    of what a mixed pass costs, so the prefill pacer leaves it out
-    (:meth:`~djl_stream.generation.prefill_pacing.PrefillPacer.decode_step`): bounded by
-    1.5 of those steps, every pass would read a prompt one column at a time, each costing
-    the whole conversion.
+    (SmolLM2's shapes: 3.3 ms on an H200 against 18 ms for the eager step). Such a step's
+    time says little of what a mixed pass costs, so the prefill pacer leaves it out
+    (:meth:`~djl_stream.generation.prefill_pacing.PrefillPacer.decode_step`).
 
-    The CPU's compiled programs over float32 or ``w8a8``'s layers are counted: their steps are what the running streams
+    The CPU's compiled programs are counted: their steps are what the running streams
     wait between tokens, and the eager step a mixed pass runs is not far off (SmolLM2 on
     the 2-core Xeon: 23-25 ms a one-row step against 28). Left out, as they were until
     the programs became the default, one stream decoding alone left the pacer with no
@@ -673,10 +662,7 @@ def last_step_ran_apart(model) -> bool:
     (RELIABILITY.md). Prompts arriving together (a burst) are read with the idle budget
     either way."""
     step = step_of(model)
-    if step is None:
-        return False
-    programs = step.last_step_compiled or step.last_step_few_rows or step.last_step_batch_program
-    return step.last_step_replayed or (step.multiplies_int8_weights and programs)
+    return step is not None and step.last_step_replayed
 
 
 def attach(model, tokenizer, *, one_row=None, batch_program=None, few_rows=None,
