@@ -87,11 +87,11 @@ def quantization_kwargs(method: Optional[str], *, on_gpu: bool,
         logger.warning("option.quantize=%s on a CPU: bitsandbytes' CPU kernels stand in for "
                        "its CUDA ones (BENCHMARKS.md's quantization section compares them "
                        "with float32 and int8 there)", method)
-    if method in ("int8", "w8a8"):
-        if not on_gpu:
-            return {}  # djl-stream's own int8 layers, after loading (quantize_after_load)
-        if method == "int8":
-            return {"quantization_config": _torchao("int8", "Int8WeightOnlyConfig")}
+    if method in ("int8", "w8a8") and not on_gpu:
+        return {}  # djl-stream's own int8 layers, after loading (quantize_after_load)
+    if method == "int8":
+        return {"quantization_config": _torchao("int8", "Int8WeightOnlyConfig")}
+    if method == "w8a8":
         logger.warning("option.quantize=w8a8 on a GPU: serving int8 weight-only weights "
                        "(option.quantize=int8) instead, the same int8 weight memory: "
                        "torchao's int8 products with dynamically quantized activations "
