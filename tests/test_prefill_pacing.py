@@ -84,6 +84,48 @@ def test_a_narrow_pass_does_not_make_the_next_prompt_crawl():
     assert pacer.columns(budget=32, rows=1, cached=0) == 9   # (90 - 55) / 4 ms
 
 
+def test_a_fixed_part_twice_the_bound_gets_the_bound_for_its_columns():
+    # int8 weights on a CPU: a compiled step of 10 ms, an eager prefill pass of 92 ms
+    # before its first token (every weight turned into floats). No width keeps a pass
+    # within 15 ms; one column a pass would read a 44-token prompt in 44 such passes.
+    clock = Clock()
+    pacer = PrefillPacer(1.5, math.inf, clock=clock)
+    run_step(pacer, clock, 0.010)
+    for columns in (44, 4):
+        with pacer.prefill_pass(1, columns, 0):
+            clock.now += 0.092 + 0.003 * columns
+    assert pacer.pass_cost.fixed_seconds == pytest.approx(0.092)
+    assert pacer.columns(budget=64, rows=1, cached=0) == 5    # 15 ms / 3 ms
+
+
+def test_a_fixed_part_under_twice_the_bound_keeps_the_bound():
+    # the float32 defaults' case: a fixed part about the bound; the bound on top of it
+    # made a running stream's worst gap beside a 4,000-token prompt 5.5-9.2 decode steps
+    # (the reliability target is 4)
+    clock = Clock()
+    pacer = PrefillPacer(1.5, math.inf, clock=clock)
+    run_step(pacer, clock, 0.020)             # a bound of 30 ms
+    for columns in (44, 4):
+        with pacer.prefill_pass(1, columns, 0):
+            clock.now += 0.045 + 0.003 * columns
+    assert pacer.columns(budget=64, rows=1, cached=0) == 1
+
+
+def test_beside_a_step_a_share_beyond_the_bound_gets_the_bound_too():
+    clock = Clock()
+    pacer = PrefillPacer(1.5, math.inf, clock=clock)
+    run_step(pacer, clock, 0.010)
+    for columns in (44, 4):                   # the step, then an eager pass's 82 ms more
+        with pacer.mixed_pass(1, columns, 0):
+            clock.now += 0.010 + 0.082 + 0.003 * columns
+    assert pacer.shared_cost.fixed_seconds == pytest.approx(0.082)
+    assert pacer.columns(budget=64, rows=1, cached=0, beside_step=True) == 5
+    # a fixed part within the bound keeps the pass within it, as before
+    for _ in range(8):
+        run_step(pacer, clock, 0.080)         # the bound is now 120 ms
+    assert pacer.columns(budget=64, rows=1, cached=0, beside_step=True) == 13  # 38 / 3, rounded
+
+
 def test_the_bound_scales_with_the_running_batchs_step():
     clock = Clock()
     pacer = PrefillPacer(1.5, math.inf, clock=clock)

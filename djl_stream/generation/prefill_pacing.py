@@ -9,7 +9,8 @@ pass, and the narrower wins:
   (:func:`prefill_columns`, :func:`attention_parity_context`): a cost model from the
   model's shape, the same on every machine;
 * the **stall bound** (``option.prefill_stall_steps``): a pass may take at most that many
-  of the running batch's decode steps, *as measured* (:class:`PrefillPacer`). The cost model
+  of the running batch's decode steps, *as measured* (:class:`PrefillPacer`), unless
+  its fixed part alone is well beyond that (:data:`OUT_OF_REACH`). The cost model
   cannot know what a pass costs on this machine: a pass streams all the weights once, like
   a decode step, whatever its width, and attention over thousands of cached columns has
   costs of its own: deep into a 4,000-token prompt, the 13 columns the budget of 32 affords
@@ -79,6 +80,19 @@ STEP_GROWTH = 1.5
 #: How much each older pass counts in the cost fit, against 1 for the newest: a pass's
 #: cost changes with the prompt's depth, so the last few count most.
 FORGETTING = 0.7
+
+#: A pass whose fixed part alone is this many times what the bound allows it cannot be
+#: kept near the bound by any width, and one column a pass pays that fixed part once per
+#: prompt column: its chunk gets the bound's worth of columns on top of the fixed part
+#: instead. With ``option.quantize=int8`` on a CPU every eager pass turns each weight
+#: into a float (some 80 ms beside a compiled step of 13): one column a pass, a prompt
+#: arriving beside one stream waited 3.6-6.4 s for its first token over HTTP, and
+#: 1.1-2.2 s with this (2-core AMD EPYC). Twice, not once: the float32 defaults' fixed
+#: part (an eager chunk beside a compiled step) sits about the bound, and with the bound
+#: on top of it a running stream's worst gap beside a 4,000-token prompt was 5.5-9.2
+#: decode steps in four runs (median 7.7), against 2.6-10.8 in nine without it (median
+#: 4.3; the reliability target is 4, RELIABILITY.md).
+OUT_OF_REACH = 2.0
 
 
 def attention_parity_context(model) -> float:
@@ -281,12 +295,16 @@ class PrefillPacer:
         if bound is None:
             return by_budget
         if beside_step and self.shared_cost.observed:
-            tokens = self.shared_cost.tokens_within(bound)
+            cost, within = self.shared_cost, bound
         elif self.pass_cost.observed:
-            fixed = self.pass_cost.fixed_seconds if beside_step else 0.0
-            tokens = self.pass_cost.tokens_within(bound + fixed)
+            cost = self.pass_cost
+            within = bound + (cost.fixed_seconds if beside_step else 0.0)
         else:
             return by_budget
+        if cost.fixed_seconds >= OUT_OF_REACH * within:
+            # no width keeps the pass within the bound: see OUT_OF_REACH
+            within = cost.fixed_seconds + bound
+        tokens = cost.tokens_within(within)
         per_column = budget_tokens(rows, 1, cached, self.parity_context)
         return max(1, round(min(by_budget, tokens / per_column)))
 
