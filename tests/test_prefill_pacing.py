@@ -111,7 +111,7 @@ def test_a_fixed_part_under_twice_the_bound_keeps_the_bound():
     assert pacer.columns(budget=64, rows=1, cached=0) == 1
 
 
-def test_beside_a_step_a_share_beyond_the_bound_gets_the_bound_too():
+def test_beside_a_step_a_share_twice_the_bound_gets_the_bound_too():
     clock = Clock()
     pacer = PrefillPacer(1.5, math.inf, clock=clock)
     run_step(pacer, clock, 0.010)
@@ -120,7 +120,7 @@ def test_beside_a_step_a_share_beyond_the_bound_gets_the_bound_too():
             clock.now += 0.010 + 0.082 + 0.003 * columns
     assert pacer.shared_cost.fixed_seconds == pytest.approx(0.082)
     assert pacer.columns(budget=64, rows=1, cached=0, beside_step=True) == 5
-    # a fixed part within the bound keeps the pass within it, as before
+    # a share within the bound keeps the pass within it, as before
     for _ in range(8):
         run_step(pacer, clock, 0.080)         # the bound is now 120 ms
     assert pacer.columns(budget=64, rows=1, cached=0, beside_step=True) == 13  # 38 / 3, rounded
