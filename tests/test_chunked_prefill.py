@@ -296,6 +296,31 @@ def test_while_a_stream_decodes_a_pass_takes_at_most_the_stall_bound_of_its_step
     assert any(columns < budget for (_, columns, _), budget in zip(passes, by_budget))
 
 
+class RecordingPacer(PrefillPacer):
+    """A pacer that records what each call of :meth:`columns` was told."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.asked = []
+
+    def columns(self, budget, rows, cached, **kwargs):
+        self.asked.append((cached, kwargs.get("prompt_length")))
+        return super().columns(budget, rows, cached, **kwargs)
+
+
+def test_the_pacer_is_told_how_long_the_prompt_being_read_is(make_scheduler, tiny_model,
+                                                             smollm2_tokenizer):
+    # (a short prompt's passes may stretch beyond the bound, a long one's not:
+    # prefill_pacing.STRETCHED_PASS)
+    pacer = RecordingPacer(1.5, attention_parity_context(tiny_model))
+    scheduler = make_scheduler(max_batch_prefill_tokens=BUDGET, pacer=pacer)
+    _, long_seqs = long_prompt_beside_a_stream(scheduler, tiny_model, smollm2_tokenizer,
+                                               once_decoding=pacer.asked.clear)
+    assert len(pacer.asked) >= 2, pacer.asked        # paced beside the stream, in chunks
+    assert {length for _, length in pacer.asked} == {len(long_seqs[0].prompt_ids)}
+    assert [cached for cached, _ in pacer.asked] == sorted(cached for cached, _ in pacer.asked)
+
+
 class HeldDecodeStep:
     """Holds the scheduler inside its next decode step (a forward pass of one column)
     while the ``with`` block runs: requests submitted in it all wait for the same

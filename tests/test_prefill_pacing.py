@@ -126,6 +126,80 @@ def test_beside_a_step_a_share_twice_the_bound_gets_the_bound_too():
     assert pacer.columns(budget=64, rows=1, cached=0, beside_step=True) == 13  # 38 / 3, rounded
 
 
+# -- a short prompt beside running streams (STRETCHED_PASS) --------------------------------
+#
+# The float32 defaults on the 2-core AMD EPYC: a compiled step of 26 ms (a bound of 39), a
+# mixed pass over the eager step some 60 ms more whatever its width, 2 ms a column.
+EPYC_STEP, EPYC_SHARE, EPYC_COLUMN = 0.026, 0.060, 0.002
+
+
+def epyc_mixed(pacer, clock, columns):
+    with pacer.mixed_pass(1, columns, 0):
+        clock.now += EPYC_STEP + EPYC_SHARE + EPYC_COLUMN * columns
+
+
+def epyc_pacer():
+    clock = Clock()
+    pacer = PrefillPacer(1.5, math.inf, clock=clock)
+    run_step(pacer, clock, EPYC_STEP)
+    for columns in (8, 2):
+        epyc_mixed(pacer, clock, columns)
+    assert pacer.shared_cost.fixed_seconds == pytest.approx(EPYC_SHARE)
+    return pacer, clock
+
+
+def test_a_short_prompt_stretches_its_passes_to_half_again_their_fixed_part():
+    # within the bound no width fits (60 ms > 39): one column a pass, a chat prompt of
+    # 38 tokens in 38 passes; stretched to 90 ms a pass, 15 columns, in 3
+    pacer, _ = epyc_pacer()
+    assert pacer.columns(budget=64, rows=1, cached=0, beside_step=True) == 1
+    assert pacer.columns(budget=64, rows=1, cached=0, beside_step=True,
+                         prompt_length=38) == 15
+    # the rest of it, from where the first pass left it
+    assert pacer.columns(budget=64, rows=1, cached=15, beside_step=True,
+                         prompt_length=38) == 15
+
+
+def test_a_long_prompt_keeps_the_bound():
+    # more than SHORT_PROMPT_PASSES stretched passes' worth (8 x 15 columns)
+    pacer, _ = epyc_pacer()
+    assert pacer.columns(budget=64, rows=1, cached=0, beside_step=True,
+                         prompt_length=121) == 1
+    assert pacer.columns(budget=64, rows=1, cached=2000, beside_step=True,
+                         prompt_length=4056) == 1
+
+
+def test_a_fixed_part_within_two_thirds_of_the_bound_is_not_stretched():
+    # the Xeon's shape: 55 ms of a 90 ms bound; stretched it would be 82.5 ms, less
+    clock = Clock()
+    pacer = PrefillPacer(1.5, math.inf, clock=clock)
+    run_step(pacer, clock)
+    run_pass(pacer, clock, 1, 32, 0)
+    run_pass(pacer, clock, 1, 1, 0)
+    assert pacer.columns(budget=32, rows=1, cached=0, prompt_length=20) == 9
+
+
+def test_one_width_seen_a_short_prompt_tries_a_wider_pass():
+    # After a long prompt read one column a pass, every pass the fit remembers had one
+    # width, and no fixed part can be told from it: the stretched pass takes all of a
+    # column's cost as fixed, and reads 2 columns; the fit then has the two widths it
+    # needs.
+    clock = Clock()
+    pacer = PrefillPacer(1.5, math.inf, clock=clock)
+    run_step(pacer, clock, EPYC_STEP)
+    for _ in range(20):
+        epyc_mixed(pacer, clock, 1)
+    assert pacer.shared_cost.one_size
+    assert pacer.columns(budget=64, rows=1, cached=0, beside_step=True,
+                         prompt_length=38) == 2
+    assert pacer.columns(budget=64, rows=1, cached=0, beside_step=True,
+                         prompt_length=4056) == 1      # no: a long prompt keeps the bound
+    epyc_mixed(pacer, clock, 2)
+    assert not pacer.shared_cost.one_size
+    assert pacer.columns(budget=64, rows=1, cached=0, beside_step=True,
+                         prompt_length=38) == 15
+
+
 def test_the_bound_scales_with_the_running_batchs_step():
     clock = Clock()
     pacer = PrefillPacer(1.5, math.inf, clock=clock)

@@ -10,7 +10,8 @@ pass, and the narrower wins:
   model's shape, the same on every machine;
 * the **stall bound** (``option.prefill_stall_steps``): a pass may take at most that many
   of the running batch's decode steps, *as measured* (:class:`PrefillPacer`), unless
-  its fixed part alone is well beyond that (:data:`OUT_OF_REACH`). The cost model
+  its fixed part alone is well beyond that (:data:`OUT_OF_REACH`), or near it while a
+  short prompt is read (:data:`STRETCHED_PASS`). The cost model
   cannot know what a pass costs on this machine: a pass streams all the weights once, like
   a decode step, whatever its width, and attention over thousands of cached columns has
   costs of its own: deep into a 4,000-token prompt, the 13 columns the budget of 32 affords
@@ -93,6 +94,23 @@ FORGETTING = 0.7
 #: decode steps in four runs (median 7.7), against 2.6-10.8 in nine without it (median
 #: 4.3; the reliability target is 4, RELIABILITY.md).
 OUT_OF_REACH = 2.0
+#: A short prompt read beside running streams (:data:`SHORT_PROMPT_PASSES`) may have
+#: passes this many times their fixed part, where that is more than the bound allows
+#: (and at most the fixed part plus the bound): at least a third of each pass then reads
+#: its columns. A mixed pass runs the eager step, whose fixed part beside a compiled step
+#: is about the bound (on the 2-core AMD EPYC, float32 SmolLM2: 35-60 ms beside a 24-28
+#: ms step, the bound 36-42 ms), so within the bound it fed one column a pass: a chat
+#: prompt arriving beside one stream was read in 30-40 passes, its first token after
+#: 0.4-3.2 s (median 2.5 s, six rounds over HTTP), against 0.26-0.86 s (median 0.45 s)
+#: with its passes stretched, in 3 or 4; the running stream's worst gap meanwhile 3.4-5.5
+#: of its steps against 1.9-4.0.
+STRETCHED_PASS = 1.5
+#: A prompt is short, for :data:`STRETCHED_PASS`, when stretched passes read all of it
+#: in at most this many: a running stream meets at most that many longer gaps for it. A
+#: long prompt keeps the bound from its first column to its last: stretched, a running
+#: stream's worst gap beside a 4,000-token prompt was 6.2-9.2 decode steps (six runs)
+#: against 3.4-5.7 (the reliability target is 4, RELIABILITY.md).
+SHORT_PROMPT_PASSES = 8
 
 
 def attention_parity_context(model) -> float:
@@ -189,7 +207,7 @@ class PassCostModel:
     def _fit(self) -> tuple[float, float]:
         mean_x, mean_y = self._x / self._weight, self._y / self._weight
         spread = self._xx / self._weight - mean_x * mean_x
-        if spread > (0.1 * mean_x) ** 2:
+        if not self.one_size:
             slope = (self._xy / self._weight - mean_x * mean_y) / spread
             fixed = mean_y - slope * mean_x
             if slope > 0 and fixed >= 0:
@@ -199,6 +217,27 @@ class PassCostModel:
     @property
     def fixed_seconds(self) -> float:
         return self._fit()[0]
+
+    @property
+    def fixed_at_most(self) -> float:
+        """The fixed part, or while every pass seen had about the same size (no fixed part
+        can be told apart), the most it can be: all of that size's cost.
+
+        >>> model = PassCostModel()
+        >>> model.observe(1, 0.040); model.fixed_seconds, model.fixed_at_most
+        (0.0, 0.04)
+        """
+        fixed, per_token = self._fit()
+        return per_token * self._x / self._weight if self.one_size else fixed
+
+    @property
+    def one_size(self) -> bool:
+        """Whether every pass seen (weighed by :data:`FORGETTING`) had about the same
+        size: their spread under a tenth of their mean."""
+        if not self._weight:
+            return False
+        mean_x = self._x / self._weight
+        return self._xx / self._weight - mean_x * mean_x <= (0.1 * mean_x) ** 2
 
     @property
     def seconds_per_token(self) -> float:
@@ -280,7 +319,7 @@ class PrefillPacer:
         return self.stall_steps * self.step_seconds
 
     def columns(self, budget: int, rows: int, cached: int, *,
-                beside_step: bool = False) -> int:
+                beside_step: bool = False, prompt_length: Optional[int] = None) -> int:
         """Columns for the next pass of ``rows`` rows after ``cached`` columns, a decode
         step of the running batch waiting on it: the token budget's, or fewer where the
         timed passes say that many would stall the running batch too long.
@@ -289,7 +328,11 @@ class PrefillPacer:
         (a mixed pass): the streams then wait for that pass alone, so the chunk may add
         the bound to the step, and it does not pay for reading the weights again. Its
         cost is what mixed passes were seen to add to a step, or, before any was timed,
-        a prefill pass's cost without its fixed part."""
+        a prefill pass's cost without its fixed part.
+
+        ``prompt_length``: the columns of the prompts being read, all of them (cached and
+        still to feed); where given, a short prompt's passes may stretch beyond the bound
+        (:data:`STRETCHED_PASS`)."""
         by_budget = prefill_columns(budget, rows, cached, self.parity_context)
         bound = self.bound_seconds
         if bound is None:
@@ -301,11 +344,22 @@ class PrefillPacer:
             within = bound + (cost.fixed_seconds if beside_step else 0.0)
         else:
             return by_budget
-        if cost.fixed_seconds >= OUT_OF_REACH * within:
-            # no width keeps the pass within the bound: see OUT_OF_REACH
-            within = cost.fixed_seconds + bound
-        tokens = cost.tokens_within(within)
         per_column = budget_tokens(rows, 1, cached, self.parity_context)
+        fixed = cost.fixed_seconds
+        if fixed >= OUT_OF_REACH * within:
+            # no width keeps the pass within the bound: see OUT_OF_REACH
+            within = fixed + bound
+        elif prompt_length is not None:
+            # a short prompt may stretch its passes: see STRETCHED_PASS
+            most_fixed = cost.fixed_at_most
+            stretched = min(STRETCHED_PASS * most_fixed, most_fixed + bound)
+            # (one size seen: what a wider pass reads is unknown, the budget's at most;
+            # the stretched pass is then the other size the fit needs)
+            readable = (by_budget if cost.one_size
+                        else cost.tokens_within(stretched) / per_column)
+            if stretched > within and prompt_length <= SHORT_PROMPT_PASSES * readable:
+                within = stretched
+        tokens = cost.tokens_within(within)
         return max(1, round(min(by_budget, tokens / per_column)))
 
     @contextlib.contextmanager

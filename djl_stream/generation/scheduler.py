@@ -643,12 +643,14 @@ class Scheduler:
                  beside_step: bool = False) -> int:
         """Columns of ``prefill``'s next pass (``rows`` rows after ``cached`` columns): the
         idle budget's with nothing decoding or for a burst, else the budget's within the
-        stall bound (``beside_step``: in a mixed pass, see :meth:`PrefillPacer.columns`)."""
+        stall bound (``beside_step``: in a mixed pass, see :meth:`PrefillPacer.columns`),
+        told the prompts' length (a short prompt's passes may stretch)."""
         if prefill.burst or self._running is None:
             return prefill_columns(self.max_idle_prefill_tokens, rows, cached,
                                    self._pacer.parity_context)
         return self._pacer.columns(self.max_batch_prefill_tokens, rows, cached,
-                                   beside_step=beside_step)
+                                   beside_step=beside_step,
+                                   prompt_length=cached + prefill.batch.columns_to_feed)
 
     def _prefill_failed(self, error: Exception) -> None:
         prefill = self._prefilling.popleft()
