@@ -107,7 +107,8 @@ OUT_OF_REACH = 2.0
 STRETCHED_PASS = 1.5
 #: A prompt is short, for :data:`STRETCHED_PASS`, when stretched passes read all of it
 #: in at most this many: a running stream meets at most that many longer gaps for it. A
-#: long prompt keeps the bound from its first column to its last: stretched, a running
+#: long prompt keeps the bound from its first column to its last: with every prompt's
+#: passes stretched (to the fixed part plus half the bound, a first version), a running
 #: stream's worst gap beside a 4,000-token prompt was 6.2-9.2 decode steps (six runs)
 #: against 3.4-5.7 (the reliability target is 4, RELIABILITY.md).
 SHORT_PROMPT_PASSES = 8
