@@ -72,14 +72,20 @@ def test_a_single_column_costing_over_half_the_bound_still_widens():
     assert pacer.columns(budget=32, rows=1, cached=0) == 2
 
 
-def test_a_narrow_pass_does_not_make_the_next_prompt_crawl():
-    # A last column alone (or a deep one) costs about the fixed part; a cost per token
-    # taken from it made the next short prompt start at 3 columns (then 5, 9, ...).
+def pacer_after_two_widths():
+    """A pacer that timed a decode step, then passes of 32 columns (183 ms) and of 1 (59)."""
     clock = Clock()
     pacer = PrefillPacer(1.5, math.inf, clock=clock)
     run_step(pacer, clock)
-    run_pass(pacer, clock, 1, 32, 0)          # 183 ms
-    run_pass(pacer, clock, 1, 1, 0)           # 59 ms
+    run_pass(pacer, clock, 1, 32, 0)
+    run_pass(pacer, clock, 1, 1, 0)
+    return pacer
+
+
+def test_a_narrow_pass_does_not_make_the_next_prompt_crawl():
+    # A last column alone (or a deep one) costs about the fixed part; a cost per token
+    # taken from it made the next short prompt start at 3 columns (then 5, 9, ...).
+    pacer = pacer_after_two_widths()
     assert pacer.pass_cost.fixed_seconds == pytest.approx(FIXED)
     assert pacer.columns(budget=32, rows=1, cached=0) == 9   # (90 - 55) / 4 ms
 
@@ -171,11 +177,7 @@ def test_a_long_prompt_keeps_the_bound():
 
 def test_a_fixed_part_within_two_thirds_of_the_bound_is_not_stretched():
     # the Xeon's shape: 55 ms of a 90 ms bound; stretched it would be 82.5 ms, less
-    clock = Clock()
-    pacer = PrefillPacer(1.5, math.inf, clock=clock)
-    run_step(pacer, clock)
-    run_pass(pacer, clock, 1, 32, 0)
-    run_pass(pacer, clock, 1, 1, 0)
+    pacer = pacer_after_two_widths()
     assert pacer.columns(budget=32, rows=1, cached=0, prompt_length=20) == 9
 
 
@@ -277,11 +279,7 @@ def run_mixed(pacer, clock, rows, columns, cached, step=STEP, parity=math.inf):
 
 
 def test_beside_a_step_a_chunk_skips_the_weights_fixed_cost():
-    clock = Clock()
-    pacer = PrefillPacer(1.5, math.inf, clock=clock)
-    run_step(pacer, clock)
-    run_pass(pacer, clock, 1, 32, 0)
-    run_pass(pacer, clock, 1, 1, 0)
+    pacer = pacer_after_two_widths()
     # alone: (90 ms bound - 55 fixed) / 4 ms; beside a step the streams wait for one pass,
     # the chunk adds its tokens only: 90 / 4 ms
     assert pacer.columns(budget=64, rows=1, cached=0) == 9
