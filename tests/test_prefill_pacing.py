@@ -151,28 +151,30 @@ def epyc_pacer():
     for columns in (8, 2):
         epyc_mixed(pacer, clock, columns)
     assert pacer.shared_cost.fixed_seconds == pytest.approx(EPYC_SHARE)
-    return pacer, clock
+    return pacer
+
+
+def beside_one_stream(pacer, cached, prompt_length=None):
+    """Columns of a one-row chunk (64-token budget) in a mixed pass beside the stream."""
+    return pacer.columns(budget=64, rows=1, cached=cached, beside_step=True,
+                         prompt_length=prompt_length)
 
 
 def test_a_short_prompt_stretches_its_passes_to_half_again_their_fixed_part():
     # within the bound no width fits (60 ms > 39): one column a pass, a chat prompt of
     # 38 tokens in 38 passes; stretched to 90 ms a pass, 15 columns, in 3
-    pacer, _ = epyc_pacer()
-    assert pacer.columns(budget=64, rows=1, cached=0, beside_step=True) == 1
-    assert pacer.columns(budget=64, rows=1, cached=0, beside_step=True,
-                         prompt_length=38) == 15
+    pacer = epyc_pacer()
+    assert beside_one_stream(pacer, 0) == 1
+    assert beside_one_stream(pacer, 0, 38) == 15
     # the rest of it, from where the first pass left it
-    assert pacer.columns(budget=64, rows=1, cached=15, beside_step=True,
-                         prompt_length=38) == 15
+    assert beside_one_stream(pacer, 15, 38) == 15
 
 
 def test_a_long_prompt_keeps_the_bound():
     # more than SHORT_PROMPT_PASSES stretched passes' worth (8 x 15 columns)
-    pacer, _ = epyc_pacer()
-    assert pacer.columns(budget=64, rows=1, cached=0, beside_step=True,
-                         prompt_length=121) == 1
-    assert pacer.columns(budget=64, rows=1, cached=2000, beside_step=True,
-                         prompt_length=4056) == 1
+    pacer = epyc_pacer()
+    assert beside_one_stream(pacer, 0, 121) == 1
+    assert beside_one_stream(pacer, 2000, 4056) == 1
 
 
 def test_a_fixed_part_within_two_thirds_of_the_bound_is_not_stretched():
@@ -192,14 +194,11 @@ def test_one_width_seen_a_short_prompt_tries_a_wider_pass():
     for _ in range(20):
         epyc_mixed(pacer, clock, 1)
     assert pacer.shared_cost.one_size
-    assert pacer.columns(budget=64, rows=1, cached=0, beside_step=True,
-                         prompt_length=38) == 2
-    assert pacer.columns(budget=64, rows=1, cached=0, beside_step=True,
-                         prompt_length=4056) == 1      # no: a long prompt keeps the bound
+    assert beside_one_stream(pacer, 0, 38) == 2
+    assert beside_one_stream(pacer, 0, 4056) == 1      # no: a long prompt keeps the bound
     epyc_mixed(pacer, clock, 2)
     assert not pacer.shared_cost.one_size
-    assert pacer.columns(budget=64, rows=1, cached=0, beside_step=True,
-                         prompt_length=38) == 15
+    assert beside_one_stream(pacer, 0, 38) == 15
 
 
 def test_the_bound_scales_with_the_running_batchs_step():

@@ -205,9 +205,14 @@ class PassCostModel:
     def observed(self) -> bool:
         return self._weight > 0
 
+    def _size_moments(self) -> tuple[float, float]:
+        """The mean size of the passes seen and its spread (variance), each weighed."""
+        mean_x = self._x / self._weight
+        return mean_x, self._xx / self._weight - mean_x * mean_x
+
     def _fit(self) -> tuple[float, float]:
-        mean_x, mean_y = self._x / self._weight, self._y / self._weight
-        spread = self._xx / self._weight - mean_x * mean_x
+        mean_x, spread = self._size_moments()
+        mean_y = self._y / self._weight
         if not self.one_size:
             slope = (self._xy / self._weight - mean_x * mean_y) / spread
             fixed = mean_y - slope * mean_x
@@ -228,8 +233,7 @@ class PassCostModel:
         >>> model.observe(1, 0.040); model.fixed_seconds, model.fixed_at_most
         (0.0, 0.04)
         """
-        fixed, per_token = self._fit()
-        return per_token * self._x / self._weight if self.one_size else fixed
+        return self._y / self._weight if self.one_size else self.fixed_seconds
 
     @property
     def one_size(self) -> bool:
@@ -237,8 +241,8 @@ class PassCostModel:
         size: their spread under a tenth of their mean."""
         if not self._weight:
             return False
-        mean_x = self._x / self._weight
-        return self._xx / self._weight - mean_x * mean_x <= (0.1 * mean_x) ** 2
+        mean_x, spread = self._size_moments()
+        return spread <= (0.1 * mean_x) ** 2
 
     @property
     def seconds_per_token(self) -> float:
@@ -339,14 +343,15 @@ class PrefillPacer:
         if bound is None:
             return by_budget
         if beside_step and self.shared_cost.observed:
-            cost, within = self.shared_cost, bound
+            cost, skips_fixed_part = self.shared_cost, False
         elif self.pass_cost.observed:
-            cost = self.pass_cost
-            within = bound + (cost.fixed_seconds if beside_step else 0.0)
+            # (a chunk beside a step, costed as a pass of its own: the step reads the weights)
+            cost, skips_fixed_part = self.pass_cost, beside_step
         else:
             return by_budget
         per_column = budget_tokens(rows, 1, cached, self.parity_context)
         fixed = cost.fixed_seconds
+        within = bound + (fixed if skips_fixed_part else 0.0)
         if fixed >= OUT_OF_REACH * within:
             # no width keeps the pass within the bound: see OUT_OF_REACH
             within = fixed + bound
