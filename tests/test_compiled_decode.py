@@ -156,6 +156,49 @@ def test_workers_starting_together_compile_once_and_a_restart_loads_the_cache(
     assert step.compiled
 
 
+@pytest.mark.parametrize("share_weights", [False, True])
+def test_a_program_with_a_copy_of_its_own_is_compiled_in_a_child_process(
+        smollm2_tokenizer, tmp_path, monkeypatch, share_weights):
+    """Compiling with freezing leaves the compiling process holding what the compile made
+    (gigabytes for SmolLM2), so a program with its own copy of the weights is compiled in
+    a forked child and loaded by this process from the cache; one that shares the
+    model's weights is compiled here. Either way this process gets the program, compiled
+    (not from a cache) and giving the eager step's tokens."""
+    compiling = tmp_path / "compiling"
+    compile_into = compiled_decode._compile_into
+
+    def recording(graph, entry, share_weights=False):  # the real compile, its process told
+        with open(compiling, "a", encoding="ascii") as told:
+            told.write(f"{os.getpid()}\n")
+        compile_into(graph, entry, share_weights)
+
+    monkeypatch.setattr(compiled_decode, "_compile_into", recording)
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED + 4)
+    expected, _ = decode_alone(model, smollm2_tokenizer, 12)
+    one_row = compiled_decode.compile_one_row(model, share_weights=share_weights,
+                                              cache=tmp_path / "cache")
+    assert one_row is not None and not one_row.from_cache
+    assert one_row.shares_weights == share_weights
+    (pid,) = [int(line) for line in compiling.read_text().split()]
+    assert (pid == os.getpid()) == share_weights
+    step = llama_decode.attach(model, smollm2_tokenizer, one_row=one_row)
+    assert step.compiled
+    assert decode_alone(model, smollm2_tokenizer, 12)[0] == expected
+    assert step.compiled
+
+
+def test_a_child_compile_that_fails_leaves_the_eager_step(smollm2_tokenizer, tmp_path,
+                                                          monkeypatch, caplog):
+    def failing(graph, entry, share_weights=False):
+        raise RuntimeError("no room left on the device")
+
+    monkeypatch.setattr(compiled_decode, "_compile_into", failing)
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED + 4)
+    assert compiled_decode.compile_one_row(model, cache=tmp_path / "cache") is None
+    assert "the child process compiling it exited with 1" in caplog.text
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+
+
 def test_a_program_that_shares_the_weights_keeps_none_and_serves_other_weights_of_that_shape(
         smollm2_tokenizer, tmp_path, monkeypatch):
     # compiled from one model, it runs another of the same shapes from the cache (a
@@ -925,9 +968,9 @@ def test_by_default_where_packed_layers_multiply_a_batch_much_faster_they_serve_
         tiny_model_dir, one_row_cache, monkeypatch, caplog):
     """On a CPU whose packed layers multiply 4 rows 1.8x faster than the plain ones (the
     AMD EPYC's figures), the one-row program keeps reading the plain weights and the
-    layers are packed beside them for the eager step's batches of 7 rows or more: no batch
-    program, the few-rows program for 2 to 6 rows, and steps of each give the forward's
-    tokens."""
+    layers are packed beside them for prompts and for batches past the programs' rows;
+    the few-rows program runs 2 to 6 rows over the plain weights, a 16-row program with
+    a copy of its own 7 to 16 rows, and steps of each give the forward's tokens."""
     from djl_stream.generation import loading
     from djl_stream.generation.loading import load_model_and_tokenizer
 
@@ -936,22 +979,33 @@ def test_by_default_where_packed_layers_multiply_a_batch_much_faster_they_serve_
     model, tokenizer = load_model_and_tokenizer(ModelProperties.from_init_properties(
         {"model_dir": str(tiny_model_dir)}))
     step = llama_decode.step_of(model)
-    assert step.compiled and step.one_row.shares_weights and step.batch_program is None
+    assert step.compiled and step.one_row.shares_weights
     assert step.few_rows is not None and step.few_rows.rows == compiled_decode.FEW_ROWS
     assert step.few_rows.shares_weights
+    assert step.batch_program is not None and not step.batch_program.shares_weights
+    assert (step.batch_program.rows, step.batch_program_from()) == (compiled_decode.BATCH_ROWS, 7)
     assert isinstance(model.model.layers[0].mlp.up_proj, packed_linear.PackedLinear)
     assert asked == [loading.BESIDE_TRIAL_ROWS]
     assert "beside the plain weights the compiled one-row step reads" in caplog.text
-    assert "one-row and 2- to 6-row decode steps run the compiled programs" in caplog.text
+    assert ("one-row, 2- to 6-row and 7- to 16-row decode steps run the compiled programs"
+            in caplog.text)
 
     reference, _ = load_model_and_tokenizer(ModelProperties.from_init_properties(
         {"model_dir": str(tiny_model_dir), "decode_step": "forward",
          "prepack_weights": "false"}))
     # one row: the one-row program; three: the few-rows program over the plain weights;
-    # seven: the eager step over the packed layers
-    for rows in (1, 3, 7):
+    # seven: the 16-row program over its copy (a cache with rows for it, as a
+    # scheduler's); eight: the eager step over the packed layers (in a batch cache of
+    # eight rows, which the program does not take)
+    for rows in (1, 3):
         assert (greedy_in_one_batch(model, tokenizer, BATCH_PROMPTS[:rows], 12)
                 == greedy_in_one_batch(reference, tokenizer, BATCH_PROMPTS[:rows], 12))
+    tokens, ran = decode_in_one_batch(model, tokenizer, BATCH_PROMPTS, 12, room_for_rows=9)
+    assert ran == [True] * 11
+    assert tokens == greedy_in_one_batch(reference, tokenizer, BATCH_PROMPTS, 12)
+    eight = BATCH_PROMPTS + ["Far away"]
+    assert (greedy_in_one_batch(model, tokenizer, eight, 12)
+            == greedy_in_one_batch(reference, tokenizer, eight, 12))
 
 
 def test_an_int8_load_runs_every_step_of_up_to_16_rows_through_programs_over_its_int8_bytes(
@@ -1021,6 +1075,25 @@ def test_by_default_packed_copies_that_would_crowd_the_memory_are_not_made(
     assert step.compiled and step.batch_program is not None
     assert type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear
     assert asked == []  # not even timed
+    assert "over half the 0 MB available" in caplog.text
+
+
+def test_by_default_a_third_copy_of_the_weights_that_would_crowd_the_memory_is_not_made(
+        tiny_model_dir, one_row_cache, monkeypatch, caplog):
+    """Where the packed copies fit but the 16-row program's own copy would then take more
+    than half the memory left, the packed layers serve 7 rows and more as before."""
+    from djl_stream.generation import loading
+
+    packing_trial_figures(monkeypatch, *EPYC)
+    available = iter([10**12, 100_000])  # before packing, then after it
+    monkeypatch.setattr(loading, "_memory_available", lambda: next(available))
+    caplog.set_level(logging.INFO)
+    model, _ = loading.load_model_and_tokenizer(ModelProperties.from_init_properties(
+        {"model_dir": str(tiny_model_dir)}))
+    step = llama_decode.step_of(model)
+    assert step.compiled and step.few_rows is not None and step.batch_program is None
+    assert isinstance(model.model.layers[0].mlp.up_proj, packed_linear.PackedLinear)
+    assert "no 16-row decode program: its copy of the weights would take" in caplog.text
     assert "over half the 0 MB available" in caplog.text
 
 

@@ -36,7 +36,10 @@ of 2 to :data:`FEW_ROWS` rows at their own row count (:class:`FewRowsGraph`,
 :func:`compile_few_rows`; the rows a dynamic size), its products reductions whose loop
 reads each row of the weight once for all the rows (:class:`FewRowsProduct`): on the
 EPYC 31 ms a 2-row step, 43 a 4-row one and 65 a 6-row one against 56, 64 and 75 for
-the eager step over packed layers.
+the eager step over packed layers. There the 16-row program keeps a copy of the weights
+of its own (``compile_batch(..., share_weights=False)``), which Inductor's C++ GEMM
+template multiplies in its own blocked layout faster than oneDNN's packed layers do:
+61-72 ms a 16-row step against 89-105 eager.
 
 The package is kept in a cache directory, keyed by everything its code depends on (the
 weights' bytes, the model's geometry, this CPU, PyTorch's version, the step's source), so
@@ -83,6 +86,7 @@ import mmap
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -683,23 +687,37 @@ def compile_one_row(model, *, share_weights: bool = False, cache: Optional[Path]
     return _program_of(OneRowGraph(model), share_weights, cache, shipped)
 
 
-def compile_batch(model, rows: int = BATCH_ROWS, *, cache: Optional[Path] = None,
+def compile_batch(model_or_graph, rows: int = BATCH_ROWS, *, share_weights: bool = True,
+                  cache: Optional[Path] = None,
                   shipped: Optional[Path] = None) -> Optional[CompiledOneRow]:
-    """``model``'s program for decode steps of ``rows`` rows (:class:`BatchGraph`), from
-    the cache or compiled into it, as :func:`compile_one_row`'s; ``None`` (logged) where
-    the model is not one it runs or compiling fails. It reads the model's own plain
-    weights (``option.compiled_weights=shared``): no copy, and matrix products through
-    ATen as the eager step's, whose cost the program does not change; what it saves is the
-    rest of the step (norms, rotary embedding, residuals and activations fused into a few
-    C++ loops, the residual additions into the products, no Python between operators).
-    SmolLM2 on the 2-core Xeon, 16 rows over 150 cached columns: 58 ms against 66 for the
-    eager step, 57.5 ms for 9 rows padded to 16 against 62.5 (a ``/tmp`` script timing
-    the program and ``_decode_logits`` in turn)."""
-    reason = OneRowGraph.unsupported_reason(model)
-    if reason:
-        logger.warning("no compiled %d-row decode step: %s", rows, reason)
-        return None
-    return _program_of(BatchGraph(model, rows), True, cache, shipped)
+    """The program for decode steps of ``rows`` rows (:class:`BatchGraph`, given, or
+    built from a model), from the cache or compiled into it, as :func:`compile_one_row`'s;
+    ``None`` (logged) where the model is not one it runs or compiling fails.
+
+    By default it reads the model's own plain weights (``share_weights``): no copy, and
+    matrix products through ATen as the eager step's, whose cost the program does not
+    change; what it saves is the rest of the step (norms, rotary embedding, residuals and
+    activations fused into a few C++ loops, the residual additions into the products, no
+    Python between operators). SmolLM2 on the 2-core Xeon, 16 rows over 150 cached
+    columns: 58 ms against 66 for the eager step, 57.5 ms for 9 rows padded to 16 against
+    62.5 (a ``/tmp`` script timing the program and ``_decode_logits`` in turn).
+
+    With ``share_weights=False`` it keeps a copy of its own, frozen into the program, and
+    Inductor's autotuning may multiply it with its C++ GEMM template over the copy in the
+    template's own blocked layout: on the 2-core AMD EPYC, whose MKL multiplies plain
+    weights at 5-7 GB/s with 4 to 16 rows, a 16-row step of SmolLM2 took 61-72 ms against
+    89-105 for the eager step over oneDNN's packed layers (see
+    :func:`~djl_stream.generation.loading.prepare_for_decoding`). A graph built before the
+    model's layers are packed keeps their plain weights to copy."""
+    if isinstance(model_or_graph, BatchGraph):
+        graph = model_or_graph
+    else:
+        reason = OneRowGraph.unsupported_reason(model_or_graph)
+        if reason:
+            logger.warning("no compiled %d-row decode step: %s", rows, reason)
+            return None
+        graph = BatchGraph(model_or_graph, rows)
+    return _program_of(graph, share_weights, cache, shipped)
 
 
 def compile_few_rows(model_or_graph, *, cache: Optional[Path] = None,
@@ -796,9 +814,9 @@ def _cached_or_compiled(graph: OneRowGraph, key: str,
             if entry.directory.exists():  # incomplete, or does not load (logged)
                 shutil.rmtree(entry.directory, ignore_errors=True)
             logger.info("compiling the %s decode program (once per machine and model "
-                        "shapes: 1.5 to 2 minutes for SmolLM2 on a 2-core CPU; "
+                        "shapes: 1.5 to 4 minutes for SmolLM2 on a 2-core CPU; "
                         "option.decode_step=eager goes without it)", what)
-            _compile_into(graph, entry, share_weights=weights is not None)
+            _compile_apart(graph, entry, share_weights=weights is not None)
         one_row = entry.load(from_cache=False, weights=weights)
         kept = entry.megabytes()
     finally:
@@ -932,6 +950,59 @@ def _find_compiler() -> None:
     from torch._inductor.cpp_builder import get_cpp_compiler
 
     get_cpp_compiler()
+
+
+def _compile_apart(graph: OneRowGraph, entry: CacheEntry, share_weights: bool) -> None:
+    """:func:`_compile_into`, in a child process (forked) where the program gets a copy of
+    the weights of its own and the system forks (Linux); in this one otherwise.
+
+    Why: compiling with ``freezing`` leaves this process holding what the compile made
+    (exported graphs, Inductor's frozen and packed constants, autotuning's inputs), which
+    no collection gives back: on the 2-core AMD EPYC a process that compiled SmolLM2's
+    16-row program with its copy held 3,666 MB (3,621 after dropping the program, the
+    model and the graph, ``gc.collect()`` and ``malloc_trim``), one that loaded it from
+    the cache 883 MB; compiled in a child, the parent held 898 MB once it had loaded the
+    program (``/tmp`` scripts, 2026-11-27). A program that shares the model's weights
+    compiles without freezing and leaves little behind: it is compiled here."""
+    if share_weights or not sys.platform.startswith("linux"):
+        _compile_into(graph, entry, share_weights)
+        return
+    code = _exit_code_in_a_child(lambda: _compile_into(graph, entry, share_weights),
+                                 f"compiling the {_described_graph(graph)} program")
+    if code != 0:
+        raise RuntimeError(f"the child process compiling it exited with {code} (its log "
+                           "says why)")
+
+
+def _exit_code_in_a_child(work, what: str) -> int:
+    """Run ``work()`` in a forked child process and wait for it: its exit code, 0 where
+    it returned.
+
+    The fork is made from a thread started for it: a child has only the thread that
+    forked, and a thread that has run PyTorch's OpenMP loops leaves the child its OpenMP
+    team, whose workers were not copied; the child's next parallel loop then waits for them
+    for ever (seen: a test's compile hung in ``gomp_team_barrier_wait_end``). A new
+    thread has no team, and OpenMP starts one for the child."""
+    forked = {}
+
+    def fork():
+        pid = os.fork()
+        if pid == 0:  # the child: work, then leave without Python's exit handlers
+            code = 1
+            try:
+                work()
+                code = 0
+            except BaseException:  # noqa: BLE001 - said here, and by the exit code
+                logger.exception("%s in a child process failed", what)
+            finally:
+                os._exit(code)
+        forked["pid"] = pid
+
+    thread = threading.Thread(target=fork, name="djl-stream-fork")
+    thread.start()
+    thread.join()
+    _, status = os.waitpid(forked["pid"], 0)
+    return os.waitstatus_to_exitcode(status)
 
 
 def _compile_into(graph: OneRowGraph, entry: CacheEntry, share_weights: bool = False) -> None:

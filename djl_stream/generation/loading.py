@@ -261,7 +261,9 @@ def prepare_for_decoding(model, tokenizer, props: ModelProperties, *, on_gpu: bo
     beside them only where packed copies multiply a batch much faster
     (:func:`_packed_beside_the_programs`), and a program for steps of 2 to
     :data:`~djl_stream.generation.compiled_decode.FEW_ROWS` rows reads the plain weights
-    then (:func:`~djl_stream.generation.compiled_decode.compile_few_rows`); where they
+    then (:func:`~djl_stream.generation.compiled_decode.compile_few_rows`), one for 7 to
+    :data:`~djl_stream.generation.compiled_decode.BATCH_ROWS` rows a copy of its own
+    (:func:`_batch_program_of_its_own`); where they
     are left plain a program for batches of
     :data:`~djl_stream.generation.compiled_decode.BATCH_ROWS` rows reads them instead
     (:func:`~djl_stream.generation.compiled_decode.compile_batch`); with ``copy`` it
@@ -307,11 +309,15 @@ def _prepare_for_a_cpu(model, props: ModelProperties) -> CpuPrograms:
         few_rows_graph = (compiled_decode.FewRowsGraph(model)
                           if compiled_decode.FewRowsGraph.unsupported_reason(model) is None
                           else None)
+        batch_graph = (compiled_decode.BatchGraph(model, compiled_decode.BATCH_ROWS)
+                       if few_rows_graph is not None else None)
         if props.prepack_weights is None and _packed_beside_the_programs(model):
-            # the eager step multiplies batches of more rows with the packed layers
+            # the eager step multiplies prompts, and batches of more rows than the batch
+            # program's, with the packed layers
             few_rows = (compiled_decode.compile_few_rows(few_rows_graph, shipped=shipped)
                         if few_rows_graph is not None else None)
-            return CpuPrograms(one_row, few_rows=few_rows)
+            return CpuPrograms(one_row, _batch_program_of_its_own(batch_graph, shipped),
+                               few_rows=few_rows)
         logger.info("linear layers left unpacked: the compiled one-row step reads their "
                     "weights (option.compiled_weights=shared)")
         # (a program reads plain weights: not where the layers are packed)
@@ -369,6 +375,27 @@ def _packed_beside_the_programs(model) -> bool:
                     "weights the compiled one-row step reads (%.0f MB more)", packed,
                     copies / 1e6)
     return packed > 0
+
+
+def _batch_program_of_its_own(graph, shipped: Path):
+    """Where the layers were packed beside the plain weights (an AMD EPYC's case), the
+    batch program with a copy of the weights of its own, frozen (Inductor's C++ GEMM
+    template multiplies it: :func:`~djl_stream.generation.compiled_decode.compile_batch`),
+    which runs the steps of 7 to 16 rows in place of the eager step over packed layers;
+    ``None`` where ``graph`` is ``None`` or a third copy of the weights would take more
+    than half the memory available (logged)."""
+    if graph is None:
+        return None
+    from djl_stream.generation import compiled_decode
+
+    copy = sum(tensor.nbytes for tensor in compiled_decode.model_weights(graph).values())
+    available = _memory_available()
+    if available is not None and 2 * copy > available:
+        logger.info("no %d-row decode program: its copy of the weights would take %.0f MB, "
+                    "over half the %.0f MB available", graph.rows, copy / 1e6,
+                    available / 1e6)
+        return None
+    return compiled_decode.compile_batch(graph, share_weights=False, shipped=shipped)
 
 
 def _memory_available() -> Optional[int]:
