@@ -187,15 +187,37 @@ def test_a_program_with_a_copy_of_its_own_is_compiled_in_a_child_process(
     assert step.compiled
 
 
-def test_a_child_compile_that_fails_leaves_the_eager_step(smollm2_tokenizer, tmp_path,
-                                                          monkeypatch, caplog):
-    def failing(graph, entry, share_weights=False):
-        raise RuntimeError("no room left on the device")
+class UnpicklableError(Exception):
+    """An exception that pickle refuses (it holds a lock)."""
 
-    monkeypatch.setattr(compiled_decode, "_compile_into", failing)
+    def __init__(self, message):
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+def _no_room(graph, entry, share_weights=False):
+    raise RuntimeError("no room left on the device")
+
+
+def _unpicklable(graph, entry, share_weights=False):
+    raise UnpicklableError("held a lock")
+
+
+def _killed(graph, entry, share_weights=False):
+    os._exit(3)  # as a child killed half-way through
+
+
+@pytest.mark.parametrize("compile_into,said", [
+    (_no_room, "(RuntimeError: no room left on the device)"),  # as in-process
+    (_unpicklable, "(RuntimeError: UnpicklableError: held a lock)"),
+    (_killed, "(RuntimeError: the child process exited with 3)")])
+def test_a_child_compile_that_fails_leaves_the_eager_step(smollm2_tokenizer, tmp_path,
+                                                          monkeypatch, caplog, compile_into,
+                                                          said):
+    monkeypatch.setattr(compiled_decode, "_compile_into", compile_into)
     model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED + 4)
     assert compiled_decode.compile_one_row(model, cache=tmp_path / "cache") is None
-    assert "the child process compiling it exited with 1" in caplog.text
+    assert f"compiling the one-row decode step failed {said}" in caplog.text
     assert not [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
 
 
@@ -390,7 +412,9 @@ def test_a_read_only_cache_without_the_program_compiles_into_a_temporary_directo
         compiled_into.append(entry.directory)
         raise RuntimeError("Failed to find C compiler")
 
-    monkeypatch.setattr(compiled_decode, "_compile_into", no_compiler)
+    # (what the load calls to compile: _compile_into runs in a child process, whose
+    # record would not come back)
+    monkeypatch.setattr(compiled_decode, "_compile_apart", no_compiler)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temporary"))
     (tmp_path / "temporary").mkdir()
     model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED + 6)

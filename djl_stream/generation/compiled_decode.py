@@ -77,6 +77,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import hashlib
@@ -84,6 +85,7 @@ import json
 import logging
 import mmap
 import os
+import pickle
 import platform
 import shutil
 import sys
@@ -954,7 +956,8 @@ def _find_compiler() -> None:
 
 def _compile_apart(graph: OneRowGraph, entry: CacheEntry, share_weights: bool) -> None:
     """:func:`_compile_into`, in a child process (forked) where the program gets a copy of
-    the weights of its own and the system forks (Linux); in this one otherwise.
+    the weights of its own and the system forks (Linux); in this one otherwise. What the
+    compile raised in the child is raised here.
 
     Why: compiling with ``freezing`` leaves this process holding what the compile made
     (exported graphs, Inductor's frozen and packed constants, autotuning's inputs), which
@@ -967,42 +970,71 @@ def _compile_apart(graph: OneRowGraph, entry: CacheEntry, share_weights: bool) -
     if share_weights or not sys.platform.startswith("linux"):
         _compile_into(graph, entry, share_weights)
         return
-    code = _exit_code_in_a_child(lambda: _compile_into(graph, entry, share_weights),
-                                 f"compiling the {_described_graph(graph)} program")
-    if code != 0:
-        raise RuntimeError(f"the child process compiling it exited with {code} (its log "
-                           "says why)")
+    _find_compiler()  # (here, as in-process: before anything is forked)
+    _run_in_a_child(lambda: _compile_into(graph, entry, share_weights))
 
 
-def _exit_code_in_a_child(work, what: str) -> int:
-    """Run ``work()`` in a forked child process and wait for it: its exit code, 0 where
-    it returned.
+def _run_in_a_child(work) -> None:
+    """Run ``work()`` in a forked child process and wait for it to end; where it raised,
+    raise its exception here (pickled through a pipe; one that does not pickle, or
+    unpickle, as a :class:`RuntimeError` that names it).
 
-    The fork is made from a thread started for it: a child has only the thread that
-    forked, and a thread that has run PyTorch's OpenMP loops leaves the child its OpenMP
-    team, whose workers were not copied; the child's next parallel loop then waits for them
-    for ever (seen: a test's compile hung in ``gomp_team_barrier_wait_end``). A new
-    thread has no team, and OpenMP starts one for the child."""
+    The fork is made from a thread started for it, in a copy of the caller's context
+    (Inductor's settings patched by the caller are context variables): a child has only
+    the thread that forked, and a thread that has run PyTorch's OpenMP loops leaves the
+    child its OpenMP team, whose workers were not copied; the child's next parallel loop
+    then waits for them for ever (seen: a test's compile hung in
+    ``gomp_team_barrier_wait_end``). A new thread has no team, and OpenMP starts one for
+    the child."""
+    reading, writing = os.pipe()
     forked = {}
 
     def fork():
-        pid = os.fork()
-        if pid == 0:  # the child: work, then leave without Python's exit handlers
+        try:
+            forked["pid"] = os.fork()
+        except OSError as error:
+            forked["error"] = error
+            return
+        if forked["pid"] == 0:  # the child: work, then leave without Python's exit handlers
             code = 1
             try:
+                os.close(reading)
                 work()
                 code = 0
-            except BaseException:  # noqa: BLE001 - said here, and by the exit code
-                logger.exception("%s in a child process failed", what)
+            except BaseException as error:  # noqa: BLE001 - handed to the parent
+                logger.debug("in the child process", exc_info=True)
+                os.write(writing, _pickled(error))
             finally:
                 os._exit(code)
-        forked["pid"] = pid
 
-    thread = threading.Thread(target=fork, name="djl-stream-fork")
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(fork,),
+                              name="djl-stream-fork")
     thread.start()
     thread.join()
+    os.close(writing)
+    with os.fdopen(reading, "rb") as pipe:
+        if "error" in forked:
+            raise forked["error"]
+        told = pipe.read()  # (before waiting: a child blocks on a full pipe)
     _, status = os.waitpid(forked["pid"], 0)
-    return os.waitstatus_to_exitcode(status)
+    if told:
+        try:
+            error = pickle.loads(told)
+        except Exception as unpickling:  # noqa: BLE001 - said instead
+            error = RuntimeError(f"the child process failed; its exception did not unpickle "
+                                 f"({unpickling})")
+        raise error
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise RuntimeError(f"the child process exited with {code}")
+
+
+def _pickled(error: BaseException) -> bytes:
+    """``error`` pickled, or a :class:`RuntimeError` naming it where it does not pickle."""
+    try:
+        return pickle.dumps(error)
+    except Exception:  # noqa: BLE001 - an exception of the child's that pickle refuses
+        return pickle.dumps(RuntimeError(f"{type(error).__name__}: {error}"))
 
 
 def _compile_into(graph: OneRowGraph, entry: CacheEntry, share_weights: bool = False) -> None:

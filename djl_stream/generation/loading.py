@@ -309,8 +309,8 @@ def _prepare_for_a_cpu(model, props: ModelProperties) -> CpuPrograms:
         few_rows_graph = (compiled_decode.FewRowsGraph(model)
                           if compiled_decode.FewRowsGraph.unsupported_reason(model) is None
                           else None)
-        batch_graph = (compiled_decode.BatchGraph(model, compiled_decode.BATCH_ROWS)
-                       if few_rows_graph is not None else None)
+        # (the one-row program runs the model: so does the batch program)
+        batch_graph = compiled_decode.BatchGraph(model, compiled_decode.BATCH_ROWS)
         if props.prepack_weights is None and _packed_beside_the_programs(model):
             # the eager step multiplies prompts, and batches of more rows than the batch
             # program's, with the packed layers
@@ -321,7 +321,7 @@ def _prepare_for_a_cpu(model, props: ModelProperties) -> CpuPrograms:
         logger.info("linear layers left unpacked: the compiled one-row step reads their "
                     "weights (option.compiled_weights=shared)")
         # (a program reads plain weights: not where the layers are packed)
-        return CpuPrograms(one_row, compiled_decode.compile_batch(model, shipped=shipped))
+        return CpuPrograms(one_row, compiled_decode.compile_batch(batch_graph, shipped=shipped))
     # Where a program runs the one-row steps (with a copy of its own, or the model's plain
     # weights kept for it by option.prepack_weights=true), the layers serve batches and
     # prompts only, so the trial times a batch (on the Xeon, packing slows one row but
@@ -379,13 +379,11 @@ def _packed_beside_the_programs(model) -> bool:
 
 def _batch_program_of_its_own(graph, shipped: Path):
     """Where the layers were packed beside the plain weights (an AMD EPYC's case), the
-    batch program with a copy of the weights of its own, frozen (Inductor's C++ GEMM
-    template multiplies it: :func:`~djl_stream.generation.compiled_decode.compile_batch`),
-    which runs the steps of 7 to 16 rows in place of the eager step over packed layers;
-    ``None`` where ``graph`` is ``None`` or a third copy of the weights would take more
-    than half the memory available (logged)."""
-    if graph is None:
-        return None
+    batch program of ``graph`` (built before the packing) with a copy of the weights of
+    its own, frozen (Inductor's C++ GEMM template multiplies it:
+    :func:`~djl_stream.generation.compiled_decode.compile_batch`), which runs the steps of
+    7 to 16 rows in place of the eager step over packed layers; ``None`` where a third
+    copy of the weights would take more than half the memory available (logged)."""
     from djl_stream.generation import compiled_decode
 
     copy = sum(tensor.nbytes for tensor in compiled_decode.model_weights(graph).values())
