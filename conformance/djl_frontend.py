@@ -422,13 +422,15 @@ class DjlWorker:
 
     def __init__(self, src: Path, branch: str, model_dir: Path,
                  environ: Optional[Mapping[str, str]] = None, *, log_path: Optional[Path] = None,
-                 start_timeout: float = 300.0) -> None:
+                 start_timeout: float = 1800.0) -> None:
         self.src = Path(src)
         self.branch = branch
         self.model_dir = Path(model_dir).resolve()
         self.environ = dict(environ or {})
         self.config = compose_worker_config(self.model_dir, self.environ, branch=branch)
         self.engine_dir = self.src / branch / "engines" / "python" / "setup"
+        # a deadline, not a speed target: a first start on a machine compiles the decode
+        # programs (8 to 9 minutes for the embedded model on the 2-core AMD EPYC)
         self.start_timeout = start_timeout
         self._tmp = tempfile.TemporaryDirectory(prefix="djl-sock-")
         self.sock_name = os.path.join(self._tmp.name, "djl_sock.19000")

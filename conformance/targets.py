@@ -58,7 +58,7 @@ class Served:
             from server_process import ServerProcess
 
             self.server = ServerProcess(model_dir, env=env, client_timeout=300.0)
-            self.server.wait_ready(timeout=300.0)
+            self.server.wait_ready(timeout=1800.0)  # (a first start compiles: a deadline)
             self.worker = None
         else:
             self.server = None

@@ -109,10 +109,10 @@ class ServerProcess:
 def serving(model_dir: Path, **options) -> Iterator[ServerProcess]:
     """A ready server for ``model_dir`` (``options`` as :class:`ServerProcess`'s), stopped on
     leaving: what a module-scoped server fixture yields. Its deadline allows for a first
-    start that compiles the decode programs (about 90 s for the embedded model here) on a
-    busy machine."""
+    start that compiles the decode programs (about 90 s for the embedded model on the
+    Xeon, 8 to 9 minutes on the AMD EPYC, where three are compiled) on a busy machine."""
     process = ServerProcess(model_dir, **options)
     try:
-        yield process.wait_ready(timeout=600)
+        yield process.wait_ready(timeout=1800)
     finally:
         process.stop()

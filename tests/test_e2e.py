@@ -23,8 +23,9 @@ def server(embedded_model_dir):
     process = ServerProcess(embedded_model_dir)
     try:
         # a deadline, not a speed target: the first start of a session compiles the
-        # embedded model's decode programs (about 90 s here, longer on a busy machine)
-        yield process.wait_ready(timeout=600)
+        # embedded model's decode programs (about 90 s on the Xeon; 8 to 9 minutes on
+        # the AMD EPYC, where three are compiled; longer on a busy machine)
+        yield process.wait_ready(timeout=1800)
     finally:
         process.stop()
 
