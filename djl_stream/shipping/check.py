@@ -36,7 +36,7 @@ Example::
 
     $ djl-stream check model/
     djl-stream check model/
-      ✓ serving.properties  10 keys
+      ✓ serving.properties  12 keys
       ✓ engine              engine=Python: djl-serving's Python engine runs the entry point
       ...
     OK: ready to ship (1 warning)
