@@ -362,11 +362,8 @@ def _packed_beside_the_programs(model) -> bool:
                  if layer.weight.dtype == torch.float32)
     if not copies:  # (w8a8's int8 layers: the batch program multiplies those)
         return False
-    available = _memory_available()
-    if available is not None and 2 * copies > available:
-        logger.info("linear layers left unpacked: packed copies beside the plain weights the "
-                    "compiled one-row step reads would take %.0f MB, over half the %.0f MB "
-                    "available", copies / 1e6, available / 1e6)
+    if _crowds_the_memory(copies, "linear layers left unpacked: packed copies beside the "
+                          "plain weights the compiled one-row step reads"):
         return False
     packed = pack_linear_layers(model, only_where_it_pays=True, trial_rows=BESIDE_TRIAL_ROWS,
                                 speedup_wanted=PACKED_BESIDE_SPEEDUP)
@@ -387,13 +384,21 @@ def _batch_program_of_its_own(graph, shipped: Path):
     from djl_stream.generation import compiled_decode
 
     copy = sum(tensor.nbytes for tensor in compiled_decode.model_weights(graph).values())
-    available = _memory_available()
-    if available is not None and 2 * copy > available:
-        logger.info("no %d-row decode program: its copy of the weights would take %.0f MB, "
-                    "over half the %.0f MB available", graph.rows, copy / 1e6,
-                    available / 1e6)
+    if _crowds_the_memory(copy, f"no {graph.rows}-row decode program: its copy of the "
+                          "weights"):
         return None
     return compiled_decode.compile_batch(graph, share_weights=False, shipped=shipped)
+
+
+def _crowds_the_memory(nbytes: int, what: str) -> bool:
+    """Whether ``nbytes`` more would take over half the memory available now (logged as
+    ``what`` would take so much); ``False`` where the system does not say."""
+    available = _memory_available()
+    if available is None or 2 * nbytes <= available:
+        return False
+    logger.info("%s would take %.0f MB, over half the %.0f MB available", what, nbytes / 1e6,
+                available / 1e6)
+    return True
 
 
 def _memory_available() -> Optional[int]:
