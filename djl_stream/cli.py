@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         "compile", help="compile the decode step into MODEL_DIR for this kind of CPU",
         description="Load MODEL_DIR as the server does with option.decode_step=compiled and "
                     "copy its compiled one-row program (and, with the default shared "
-                    "weights, its 16-row program) into MODEL_DIR/compiled_decode/. A "
+                    "weights, its few-rows and 16-row programs) into MODEL_DIR/compiled_decode/. A "
                     "server or container loading MODEL_DIR on a machine with the same CPU "
                     "model and PyTorch then takes it from there instead of compiling (about "
                     "a minute and a half for SmolLM2 on a 2-core CPU); elsewhere it compiles "
@@ -413,14 +413,9 @@ def _compile(args: argparse.Namespace) -> int:
         print("djl-stream compile: this model got no compiled decode step here (the log above "
               "says why)", file=sys.stderr)
         return 1
-    # (with option.compiled_weights=shared, the batch program too, or the few-rows program
-    # over option.quantize=int8's layers, and, over float32 layers left plain, the
-    # few-rows program a machine where packing pays loads)
+    # (with option.compiled_weights=shared, the batch and few-rows programs too, or the
+    # few-rows program alone over option.quantize=int8's layers)
     programs = [p for p in (step.one_row, step.batch_program, step.few_rows) if p is not None]
-    if (step.one_row.shares_weights and step.few_rows is None
-            and compiled_decode.FewRowsGraph.unsupported_reason(model) is None):
-        programs.append(compiled_decode.compile_few_rows(model))
-    programs = [p for p in programs if p is not None]
     try:
         targets = [compiled_decode.ship(program, Path(args.model_dir)) for program in programs]
     except (ValueError, OSError) as error:
