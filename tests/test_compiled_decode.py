@@ -63,13 +63,15 @@ def forbid_compiling(monkeypatch):
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
 
 
-def compiled_step(model, tokenizer, monkeypatch, *, int8=False, share_weights=False):
+def compiled_step(model, tokenizer, monkeypatch, *, int8=False, share_weights=False,
+                  matrix_products=False):
     """``model``'s step with its one-row program, compiled (or loaded from the session's
     cache) from the plain layers, as at load: before they are packed, or reading them where
     they are left plain (``share_weights``; ``int8``: from the int8 layers of ``w8a8``,
-    which are not packed); and a list of the program's calls (their first columns
-    attended over)."""
-    one_row = compiled_decode.compile_one_row(model, share_weights=share_weights)
+    which are not packed; ``matrix_products``: ATen's products, not reductions); and a
+    list of the program's calls (their first columns attended over)."""
+    one_row = compiled_decode.compile_one_row(model, share_weights=share_weights,
+                                              matrix_products=matrix_products)
     assert one_row is not None and one_row.shares_weights == share_weights
     if not share_weights:
         assert (pack_linear_layers(model) == 0) if int8 else (pack_linear_layers(model) > 0)
@@ -86,9 +88,12 @@ def compiled_step(model, tokenizer, monkeypatch, *, int8=False, share_weights=Fa
     return step, calls
 
 
-@pytest.mark.parametrize("room_on_left,share_weights", [(0, False), (7, False), (7, True)])
+@pytest.mark.parametrize("room_on_left,share_weights,matrix_products",
+                         [(0, False, False), (7, False, False), (7, True, False),
+                          (7, True, True)])
 def test_the_compiled_step_gives_the_forward_s_tokens_and_logits_as_its_buffers_grow(
-        smollm2_tokenizer, monkeypatch, one_row_cache, room_on_left, share_weights):
+        smollm2_tokenizer, monkeypatch, one_row_cache, room_on_left, share_weights,
+        matrix_products):
     model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
     forward_logits = []
     hook = model.register_forward_hook(
@@ -98,7 +103,7 @@ def test_the_compiled_step_gives_the_forward_s_tokens_and_logits_as_its_buffers_
     hook.remove()
 
     step, calls = compiled_step(model, smollm2_tokenizer, monkeypatch,
-                                share_weights=share_weights)
+                                share_weights=share_weights, matrix_products=matrix_products)
     step_logits = StepLogits(model, monkeypatch)
     tokens, capacities = decode_alone(model, smollm2_tokenizer, 80, room_on_left)
 
@@ -1091,6 +1096,90 @@ def test_the_int8_programs_multiply_as_reductions_and_their_key_follows_the_int8
     assert source in compiled_decode._step_sources(False, type(one_row), True)
     assert source not in compiled_decode._step_sources(False, type(one_row), False)
     assert compiled_decode.cache_key(one_row, True) != float_key
+
+
+def test_a_one_row_graph_with_matrix_products_keeps_the_layers_and_has_a_key_of_its_own(
+        smollm2_tokenizer):
+    model = build_tiny_llama(len(smollm2_tokenizer), seed=COMPILED_SEED)
+    reductions, matrix = (compiled_decode.OneRowGraph(model),
+                          compiled_decode.OneRowGraph(model, matrix_products=True))
+    assert _matrix_products(reductions) == []
+    assert len(_matrix_products(matrix)) == 15  # 7 projections a layer and the LM head
+    assert matrix.lm_head is model.lm_head  # the layer itself, no copy
+    assert (compiled_decode.cache_key(matrix, True)
+            != compiled_decode.cache_key(reductions, True))
+
+
+def one_row_trial_figures(monkeypatch, matrix_seconds, sum_seconds):
+    """Have the load's one-row trial report these times, as a CPU of that kind would."""
+    from djl_stream.generation import one_row_products
+
+    monkeypatch.setattr(one_row_products, "one_row_trial", lambda model: (
+        one_row_products.OneRowTrial(matrix_seconds, sum_seconds)))
+
+
+# One row through SmolLM2's layers with ATen's products, and a sum over their weights: the
+# 2-core Xeon of 2026-11-28 (MKL faster than the sums) and the 2-core AMD EPYC (MKL's
+# products 41.7 ms, at 12.9 GB/s, against sums at about 24 GB/s).
+XEON_ONE_ROW = (0.0206, 0.0231)
+EPYC_ONE_ROW = (0.0417, 0.0224)
+
+
+@pytest.mark.parametrize("figures,matrix_products", [(XEON_ONE_ROW, True),
+                                                     (EPYC_ONE_ROW, False)])
+def test_by_default_the_one_row_program_multiplies_as_the_trial_finds_faster(
+        tiny_model_dir, one_row_cache, monkeypatch, caplog, figures, matrix_products):
+    from djl_stream.generation.loading import load_model_and_tokenizer
+
+    one_row_trial_figures(monkeypatch, *figures)
+    packing_trial_figures(monkeypatch, *XEON)
+    caplog.set_level(logging.INFO)
+    model, tokenizer = load_model_and_tokenizer(ModelProperties.from_init_properties(
+        {"model_dir": str(tiny_model_dir)}))
+    step = llama_decode.step_of(model)
+    assert step.compiled and step.one_row.shares_weights
+    graph = compiled_decode.OneRowGraph(model, matrix_products=matrix_products)
+    assert step.one_row.path.name == compiled_decode.cache_key(graph, True)
+    way = "ATen's matrix products" if matrix_products else "reductions"
+    assert f"the one-row program's products: {way}" in caplog.text
+    seq = GenerationSequence(0, tokenizer(PROMPT)["input_ids"], tokenizer, max_new_tokens=6,
+                             eos_token_ids=set(), ignore_eos=True)
+    batch = CausalLMBatch.from_sequences([seq], pad_token_id=2, device="cpu")
+    ran = []
+    while batch is not None:
+        _, batch = generate_token(model, batch)
+        ran.append(step.last_step_compiled)
+    assert ran[1:] == [True] * 5  # every decode step ran the program
+
+
+def test_the_one_row_trial_times_every_float32_layer_both_ways_where_the_weights_are_many(
+        monkeypatch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from djl_stream.generation import one_row_products
+
+    small = build_tiny_llama(64)
+    assert one_row_products.one_row_trial(small) is None  # under TRIAL_MIN_BYTES
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=8192, hidden_size=1024,
+                                         intermediate_size=4096, num_hidden_layers=2,
+                                         num_attention_heads=8, num_key_value_heads=4))
+    layers = one_row_products.float32_layers(model)
+    assert sum(layer.weight.nbytes for layer in layers) >= one_row_products.TRIAL_MIN_BYTES
+    timed_pairs = []
+    real_trial = packed_linear.packing_trial
+
+    def spying(pairs, repetitions=7, rows=1):
+        timed_pairs.extend(pairs)
+        return real_trial(pairs, repetitions=repetitions, rows=rows)
+
+    monkeypatch.setattr(packed_linear, "packing_trial", spying)
+    trial = one_row_products.one_row_trial(model, repetitions=2)
+    assert [layer for layer, _ in timed_pairs] == layers and len(layers) == 15
+    assert all(float(call(None)) == float(layer.weight.sum()) for layer, call in timed_pairs)
+    assert trial.matrix_seconds > 0 and trial.sum_seconds > 0
+    assert trial.matrix_products_pay == (trial.matrix_seconds <= trial.sum_seconds)
+    assert not one_row_products.OneRowTrial(*EPYC_ONE_ROW).matrix_products_pay
 
 
 def test_by_default_packed_copies_that_would_crowd_the_memory_are_not_made(

@@ -214,21 +214,25 @@ class OneRowGraph(torch.nn.Module):
         >>> graph = OneRowGraph(model)
     """
 
-    def __init__(self, model):
+    def __init__(self, model, matrix_products: bool = False):
         super().__init__()
         reason = self.unsupported_reason(model)
         if reason:
             raise ValueError(reason)
         decoder = model.model
+        #: whether its float32 products are ATen's matrix products rather than
+        #: reductions (:mod:`~djl_stream.generation.one_row_products`)
+        self.matrix_products = matrix_products
+        product = _matrix_product_of if matrix_products else self._product
         self.geometry = llama_decode.Geometry.of(model.config)
         self.projections = torch.nn.ModuleList(
-            torch.nn.ModuleDict({name: self._product(linear) for name, linear in
+            torch.nn.ModuleDict({name: product(linear) for name, linear in
                                  llama_decode._projections_of(layer).items()})
             for layer in decoder.layers)
         self.norms = torch.nn.ParameterList(
             weight for layer in decoder.layers for weight in llama_decode._norms_of(layer))
         self.final_norm = decoder.norm.weight
-        self.lm_head = self._product(model.lm_head)
+        self.lm_head = product(model.lm_head)
         #: the rows of every step the program runs
         self.rows = 1
 
@@ -454,6 +458,14 @@ def _reduction_of(linear: torch.nn.Module, float_product: type) -> torch.nn.Modu
     return linear
 
 
+def _matrix_product_of(linear: torch.nn.Module) -> torch.nn.Module:
+    """``linear``'s product in a one-row graph with ATen's matrix products: a float32
+    layer as it is, an int8 weight-only one still
+    :class:`~djl_stream.generation.int8_weights.Int8WeightProduct` (ATen has no product
+    over its bytes)."""
+    return Int8WeightProduct(linear) if type(linear) is Int8WeightOnlyLinear else linear
+
+
 def _described_graph(graph: OneRowGraph) -> str:
     """How the log names ``graph``'s program."""
     if isinstance(graph, FewRowsGraph):
@@ -524,9 +536,12 @@ def cache_key(graph: OneRowGraph, share_weights: bool = False) -> str:
     geometry, this CPU, PyTorch's version, Inductor's settings and the source of the step
     (:func:`_step_sources`)."""
     digest = hashlib.blake2b(digest_size=20)
+    # ("products=matrix" only where it holds: the keys of programs with reductions, and
+    # the programs model directories ship with them, stay what they were)
+    products = ["products=matrix"] if graph.matrix_products else []
     for text in (torch.__version__, repr(graph.geometry), f"rows={graph.rows}", _cpu_identity(),
                  json.dumps(inductor_options(share_weights), sort_keys=True),
-                 str(_START_OFFSET),
+                 str(_START_OFFSET), *products,
                  *_step_sources(_holds_int8_layers(graph), type(graph),
                                 holds_int8_weights(graph))):
         digest.update(text.encode())
@@ -666,7 +681,8 @@ def _untouched(shape, dtype: torch.dtype) -> torch.Tensor:
 # -- compiling -------------------------------------------------------------------------
 
 def compile_one_row(model, *, share_weights: bool = False, cache: Optional[Path] = None,
-                    shipped: Optional[Path] = None) -> Optional[CompiledOneRow]:
+                    shipped: Optional[Path] = None,
+                    matrix_products: bool = False) -> Optional[CompiledOneRow]:
     """``model``'s one-row program from the cache, or compiled into it; ``None`` (logged)
     where the model is not one it runs or compiling fails (no C++ compiler, say). Call it
     before the model's layers are packed: it reads their plain weights.
@@ -681,12 +697,15 @@ def compile_one_row(model, *, share_weights: bool = False, cache: Optional[Path]
     written, the package is compiled into a temporary directory, removed once loaded.
     ``shipped``: a model directory's :data:`SHIPPED_FOLDER`, read (without a lock, never
     written) before the cache; its program is taken where its key is this one's.
+    ``matrix_products``: its float32 products ATen's matrix products rather than
+    reductions (where this CPU's one-row products read the weights as fast:
+    :mod:`~djl_stream.generation.one_row_products`).
     """
     reason = OneRowGraph.unsupported_reason(model)
     if reason:
         logger.warning("no compiled one-row decode step: %s", reason)
         return None
-    return _program_of(OneRowGraph(model), share_weights, cache, shipped)
+    return _program_of(OneRowGraph(model, matrix_products), share_weights, cache, shipped)
 
 
 def compile_batch(model_or_graph, rows: int = BATCH_ROWS, *, share_weights: bool = True,

@@ -256,7 +256,8 @@ def prepare_for_decoding(model, tokenizer, props: ModelProperties, *, on_gpu: bo
     model the programs run), the one-row program
     is loaded from its cache or compiled
     (:func:`~djl_stream.generation.compiled_decode.compile_one_row`) from the plain layers,
-    before they are packed: by default (``option.compiled_weights=shared``) it reads the
+    before they are packed, its products ATen's or reductions as a trial finds them faster
+    here (:mod:`~djl_stream.generation.one_row_products`): by default (``option.compiled_weights=shared``) it reads the
     plain weights themselves; with ``option.prepack_weights`` unset the layers are packed
     beside them only where packed copies multiply a batch much faster
     (:func:`_packed_beside_the_programs`). Either way a program for steps of 2 to
@@ -288,7 +289,7 @@ class CpuPrograms:
 def _prepare_for_a_cpu(model, props: ModelProperties) -> CpuPrograms:
     """:func:`prepare_for_decoding`'s CPU part: the layers packed or not, and the
     programs."""
-    from djl_stream.generation import compiled_decode
+    from djl_stream.generation import compiled_decode, one_row_products
     from djl_stream.generation.int8_weights import holds_int8_weights
     from djl_stream.generation.packed_linear import BATCH_HINT
 
@@ -297,7 +298,9 @@ def _prepare_for_a_cpu(model, props: ModelProperties) -> CpuPrograms:
     if not _compiles_on_a_cpu(model, props):
         prepack_for_cpu(model, props)
         return CpuPrograms()
-    one_row = compiled_decode.compile_one_row(model, share_weights=share, shipped=shipped)
+    one_row = compiled_decode.compile_one_row(
+        model, share_weights=share, shipped=shipped,
+        matrix_products=one_row_products.matrix_products_pay(model))
     if one_row is not None and share and holds_int8_weights(model):
         # option.quantize=int8: the few-rows program multiplies every batch of up to 16
         # rows (no float32 weights to pack; the eager step turns them into floats)
