@@ -10,9 +10,12 @@ written as a reduction (:class:`OneRowProduct`), which Inductor compiles into a
 vectorized loop reading the weight's rows in their plain layout as fast as the machine
 streams memory: on a 2-core AMD EPYC (Zen 3) a one-row step of SmolLM2-135M takes 24 ms
 against 47 ms with the products traced as matrix products (MKL's there) and 52-55 ms
-eager (``python -m benchmarks.decode_step --compiled``, the same greedy tokens); on the
-2-core Intel Xeon, where MKL's one-row products already read at 24 GB/s, the program with
-matrix products took 20-22 ms against 36-39 eager. With ``option.quantize=w8a8`` the graph
+eager (``python -m benchmarks.decode_step --compiled``, the same greedy tokens). On the
+2-core Intel Xeon, where MKL's one-row products read at 25 GB/s, the program with matrix
+products took 22.3 ms against 24.8 with reductions, so the load keeps ATen's products
+where a trial finds them reading the weights no slower than a sum over them
+(``OneRowGraph(model, matrix_products=True)``,
+:mod:`~djl_stream.generation.one_row_products`). With ``option.quantize=w8a8`` the graph
 holds its :class:`~djl_stream.generation.int8_linear.Int8Linear` layers: Inductor fuses
 each row's rounding to int8 into the kernels around an integer product over the int8
 weights, and a one-row step takes about 16 ms against about 34 ms for w8a8's eager step.
@@ -30,13 +33,14 @@ eager step's; what it removes is everything between them. The rows are fixed: a 
 for any row count (the row count a dynamic size) took 75 ms a step at 16 rows against
 58 ms for this one and 66 ms eager (SmolLM2, 2-core Xeon).
 
-Where the layers are packed beside the plain weights (an AMD EPYC's case:
-:func:`~djl_stream.generation.loading.prepare_for_decoding`), a third program serves steps
-of 2 to :data:`FEW_ROWS` rows at their own row count (:class:`FewRowsGraph`,
-:func:`compile_few_rows`; the rows a dynamic size), its products reductions whose loop
-reads each row of the weight once for all the rows (:class:`FewRowsProduct`): on the
-EPYC 31 ms a 2-row step, 43 a 4-row one and 65 a 6-row one against 56, 64 and 75 for
-the eager step over packed layers. There the 16-row program keeps a copy of the weights
+A third program serves steps of 2 to :data:`FEW_ROWS` rows at their own row count
+(:class:`FewRowsGraph`, :func:`compile_few_rows`; the rows a dynamic size), its products
+reductions whose loop reads each row of the weight once for all the rows
+(:class:`FewRowsProduct`): on the EPYC 31 ms a 2-row step, 43 a 4-row one and 65 a 6-row
+one against 56, 64 and 75 for the eager step over packed layers; on the Xeon 31.7, 38.7
+and 46.3 against 33.3, 54.5 and 56.4 for the eager step over MKL's products. Where the
+layers are packed beside the plain weights (an AMD EPYC's case:
+:func:`~djl_stream.generation.loading.prepare_for_decoding`) the 16-row program keeps a copy of the weights
 of its own (``compile_batch(..., share_weights=False)``), which Inductor's C++ GEMM
 template multiplies in its own blocked layout faster than oneDNN's packed layers do:
 61-72 ms a 16-row step against 89-105 eager.
@@ -147,7 +151,10 @@ BATCH_ROWS = 16
 #: 2-core AMD EPYC (Zen 3) of 2026-11-27 a step of SmolLM2 over buffers of 2,048 columns
 #: (100 attended) took 30.5, 42.7 and 65.1 ms at 2, 4 and 6 rows against 56.2, 63.7 and
 #: 75.2 for the eager step over packed layers (minimum of 3 rounds of 5 steps, the two in
-#: turns, a ``/tmp`` script); a first version lost to it from 8 rows (102 against 91).
+#: turns, a ``/tmp`` script); a first version lost to it from 8 rows (102 against 91). On
+#: the 2-core Intel Xeon of 2026-11-28 a program for up to 12 rows beat the 16-row program
+#: at 7 rows (50.5 against 58.6 ms) and was level at 8 (56.6 against 59.1), and lost from 10
+#: (69.0 against 60.1): 6 stays.
 FEW_ROWS = 6
 #: The most rows the few-rows program over ``option.quantize=int8``'s weight-only layers
 #: runs: every batch the batch program would take, since their products cost less there
