@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from djl_stream.generation import int8_weights
 from djl_stream.generation.int8_linear import quantize_rows
 from djl_stream.generation.int8_weights import (Int8WeightOnlyLinear, Int8WeightProduct,
                                                 interleaved_columns, quantize_weights_only)
@@ -17,6 +18,14 @@ def linear():
     return torch.nn.Linear(36, 20)
 
 
+@pytest.fixture(params=[torch.int32, torch.float32])
+def words_of(request, monkeypatch):
+    """Both types of words the programs may read (AVX-512's and AVX2's), whatever this
+    CPU's."""
+    monkeypatch.setattr(int8_weights, "words_dtype", lambda: request.param)
+    return request.param
+
+
 def test_the_weight_is_the_rows_int8_with_its_columns_interleaved(linear):
     layer = Int8WeightOnlyLinear.from_linear(linear)
     expected, scale = quantize_rows(linear.weight.detach())
@@ -26,8 +35,30 @@ def test_the_weight_is_the_rows_int8_with_its_columns_interleaved(linear):
     assert torch.equal(layer.weight, expected[:, interleaved_columns(36)])
     assert interleaved_columns(36)[:5].tolist() == [0, 9, 18, 27, 1]
     # the words the programs read are the same bytes, not a copy
-    assert layer.words.dtype == torch.float32 and layer.words.shape == (20, 9)
+    assert layer.words.dtype == int8_weights.words_dtype() and layer.words.shape == (20, 9)
     assert layer.words.data_ptr() == layer.weight.data_ptr()
+
+
+@pytest.mark.parametrize("bits,expected", [(512, torch.int32), (256, torch.float32)])
+def test_the_words_are_int32_where_inductor_vectorizes_with_avx512(monkeypatch, bits,
+                                                                     expected):
+    from torch._inductor import cpu_vec_isa
+
+    class Isa:
+        def bit_width(self):
+            return bits
+
+        def __bool__(self):
+            return True
+
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", Isa)
+    int8_weights.words_dtype.cache_clear()
+    try:
+        assert int8_weights.words_dtype() == expected
+        layer = Int8WeightOnlyLinear.from_linear(torch.nn.Linear(36, 20))
+        assert layer.words.dtype == expected
+    finally:
+        int8_weights.words_dtype.cache_clear()
 
 
 @pytest.mark.parametrize("shape", [(3, 36), (2, 5, 36), (36,)])
@@ -45,8 +76,10 @@ def test_the_eager_forward_is_nn_linear_s_within_int8_rounding(linear, shape):
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_the_programs_product_is_the_eager_forward_s_in_rows_by_outputs_layout(linear, rows):
+def test_the_programs_product_is_the_eager_forward_s_in_rows_by_outputs_layout(linear, rows,
+                                                                             words_of):
     layer = Int8WeightOnlyLinear.from_linear(linear)
+    assert Int8WeightProduct(layer).words.dtype == words_of
     x = torch.randn(rows, 36)
     product = Int8WeightProduct(layer)(x)
     assert product.shape == (rows, 20) and product.stride() == (20, 1)
@@ -57,7 +90,7 @@ def test_the_programs_product_is_the_eager_forward_s_in_rows_by_outputs_layout(l
     assert state["weight_scale"] is layer.weight_scale
 
 
-def test_the_product_compiled_by_inductor_gives_the_same_sums_with_a_loop_tail():
+def test_the_product_compiled_by_inductor_gives_the_same_sums_with_a_loop_tail(words_of):
     # 36 columns are 9 words a row: Inductor's vector loop of 8 and a scalar tail
     torch.manual_seed(1)
     layer = Int8WeightOnlyLinear.from_linear(torch.nn.Linear(36, 20, bias=False))

@@ -20,7 +20,7 @@ holds its :class:`~djl_stream.generation.int8_linear.Int8Linear` layers: Inducto
 each row's rounding to int8 into the kernels around an integer product over the int8
 weights, and a one-row step takes about 16 ms against about 34 ms for w8a8's eager step.
 With ``option.quantize=int8`` (:mod:`~djl_stream.generation.int8_weights`) each product is
-a reduction over the int8 weights, read as float32 words and taken apart by shifts
+a reduction over the int8 weights, read as 32-bit words and taken apart by shifts
 (:class:`~djl_stream.generation.int8_weights.Int8WeightProduct`), and a few-rows program
 takes every batch of 2 to :data:`INT8_WEIGHTS_FEW_ROWS` rows.
 

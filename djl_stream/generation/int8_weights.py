@@ -15,13 +15,18 @@ into one vectorized loop over the int8 bytes with AVX2 alone.
 
 Two things make that loop fast, both about how Inductor's CPU code reads memory:
 
-* the weight is handed to the program as float32 *words*, four int8 weights each
+* the weight is handed to the program as 32-bit *words*, four int8 weights each
   (:attr:`Int8WeightOnlyLinear.words`, a view of the same bytes) and each weight taken
-  out of its word with integer shifts: Inductor's AVX2 code loads an integer vector
+  out of its word with integer shifts. The words' type follows the vector instructions
+  Inductor compiles for (:func:`words_dtype`): its AVX2 code loads an integer vector
   through a copy on the stack (PyTorch 2.13's ``Vectorized<int32_t>::loadu(ptr, count)``),
-  which stalls every load, where a float vector is loaded directly (SmolLM2's LM head:
-  6.4 ms a one-row product through integer loads, 1.6 ms through float ones, float32's
-  own 4.0);
+  which stalls every load, where a float vector is loaded directly (SmolLM2's LM head on
+  the AMD EPYC: 6.4 ms a one-row product through integer loads, 1.6 ms through float
+  ones, float32's own 4.0), so there the words are float32 and turned into integers in
+  registers; its AVX-512 code loads integer vectors directly (a masked load) but turns
+  float words into integers one by one through the stack, so there the words are int32
+  (the LM head on the Intel Xeon of 2026-11-28: 1.1 ms a one-row product from int32
+  words, 3.4-6.9 from float32 words, float32's own 2.9 with MKL);
 * the columns are stored interleaved, byte ``k`` of word ``j`` holding column
   ``k * in / 4 + j``, so that the four weights of a word multiply four contiguous slices
   of the input (the plain order would read the input with a stride of four: 7.9 ms for
@@ -50,6 +55,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -58,6 +64,25 @@ from djl_stream.generation.int8_linear import _PLAIN_TENSORS, hold_int8_weight, 
 
 #: int8 weights per float32 word.
 WEIGHTS_PER_WORD = 4
+
+
+@functools.lru_cache(maxsize=None)
+def words_dtype() -> torch.dtype:
+    """The type of the words :class:`Int8WeightProduct` reads (module docstring): int32
+    where Inductor vectorizes a CPU's loops with AVX-512, whose integer vectors it loads
+    directly, float32 elsewhere (AVX2, or no vector instructions Inductor knows: then the
+    words' type makes no difference it was measured for).
+
+    >>> words_dtype() in (torch.int32, torch.float32)
+    True
+    """
+    try:
+        from torch._inductor import cpu_vec_isa
+
+        isa = cpu_vec_isa.pick_vec_isa()
+    except Exception:  # noqa: BLE001 - no compiler: no program will read the words
+        return torch.float32
+    return torch.int32 if isa and isa.bit_width() >= 512 else torch.float32
 
 
 def interleaved_columns(in_features: int) -> torch.Tensor:
@@ -107,9 +132,10 @@ class Int8WeightOnlyLinear(torch.nn.Module):
 
     @property
     def words(self) -> torch.Tensor:
-        """The weight's bytes as float32 words ``(out, in / 4)``, four int8 weights each
-        (a view, no copy): what :class:`Int8WeightProduct` reads."""
-        return self.weight.view(torch.float32)
+        """The weight's bytes as 32-bit words ``(out, in / 4)``, four int8 weights each,
+        of :func:`words_dtype` (a view, no copy): what :class:`Int8WeightProduct`
+        reads."""
+        return self.weight.view(words_dtype())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight.to(x.dtype)
@@ -125,7 +151,7 @@ class Int8WeightOnlyLinear(torch.nn.Module):
 
 class Int8WeightProduct(torch.nn.Module):
     """An :class:`Int8WeightOnlyLinear`'s product for a compiled program, for one row or a
-    few: a reduction over the layer's int8 weights read as float32 words (the layer's own
+    few: a reduction over the layer's int8 weights read as 32-bit words (the layer's own
     bytes and scales, no copies), each weight taken out of its word by shifts.
 
     Its loop reads each word once for all the rows, the weight's rows outermost, and
@@ -144,7 +170,9 @@ class Int8WeightProduct(torch.nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        words = self.words.view(torch.int32)
+        words = self.words
+        if words.dtype != torch.int32:  # (float words: turned into integers in registers)
+            words = words.view(torch.int32)
         outputs, per_byte = words.shape
         rows = x.reshape(-1, per_byte * WEIGHTS_PER_WORD)
         parts = rows.view(rows.shape[0], WEIGHTS_PER_WORD, per_byte)  # byte k's columns
