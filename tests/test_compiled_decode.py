@@ -162,13 +162,13 @@ def test_workers_starting_together_compile_once_and_a_restart_loads_the_cache(
 
 
 @pytest.mark.parametrize("share_weights", [False, True])
-def test_a_program_with_a_copy_of_its_own_is_compiled_in_a_child_process(
+def test_a_program_is_compiled_in_a_child_process(
         smollm2_tokenizer, tmp_path, monkeypatch, share_weights):
-    """Compiling with freezing leaves the compiling process holding what the compile made
-    (gigabytes for SmolLM2), so a program with its own copy of the weights is compiled in
-    a forked child and loaded by this process from the cache; one that shares the
-    model's weights is compiled here. Either way this process gets the program, compiled
-    (not from a cache) and giving the eager step's tokens."""
+    """A compile leaves the compiling process holding what it made (gigabytes for
+    SmolLM2 with freezing, hundreds of megabytes without), so a program, with its own copy
+    of the weights or sharing the model's, is compiled in a forked child and loaded by
+    this process from the cache: compiled (not from a cache), giving the eager step's
+    tokens."""
     compiling = tmp_path / "compiling"
     compile_into = compiled_decode._compile_into
 
@@ -185,7 +185,7 @@ def test_a_program_with_a_copy_of_its_own_is_compiled_in_a_child_process(
     assert one_row is not None and not one_row.from_cache
     assert one_row.shares_weights == share_weights
     (pid,) = [int(line) for line in compiling.read_text().split()]
-    assert (pid == os.getpid()) == share_weights
+    assert pid != os.getpid()
     step = llama_decode.attach(model, smollm2_tokenizer, one_row=one_row)
     assert step.compiled
     assert decode_alone(model, smollm2_tokenizer, 12)[0] == expected

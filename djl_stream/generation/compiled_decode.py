@@ -981,19 +981,21 @@ def _find_compiler() -> None:
 
 
 def _compile_apart(graph: OneRowGraph, entry: CacheEntry, share_weights: bool) -> None:
-    """:func:`_compile_into`, in a child process (forked) where the program gets a copy of
-    the weights of its own and the system forks (Linux); in this one otherwise. What the
-    compile raised in the child is raised here.
+    """:func:`_compile_into`, in a child process (forked) where the system forks (Linux);
+    in this one otherwise. What the compile raised in the child is raised here.
 
-    Why: compiling with ``freezing`` leaves this process holding what the compile made
-    (exported graphs, Inductor's frozen and packed constants, autotuning's inputs), which
-    no collection gives back: on the 2-core AMD EPYC a process that compiled SmolLM2's
-    16-row program with its copy held 3,666 MB (3,621 after dropping the program, the
-    model and the graph, ``gc.collect()`` and ``malloc_trim``), one that loaded it from
-    the cache 883 MB; compiled in a child, the parent held 898 MB once it had loaded the
-    program (``/tmp`` scripts, 2026-11-27). A program that shares the model's weights
-    compiles without freezing and leaves little behind: it is compiled here."""
-    if share_weights or not sys.platform.startswith("linux"):
+    Why: a compile leaves this process holding what it made (exported graphs, Inductor's
+    frozen and packed constants, autotuning's inputs), which no collection gives back. With
+    ``freezing`` (a program with its own copy) it is gigabytes: on the 2-core AMD EPYC a
+    process that compiled SmolLM2's 16-row program with its copy held 3,666 MB (3,621 after
+    dropping the program, the model and the graph, ``gc.collect()`` and ``malloc_trim``),
+    one that loaded it from the cache 883 MB; compiled in a child, the parent held 898 MB
+    once it had loaded the program (``/tmp`` scripts, 2026-11-27). Programs that share the
+    model's weights left less, but still hundreds of megabytes, until the server's
+    restart: on the 2-core Intel Xeon a float32 server that compiled its three programs
+    held 1,383 MB after a benchmark's load against 1,103 for one that loaded them from
+    the cache, an ``option.quantize=int8`` one 1,456 against 752 (2026-11-28)."""
+    if not sys.platform.startswith("linux"):
         _compile_into(graph, entry, share_weights)
         return
     _find_compiler()  # (here, as in-process: before anything is forked)
