@@ -70,8 +70,8 @@ WEIGHTS_PER_WORD = 4
 def words_dtype() -> torch.dtype:
     """The type of the words :class:`Int8WeightProduct` reads (module docstring): int32
     where Inductor vectorizes a CPU's loops with AVX-512, whose integer vectors it loads
-    directly, float32 elsewhere (AVX2, or no vector instructions Inductor knows: then the
-    words' type makes no difference it was measured for).
+    directly, float32 elsewhere (AVX2, whose float loads are the direct ones; without a
+    C++ compiler no program reads the words).
 
     >>> words_dtype() in (torch.int32, torch.float32)
     True
