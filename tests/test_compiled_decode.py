@@ -1165,7 +1165,7 @@ def test_the_one_row_trial_times_every_float32_layer_both_ways_where_the_weights
     model = LlamaForCausalLM(LlamaConfig(vocab_size=8192, hidden_size=1024,
                                          intermediate_size=4096, num_hidden_layers=2,
                                          num_attention_heads=8, num_key_value_heads=4))
-    layers = one_row_products.float32_layers(model)
+    layers = [layer for _, _, layer in packed_linear.plain_linear_layers(model)]
     assert sum(layer.weight.nbytes for layer in layers) >= one_row_products.TRIAL_MIN_BYTES
     timed_pairs = []
     real_trial = packed_linear.packing_trial

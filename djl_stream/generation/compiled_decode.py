@@ -40,8 +40,8 @@ reductions whose loop reads each row of the weight once for all the rows
 one against 56, 64 and 75 for the eager step over packed layers; on the Xeon 31.7, 38.7
 and 46.3 against 33.3, 54.5 and 56.4 for the eager step over MKL's products. Where the
 layers are packed beside the plain weights (an AMD EPYC's case:
-:func:`~djl_stream.generation.loading.prepare_for_decoding`) the 16-row program keeps a copy of the weights
-of its own (``compile_batch(..., share_weights=False)``), which Inductor's C++ GEMM
+:func:`~djl_stream.generation.loading.prepare_for_decoding`) the 16-row program keeps a
+copy of the weights of its own (``compile_batch(..., share_weights=False)``), which Inductor's C++ GEMM
 template multiplies in its own blocked layout faster than oneDNN's packed layers do:
 61-72 ms a 16-row step against 89-105 eager.
 
@@ -154,7 +154,10 @@ BATCH_ROWS = 16
 #: turns, a ``/tmp`` script); a first version lost to it from 8 rows (102 against 91). On
 #: the 2-core Intel Xeon of 2026-11-28 a program for up to 12 rows beat the 16-row program
 #: at 7 rows (50.5 against 58.6 ms) and was level at 8 (56.6 against 59.1), and lost from 10
-#: (69.0 against 60.1): 6 stays.
+#: (69.0 against 60.1): 6 stays. There, with the layers plain, 2, 4 and 6 rows took 31.7,
+#: 38.7 and 46.3 ms against 33.3, 54.5 and 56.4 for the eager step over MKL's products
+#: (about 50 cached columns, medians of 3 rounds in turns), so the program serves them on
+#: every CPU (:func:`~djl_stream.generation.loading.prepare_for_decoding`).
 FEW_ROWS = 6
 #: The most rows the few-rows program over ``option.quantize=int8``'s weight-only layers
 #: runs: every batch the batch program would take, since their products cost less there
@@ -230,7 +233,7 @@ class OneRowGraph(torch.nn.Module):
         #: whether its float32 products are ATen's matrix products rather than
         #: reductions (:mod:`~djl_stream.generation.one_row_products`)
         self.matrix_products = matrix_products
-        product = _matrix_product_of if matrix_products else self._product
+        product = _matrix_products_of if matrix_products else self._product
         self.geometry = llama_decode.Geometry.of(model.config)
         self.projections = torch.nn.ModuleList(
             torch.nn.ModuleDict({name: product(linear) for name, linear in
@@ -465,12 +468,11 @@ def _reduction_of(linear: torch.nn.Module, float_product: type) -> torch.nn.Modu
     return linear
 
 
-def _matrix_product_of(linear: torch.nn.Module) -> torch.nn.Module:
+def _matrix_products_of(linear: torch.nn.Module) -> torch.nn.Module:
     """``linear``'s product in a one-row graph with ATen's matrix products: a float32
-    layer as it is, an int8 weight-only one still
-    :class:`~djl_stream.generation.int8_weights.Int8WeightProduct` (ATen has no product
-    over its bytes)."""
-    return Int8WeightProduct(linear) if type(linear) is Int8WeightOnlyLinear else linear
+    layer as it is (its own product), the others as :func:`_reduction_of` has them (ATen
+    has no product over int8 weight-only bytes)."""
+    return _reduction_of(linear, lambda plain: plain)
 
 
 def _described_graph(graph: OneRowGraph) -> str:

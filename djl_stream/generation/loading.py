@@ -257,8 +257,8 @@ def prepare_for_decoding(model, tokenizer, props: ModelProperties, *, on_gpu: bo
     is loaded from its cache or compiled
     (:func:`~djl_stream.generation.compiled_decode.compile_one_row`) from the plain layers,
     before they are packed, its products ATen's or reductions as a trial finds them faster
-    here (:mod:`~djl_stream.generation.one_row_products`): by default (``option.compiled_weights=shared``) it reads the
-    plain weights themselves; with ``option.prepack_weights`` unset the layers are packed
+    here (:mod:`~djl_stream.generation.one_row_products`): by default
+    (``option.compiled_weights=shared``) it reads the plain weights themselves; with ``option.prepack_weights`` unset the layers are packed
     beside them only where packed copies multiply a batch much faster
     (:func:`_packed_beside_the_programs`). Either way a program for steps of 2 to
     :data:`~djl_stream.generation.compiled_decode.FEW_ROWS` rows reads the plain weights
@@ -267,8 +267,8 @@ def prepare_for_decoding(model, tokenizer, props: ModelProperties, *, on_gpu: bo
     copy of its own where the layers were packed (:func:`_batch_program_of_its_own`), and
     one that reads the plain weights where they were left plain
     (:func:`~djl_stream.generation.compiled_decode.compile_batch`). With ``copy`` the
-    one-row program holds a copy of its own. A program the model directory ships (``djl-stream
-    compile``) comes first where it was compiled for this CPU and PyTorch. Returns the
+    one-row program holds a copy of its own. A program the model directory ships
+    (``djl-stream compile``) comes first where it was compiled for this CPU and PyTorch. Returns the
     step or ``None``."""
     programs = _prepare_for_a_cpu(model, props) if not on_gpu else CpuPrograms()
     return attach_decode_step(model, tokenizer, props, one_row=programs.one_row,
@@ -308,21 +308,23 @@ def _prepare_for_a_cpu(model, props: ModelProperties) -> CpuPrograms:
             model, shipped=shipped))
     if one_row is not None and share and not props.prepack_weights:
         # built over the plain layers before they may be packed: it keeps reading them
-        few_rows_graph = (compiled_decode.FewRowsGraph(model)
-                          if compiled_decode.FewRowsGraph.unsupported_reason(model) is None
-                          else None)
+        # (2 to FEW_ROWS rows, whether the layers are packed or not)
+        few_rows = (compiled_decode.compile_few_rows(compiled_decode.FewRowsGraph(model),
+                                                     shipped=shipped)
+                    if compiled_decode.FewRowsGraph.unsupported_reason(model) is None
+                    else None)
         # (the one-row program runs the model: so does the batch program)
         batch_graph = compiled_decode.BatchGraph(model, compiled_decode.BATCH_ROWS)
         if props.prepack_weights is None and _packed_beside_the_programs(model):
             # the eager step multiplies prompts, and batches of more rows than the batch
             # program's, with the packed layers
             return CpuPrograms(one_row, _batch_program_of_its_own(batch_graph, shipped),
-                               few_rows=_few_rows_program(few_rows_graph, shipped))
+                               few_rows=few_rows)
         logger.info("linear layers left unpacked: the compiled one-row step reads their "
                     "weights (option.compiled_weights=shared)")
         # (a program reads plain weights: not where the layers are packed)
         return CpuPrograms(one_row, compiled_decode.compile_batch(batch_graph, shipped=shipped),
-                           few_rows=_few_rows_program(few_rows_graph, shipped))
+                           few_rows=few_rows)
     # Where a program runs the one-row steps (with a copy of its own, or the model's plain
     # weights kept for it by option.prepack_weights=true), the layers serve batches and
     # prompts only, so the trial times a batch (on the Xeon, packing slows one row but
@@ -373,22 +375,6 @@ def _packed_beside_the_programs(model) -> bool:
                     "weights the compiled one-row step reads (%.0f MB more)", packed,
                     copies / 1e6)
     return packed > 0
-
-
-def _few_rows_program(graph, shipped: Path):
-    """The few-rows program of ``graph`` (built before any packing: it reads the plain
-    weights), for steps of 2 to
-    :data:`~djl_stream.generation.compiled_decode.FEW_ROWS` rows, whether or not the
-    layers were packed beside them: on the 2-core AMD EPYC it beat the eager step over
-    packed layers (:data:`~djl_stream.generation.compiled_decode.FEW_ROWS`), and on the
-    2-core Intel Xeon (AVX-512), where the layers stay plain, the eager step over MKL's
-    products: 31.7 / 38.7 / 46.3 ms at 2 / 4 / 6 rows against 33.3 / 54.5 / 56.4 (steps
-    of SmolLM2 over about 50 cached columns, medians of 3 rounds taken in turns, a
-    ``/tmp`` script, 2026-11-28). ``None`` without a graph (a model it does not run)."""
-    from djl_stream.generation import compiled_decode
-
-    return (compiled_decode.compile_few_rows(graph, shipped=shipped)
-            if graph is not None else None)
 
 
 def _batch_program_of_its_own(graph, shipped: Path):

@@ -87,12 +87,6 @@ class _WeightSum:
         return self.weight.sum()
 
 
-def float32_layers(model: torch.nn.Module) -> list:
-    """``model``'s plain float32 ``nn.Linear`` layers (what the trial times)."""
-    return [module for module in model.modules()
-            if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32]
-
-
 def one_row_trial(model: torch.nn.Module, repetitions: int = 7) -> Optional[OneRowTrial]:
     """Time one row through each of ``model``'s plain float32 layers with ATen's product
     and a sum over each one's weight, all the layers one way then all the other,
@@ -100,9 +94,10 @@ def one_row_trial(model: torch.nn.Module, repetitions: int = 7) -> Optional[OneR
     way, :func:`~djl_stream.generation.packed_linear.packing_trial`, so that another
     process on the same cores, which slows some calls, does not decide it); ``None``
     where their weights are fewer than :data:`TRIAL_MIN_BYTES` (or none)."""
-    from djl_stream.generation.packed_linear import packing_trial
+    from djl_stream.generation.packed_linear import packing_trial, plain_linear_layers
 
-    layers = float32_layers(model)
+    layers = [layer for _, _, layer in plain_linear_layers(model)
+              if layer.weight.dtype == torch.float32]
     if sum(layer.weight.nbytes for layer in layers) < TRIAL_MIN_BYTES:
         return None
     timed = packing_trial([(layer, _WeightSum(layer.weight)) for layer in layers],
