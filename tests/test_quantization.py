@@ -80,6 +80,8 @@ def test_a_missing_library_is_a_load_error_that_says_what_to_install(monkeypatch
     with pytest.raises(QuantizationUnavailable,
                        match="option.quantize=int8 needs torchao: pip install torchao"):
         quantization_kwargs("int8", on_gpu=True)
+    # a CPU's load, on a machine with a GPU too
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     model = load(tiny_model_dir, quantize="int8", decode_step="eager")
     assert type(model.lm_head) is Int8WeightOnlyLinear
 
@@ -113,6 +115,8 @@ def test_w8a8_on_a_cpu_without_int8_dot_products_says_float32_is_faster(
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
     reads = quantization.lacks_int8_dot_products
     monkeypatch.setattr(quantization, "lacks_int8_dot_products", lambda: reads(str(cpuinfo)))
+    # a CPU's load, on a machine with a GPU too
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     model = load(tiny_model_dir, quantize="w8a8", decode_step="eager")
     assert type(model.model.layers[0].mlp.down_proj).__name__ == "Int8Linear"
     assert ("without int8 dot-product instructions" in caplog.text) == warned
