@@ -55,6 +55,7 @@ import torch
 
 from djl_stream import StreamingUtils
 from djl_stream.generation import cuda_graphs
+from djl_stream.generation.burst_warm_up import burst_sizes, warm_up_bursts
 from djl_stream.generation import scheduler as scheduler_module
 from djl_stream.generation.batch import CausalLMBatch
 
@@ -198,6 +199,18 @@ class Round:
     resident_mib: int = 0
 
 
+def warm_up_as_the_server(lm: LoadedModel) -> float:
+    """What the server runs before it says it is ready (``StreamingService._warm_up``,
+    less the request parse): one short request, then on a GPU bursts of requests."""
+    began = time.perf_counter()
+    generate = StreamingUtils.get_stream_generator("Accelerate")
+    for _ in generate(lm.model, lm.tokenizer, ["Hello"], max_new_tokens=2):
+        pass
+    warm_up_bursts(generate, lm.model, lm.tokenizer,
+                   burst_sizes(lm.device, lm.properties.max_rolling_batch_size))
+    return time.perf_counter() - began
+
+
 def resident_mib() -> int:
     memory = ProcessMemory.of()
     return memory.rss >> 20 if memory is not None else 0
@@ -292,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="clients decoding when one more arrives (0: no late rounds)")
     parser.add_argument("--late-rounds", type=int, default=2)
     parser.add_argument("--max-lines", type=int, default=40, help="passes shown per round")
+    parser.add_argument("--no-warm-up", action="store_true",
+                        help="skip the server's warm-up at load (one request, and on a GPU "
+                             "bursts: djl_stream.generation.burst_warm_up)")
     return parser
 
 
@@ -304,6 +320,10 @@ def main(argv: Optional[List[str]] = None) -> None:
           f"{torch.get_num_threads()} threads, RSS {resident_mib()} MB after loading"
           + (f", CUDA_MODULE_LOADING {loading}" if lm.device.type == "cuda" else ""),
           flush=True)
+    if not args.no_warm_up:
+        seconds = warm_up_as_the_server(lm)
+        print(f"the server's warm-up in {seconds:.1f} s, RSS {resident_mib()} MB after it",
+              flush=True)
     rounds = [(int(c), False) for c in args.clients.split(",") if c]
     rounds += [(args.late, True)] * (args.late_rounds if args.late > 0 else 0)
     with CycleTrace(lm.device) as trace:

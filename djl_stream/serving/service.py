@@ -247,7 +247,8 @@ class StreamingService:
         pay for one-time costs: its parse (the protocols, with the OpenAI and TGI modules
         imported and their pydantic models built, the parse context, the chat template
         compiled by jinja, the longest token's length: SmolLM2's whole vocabulary read in
-        29 ms), then one prefill and decode step (kernel selection, allocator growth).
+        29 ms), then one prefill and decode step (kernel selection, allocator growth), and
+        on a GPU bursts of requests (:meth:`_warm_up_bursts`).
         Parsed cold, SmolLM2's first request waited about 50 ms longer for its first token
         than the next ones (2-core CPU). Limits that refuse the request (a tiny
         ``option.max_input_length``, say) leave the first request's parse cold; the steps
@@ -263,6 +264,22 @@ class StreamingService:
             next(iter(stream), None)
         finally:
             getattr(stream, "close", lambda: None)()
+        if self.engine == ACCELERATE_ENGINE:
+            self._warm_up_bursts()
+
+    def _warm_up_bursts(self) -> None:
+        """On a GPU, bursts of requests of several sizes and prompt lengths, so that the
+        kernels they launch are loaded before the first clients' burst
+        (:mod:`djl_stream.generation.burst_warm_up`); nothing on a CPU."""
+        from djl_stream.generation.burst_warm_up import burst_sizes, warm_up_bursts
+        from djl_stream.generation.engines.accelerate import model_input_device
+
+        sizes = burst_sizes(model_input_device(self.model), self.props.max_rolling_batch_size)
+        if sizes:
+            seconds = warm_up_bursts(self.stream_generator, self.model, self.tokenizer, sizes)
+            logger.info("bursts of %s requests run in %.1f s, so that the kernels they "
+                        "launch were loaded (CUDA loads each at its first launch)",
+                        ", ".join(str(size + 1) for size in sizes), seconds)
 
     def _module(self) -> Optional[types.ModuleType]:
         if isinstance(self._entry_module, str):
