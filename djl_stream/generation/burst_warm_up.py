@@ -1,8 +1,9 @@
 """Bursts of requests run at load on a GPU, so that the kernels a burst of clients launches
 are loaded before the server says it is ready.
 
-CUDA loads a kernel's module at the kernel's first launch (``CUDA_MODULE_LOADING=LAZY``,
-CUDA's default since 12.2), on the launching thread, and a pass of the scheduler meets new
+CUDA loads a kernel's module at the kernel's first launch (``CUDA_MODULE_LOADING=LAZY``:
+PyTorch sets it where the environment does not, and it is CUDA's default on Linux since
+12.2), on the launching thread, and a pass of the scheduler meets new
 kernels whenever its shapes change: a new number of rows in an eager decode step (cuBLAS
 picks its kernels by shape), prompts of several lengths read together (left padding puts a
 mask in attention), a prompt read beside running rows (a mixed pass), a new row bucket's
@@ -20,8 +21,8 @@ size in :func:`burst_sizes`, one prompt alone, the rest of the burst read beside
 then one late prompt beside them all, which streams :data:`NEW_TOKENS` tokens beside the
 others (enough for the bucket's CUDA graph to be captured,
 :data:`~djl_stream.generation.cuda_graphs.CAPTURE_AFTER`), with prompts of several
-lengths. On a CPU nothing is run: there is no lazy module loading,
-and the compiled programs are loaded or compiled at load already.
+lengths. On a CPU nothing is run: there is no lazy module loading, and the compiled
+programs are loaded or compiled at load already.
 
 Example::
 
