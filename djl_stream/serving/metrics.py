@@ -21,7 +21,9 @@ same under ``djl-stream serve`` and inside djl-serving:
 
 The figures are per process, like the scheduler: two apps in one process show the same
 numbers, from one registry of our own (never prometheus_client's global one, so repeated
-app creation registers nothing twice). The start-up warm-up generation counts too.
+app creation registers nothing twice). The start-up warm-up generation counts too (on a
+GPU with the default ``option.max_rolling_batch_size``, its bursts make 15 requests of 63
+prompts in all: :mod:`djl_stream.generation.burst_warm_up`).
 
 ``djl-stream serve`` also counts HTTP requests by route and status, and its access-log line
 carries the request's figures (:class:`RequestRecord`). Inside djl-serving the handler
