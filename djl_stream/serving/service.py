@@ -277,7 +277,7 @@ class StreamingService:
         sizes = burst_sizes(model_input_device(self.model), self.props.max_rolling_batch_size)
         if sizes:
             seconds = warm_up_bursts(self.stream_generator, self.model, self.tokenizer, sizes)
-            logger.info("bursts of %s requests run in %.1f s, so that the kernels they "
+            logger.info("bursts of %s prompts run in %.1f s, so that the kernels they "
                         "launch were loaded (CUDA loads each at its first launch)",
                         ", ".join(str(size + 1) for size in sizes), seconds)
 
