@@ -14,10 +14,12 @@
 #   6. the tests of servers, isolation and concurrent clients, whose tiny model loads on
 #      the GPU where there is one (its decode steps replayed from CUDA graphs);
 #   7. the scheduler's passes timed one by one while bursts of clients arrive
-#      (python -m benchmarks.cycle_trace --device cuda): where first tokens go.
+#      (python -m benchmarks.cycle_trace --device cuda): where first tokens go, after the
+#      server's warm-up (on a GPU, bursts of requests: djl_stream/generation/burst_warm_up.py)
+#      and, as cycle_trace_cold, without it.
 #
 # STEPS picks some of them, by name (default: all, in this order): tests decode_step bench
-# bench_forward peers quantization server_tests cycle_trace. BENCH_REPETITIONS sets make bench's
+# bench_forward peers quantization server_tests cycle_trace cycle_trace_cold. BENCH_REPETITIONS sets make bench's
 # repetitions (default 3), QUANT_METHODS the quantization step's methods (default: all). A lent GPU machine's minutes are few:
 #   STEPS="tests bench peers" benchmarks/on_a_gpu.sh OUT
 #
@@ -33,7 +35,7 @@ python=${PYTHON:-python3}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-steps=" random_weights ${STEPS:-tests decode_step bench bench_forward peers quantization server_tests cycle_trace} "
+steps=" random_weights ${STEPS:-tests decode_step bench bench_forward peers quantization server_tests cycle_trace cycle_trace_cold} "
 
 step() {  # step NAME SECONDS COMMAND...: run it (if STEPS names it), its output into OUT/NAME.log
     local name=$1 seconds=$2; shift 2
@@ -82,3 +84,5 @@ step server_tests 300 $python -m pytest -q -p no:cacheprovider tests/test_isolat
     tests/test_server_concurrency.py tests/test_server.py
 step cycle_trace 150 $python -m benchmarks.cycle_trace --model-dir "$model" --device cuda \
     --clients 1,4,4,16,16,64,64 --tokens 32 --late 63 --late-rounds 2
+step cycle_trace_cold 150 $python -m benchmarks.cycle_trace --model-dir "$model" --device cuda \
+    --clients 1,4,4,16,16,64,64 --tokens 32 --late 63 --late-rounds 2 --no-warm-up
