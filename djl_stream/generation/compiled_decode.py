@@ -41,9 +41,9 @@ one against 56, 64 and 75 for the eager step over packed layers; on the Xeon 31.
 and 46.3 against 33.3, 54.5 and 56.4 for the eager step over MKL's products. Where the
 layers are packed beside the plain weights (an AMD EPYC's case:
 :func:`~djl_stream.generation.loading.prepare_for_decoding`) the 16-row program keeps a
-copy of the weights of its own (``compile_batch(..., share_weights=False)``), which Inductor's C++ GEMM
-template multiplies in its own blocked layout faster than oneDNN's packed layers do:
-61-72 ms a 16-row step against 89-105 eager.
+copy of the weights of its own (``compile_batch(..., share_weights=False)``), which
+Inductor's C++ GEMM template multiplies in its own blocked layout faster than oneDNN's
+packed layers do: 61-72 ms a 16-row step against 89-105 eager.
 
 The package is kept in a cache directory, keyed by everything its code depends on (the
 weights' bytes, the model's geometry, this CPU, PyTorch's version, the step's source), so

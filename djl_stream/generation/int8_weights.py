@@ -170,9 +170,8 @@ class Int8WeightProduct(torch.nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        words = self.words
-        if words.dtype != torch.int32:  # (float words: turned into integers in registers)
-            words = words.view(torch.int32)
+        # float words become integers in registers; int32 ones are read as they are
+        words = self.words.view(torch.int32)
         outputs, per_byte = words.shape
         rows = x.reshape(-1, per_byte * WEIGHTS_PER_WORD)
         parts = rows.view(rows.shape[0], WEIGHTS_PER_WORD, per_byte)  # byte k's columns

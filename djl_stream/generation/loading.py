@@ -258,9 +258,9 @@ def prepare_for_decoding(model, tokenizer, props: ModelProperties, *, on_gpu: bo
     (:func:`~djl_stream.generation.compiled_decode.compile_one_row`) from the plain layers,
     before they are packed, its products ATen's or reductions as a trial finds them faster
     here (:mod:`~djl_stream.generation.one_row_products`): by default
-    (``option.compiled_weights=shared``) it reads the plain weights themselves; with ``option.prepack_weights`` unset the layers are packed
-    beside them only where packed copies multiply a batch much faster
-    (:func:`_packed_beside_the_programs`). Either way a program for steps of 2 to
+    (``option.compiled_weights=shared``) it reads the plain weights themselves; with
+    ``option.prepack_weights`` unset the layers are packed beside them only where packed
+    copies multiply a batch much faster (:func:`_packed_beside_the_programs`). Either way a program for steps of 2 to
     :data:`~djl_stream.generation.compiled_decode.FEW_ROWS` rows reads the plain weights
     (:func:`~djl_stream.generation.compiled_decode.compile_few_rows`); steps of 7 to
     :data:`~djl_stream.generation.compiled_decode.BATCH_ROWS` rows run a program with a
@@ -268,8 +268,8 @@ def prepare_for_decoding(model, tokenizer, props: ModelProperties, *, on_gpu: bo
     one that reads the plain weights where they were left plain
     (:func:`~djl_stream.generation.compiled_decode.compile_batch`). With ``copy`` the
     one-row program holds a copy of its own. A program the model directory ships
-    (``djl-stream compile``) comes first where it was compiled for this CPU and PyTorch. Returns the
-    step or ``None``."""
+    (``djl-stream compile``) comes first where it was compiled for this CPU and PyTorch.
+    Returns the step or ``None``."""
     programs = _prepare_for_a_cpu(model, props) if not on_gpu else CpuPrograms()
     return attach_decode_step(model, tokenizer, props, one_row=programs.one_row,
                               batch_program=programs.batch, few_rows=programs.few_rows,
