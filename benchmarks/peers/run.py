@@ -50,6 +50,7 @@ from ..results import ratio
 from ..sections import write_section
 from ..measure import process_tree
 from ..settings import PROMPTS
+from ..targets import missed_by
 from .environments import ENVIRONMENTS
 from .gguf_files import conversion_seconds, float32_gguf, float32_gguf_path, original_q4_1
 from .servers import PEERS, Peer
@@ -344,8 +345,7 @@ def targets(by_name: Dict[str, PeerResult], args) -> List[str]:
             out.append(f"**NOT MEASURED** {text}")
             return
         passed = value <= limit if at_most else value >= limit
-        miss = "" if passed else (f" (missed by {value / limit - 1:.0%})" if at_most
-                                  else f" (missed by {1 - value / limit:.0%})")
+        miss = missed_by(value, limit, at_most)
         out.append(f"**{'PASS' if passed else 'FAIL'}** {text}: {value:.2f}x{miss}; {detail}")
 
     llama_itl = figure("llama.cpp F32", 1, "itl_p50")
