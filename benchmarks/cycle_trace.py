@@ -18,7 +18,9 @@ slow one:
   driver for (``cudaMalloc``) during it.
 
 Each client count runs ``--rounds`` times, then ``--late`` clients with one more request
-arriving once they all have two tokens (``make bench``'s late arrival). Per round: the
+arriving once they all have two tokens (``make bench``'s late arrival; at most one less
+than ``option.max_rolling_batch_size``, so that the late request finds a row free; client
+counts past it decode in waves, the rest waiting for rows). Per round: the
 span, tokens/s, time to first token min/p50/max, resident memory, totals per kind of pass,
 then the passes in order, the replayed decode steps left out unless slow. The figures
 come from one process and one machine: compare rounds of one run.
@@ -216,6 +218,17 @@ def resident_mib() -> int:
     return memory.rss >> 20 if memory is not None else 0
 
 
+def late_clients(asked: int, max_rows: int) -> int:
+    """The clients a late round runs before its late request: ``asked``, but no more than
+    leave the late request a row of the server's ``max_rows`` (past them it would wait for
+    rows to free up, not join the running batch).
+
+    >>> late_clients(63, 32), late_clients(15, 32), late_clients(0, 32)
+    (31, 15, 0)
+    """
+    return min(asked, max_rows - 1)
+
+
 def run_round(lm: LoadedModel, prompts: Sequence[str], clients: int, tokens: int, *,
               late: bool = False) -> Round:
     """``clients`` threads released together, each streaming ``tokens`` tokens of prompt
@@ -301,8 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--clients", default="1,4,4,16,16,64,64",
                         help="client counts, one round each, in this order")
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per client")
-    parser.add_argument("--late", type=int, default=63,
-                        help="clients decoding when one more arrives (0: no late rounds)")
+    parser.add_argument("--late", type=int, default=31,
+                        help="clients decoding when one more arrives (0: no late rounds; at "
+                             "most option.max_rolling_batch_size - 1, so that it finds a row)")
     parser.add_argument("--late-rounds", type=int, default=2)
     parser.add_argument("--max-lines", type=int, default=40, help="passes shown per round")
     parser.add_argument("--no-warm-up", action="store_true",
@@ -325,7 +339,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"the server's warm-up in {seconds:.1f} s, RSS {resident_mib()} MB after it",
               flush=True)
     rounds = [(int(c), False) for c in args.clients.split(",") if c]
-    rounds += [(args.late, True)] * (args.late_rounds if args.late > 0 else 0)
+    late = late_clients(args.late, lm.properties.max_rolling_batch_size)
+    if late != args.late:
+        print(f"--late {args.late}: {late} clients instead, one less than "
+              f"option.max_rolling_batch_size ({lm.properties.max_rolling_batch_size}), so "
+              "that the late request finds a row free", flush=True)
+    rounds += [(late, True)] * (args.late_rounds if late > 0 else 0)
     with CycleTrace(lm.device) as trace:
         for clients, late in rounds:
             trace.clear()

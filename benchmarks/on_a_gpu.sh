@@ -83,6 +83,6 @@ step quantization 200 $python -m benchmarks.quantization --model-dir "$model" --
 step server_tests 300 $python -m pytest -q -p no:cacheprovider tests/test_isolation.py \
     tests/test_server_concurrency.py tests/test_server.py
 step cycle_trace 150 $python -m benchmarks.cycle_trace --model-dir "$model" --device cuda \
-    --clients 1,4,4,16,16,64,64 --tokens 32 --late 63 --late-rounds 2
+    --clients 1,4,4,16,16,64,64 --tokens 32 --late 31 --late-rounds 2
 step cycle_trace_cold 150 $python -m benchmarks.cycle_trace --model-dir "$model" --device cuda \
-    --clients 1,4,4,16,16,64,64 --tokens 32 --late 63 --late-rounds 2 --no-warm-up
+    --clients 1,4,4,16,16,64,64 --tokens 32 --late 31 --late-rounds 2 --no-warm-up

@@ -138,6 +138,13 @@ def concurrency_section(results: Results, plot_link: Optional[str]) -> List[str]
               "server as configured by default; *one at a time* is the same server started "
               "with `OPTION_MAX_ROLLING_BATCH_SIZE=1` (djl's sync-engine behaviour: a request "
               "waits until the one before it has finished).", ""]
+    over = [c for c in s.concurrency if s.max_rows is not None and c > s.max_rows]
+    if over:
+        lines += [f"The continuous-batching server decodes at most {s.max_rows} requests "
+                  f"together (`option.max_rolling_batch_size={s.max_rows}`): at "
+                  f"{', '.join(map(str, over))} clients the others wait for a row, so the "
+                  "first tokens of the later ones come after the first ones' last, and the "
+                  f"ITL is that of steps of {s.max_rows} rows at most.", ""]
     errors = results.load_errors()
     if errors:
         lines += [f"**{len(errors)} request(s) failed**, first: `{errors[0]}`", ""]
@@ -153,9 +160,13 @@ def late_arrival_section(results: Results) -> List[str]:
     solo, step, late_ttft = (results.solo_ttft(CONTINUOUS), results.solo_itl(CONTINUOUS),
                              results.late_ttft(CONTINUOUS))
     extra = (late_ttft - solo) / step if step else math.nan
+    capped = (s.max_rows is not None and s.late_arrival_clients + 1 < max(s.concurrency))
     lines += [f"With {s.late_arrival_clients} clients decoding ({s.concurrency_new_tokens} "
               "new tokens each, every one of them past its second token), one more request "
-              "arrives on the continuous-batching server.", ""]
+              "arrives on the continuous-batching server"
+              + (f" (one less than its {s.max_rows} rows, `option.max_rolling_batch_size`, "
+                 "so that the late request joins the running batch rather than waiting for "
+                 "a row)" if capped else "") + ".", ""]
     lines += _table(["", "median", "in solo decode steps"], [
         ["solo TTFT (1 client, idle server)", ms(solo), "—" if not step else f"{solo / step:.1f}"],
         ["late arrival TTFT", ms(late_ttft), "—" if not step else f"{late_ttft / step:.1f}"],

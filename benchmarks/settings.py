@@ -69,6 +69,9 @@ class Settings:
         skip_http: measure the in-process rows only.
         quick: a smoke run with tiny settings; its figures mean nothing.
         warmup_tokens: tokens of the untimed warm-up call before each row's first run.
+        max_rows: the most requests the continuous-batching server decodes together, its
+            ``option.max_rolling_batch_size`` (:func:`server_max_rows`); clients past it
+            wait for a row. ``None``: not known (no cap assumed).
     """
 
     model_dir: str
@@ -86,6 +89,7 @@ class Settings:
     warmup_tokens: int = 2
     output: str = "BENCHMARKS.md"
     plot: str = "benchmarks/concurrency.png"
+    max_rows: Optional[int] = None
 
     @classmethod
     def resolve(
@@ -119,10 +123,39 @@ class Settings:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {values[name]}")
         if min(values["concurrency"]) < 1:
             raise ValueError(f"--concurrency values must be at least 1, got {values['concurrency']}")
+        rest.setdefault("max_rows", server_max_rows(model_dir))
         return cls(model_dir=model_dir, quick=quick, **values, **rest)
 
     @property
     def late_arrival_clients(self) -> int:
         """Clients already decoding when the late request arrives: one less than the
-        largest concurrency."""
-        return max(self.concurrency) - 1
+        largest concurrency, or than the server's :attr:`max_rows` where that is fewer (so
+        that the late request finds a row free and joins the running batch, rather than
+        waiting behind clients that wait for rows themselves).
+
+        >>> Settings("model", 8, (1, 16), 4, 1, 1, 1).late_arrival_clients
+        15
+        >>> Settings("model", 8, (1, 16, 64), 4, 1, 1, 1, max_rows=32).late_arrival_clients
+        31
+        """
+        clients = max(self.concurrency)
+        if self.max_rows is not None:
+            clients = min(clients, self.max_rows)
+        return clients - 1
+
+
+def server_max_rows(model_dir: str) -> Optional[int]:
+    """``option.max_rolling_batch_size`` of a server started on ``model_dir`` (its
+    ``serving.properties``, else ``OPTION_MAX_ROLLING_BATCH_SIZE`` in this environment, else
+    the default), or ``None`` where the properties do not parse.
+
+    >>> server_max_rows("/nowhere")
+    32
+    """
+    from djl_stream.serving.properties import ModelProperties, djl_init_properties
+
+    try:
+        init = djl_init_properties(model_dir)
+        return ModelProperties.from_init_properties(init).max_rolling_batch_size
+    except Exception:  # noqa: BLE001 - the server will say what is wrong; the run goes on
+        return None

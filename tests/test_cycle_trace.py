@@ -36,6 +36,20 @@ def test_a_round_reports_the_passes_that_read_the_burst_and_a_late_arrival(tiny_
     assert CausalLMBatch.__dict__["concatenate"] is concatenate
 
 
+def test_a_late_round_leaves_its_late_request_a_row(tiny_model_dir, capsys, monkeypatch):
+    # past option.max_rolling_batch_size the late request would wait for a row to free
+    # up instead of joining the running batch: the round runs one client less than it
+    assert "max_rolling_batch_size" not in (tiny_model_dir / "serving.properties").read_text()
+    monkeypatch.setenv("OPTION_MAX_ROLLING_BATCH_SIZE", "3")
+    cycle_trace.main(["--model-dir", str(tiny_model_dir), "--device", "cpu", "--clients", "",
+                      "--decode-step", "eager", "--tokens", "4", "--late", "5",
+                      "--late-rounds", "1"])
+    out = capsys.readouterr().out
+    assert ("--late 5: 2 clients instead, one less than option.max_rolling_batch_size (3)"
+            in out), out
+    assert out.split("## ")[1].startswith("2 clients + 1 late:"), out
+
+
 def test_a_pass_counts_the_collector_s_pauses_inside_it():
     import gc
 
