@@ -43,12 +43,14 @@ def missed_by(value: float, limit: float, at_most: bool) -> str:
 
     >>> missed_by(4.98, 5.0, at_most=False), missed_by(1.25, 1.15, at_most=True)
     (' (missed by 0.4%)', ' (missed by 9%)')
-    >>> missed_by(5.1, 5.0, at_most=False)
-    ''
+    >>> missed_by(5.1, 5.0, at_most=False), missed_by(4.999, 5.0, at_most=False)
+    ('', ' (missed by less than 0.1%)')
     """
     short = value / limit - 1 if at_most else 1 - value / limit
     if short <= 0:
         return ""
+    if short < 0.001:
+        return " (missed by less than 0.1%)"
     return f" (missed by {short:.1%})" if short < 0.01 else f" (missed by {short:.0%})"
 
 
