@@ -341,3 +341,20 @@ def late_arrival(
         thread.join()
     return late, LoadResult(len(early_bodies), tuple(timings))
 
+
+def not_yet_decoding(late: StreamTiming, early: LoadResult, steps_before: int = 2) -> int:
+    """How many of :func:`late_arrival`'s early streams had fewer than ``steps_before``
+    lines when the late request went out: none where it joined them all decoding; some
+    where an early stream ended first (a server that decodes fewer requests at once than
+    there were early clients), and the late request then waited behind those instead.
+
+    >>> decoding = StreamTiming(0.0, (0.1, 0.2, 0.3), 0.3, 3)
+    >>> waiting = StreamTiming(0.0, (0.4, 0.5), 0.5, 2)
+    >>> late = StreamTiming(0.25, (0.45,), 0.45, 1)
+    >>> not_yet_decoding(late, LoadResult(2, (decoding, decoding))), not_yet_decoding(
+    ...     late, LoadResult(2, (decoding, waiting)))
+    (0, 1)
+    """
+    return sum(1 for timing in early.timings
+               if timing is None or sum(t <= late.start for t in timing.arrivals) < steps_before)
+

@@ -193,14 +193,24 @@ def concurrency(settings: Settings, servers: Dict[str, http_load.ServerProcess],
                     + (f", {len(load.errors)} errors" if load.errors else ""))
         if settings.late_arrival_clients >= 1:
             gc.collect()
-            late, _ = http_load.late_arrival(
+            late, early = http_load.late_arrival(
                 servers[CONTINUOUS].url, bodies(settings.late_arrival_clients, first=1),
                 http_load.request_body(PROMPTS[0], n))
             results.late.setdefault(CONTINUOUS, []).append(late)
+            waiting = http_load.not_yet_decoding(late, early)
+            if waiting:
+                # (what the target means is a request joining a running batch: say where
+                # this one did not, rather than report its wait as that)
+                results.notes.append(
+                    f"late arrival, repetition {rep}: {waiting} of the "
+                    f"{settings.late_arrival_clients} early clients were not yet decoding "
+                    "when the late request went out (an early stream had ended first), so it "
+                    "waited behind them rather than joining a running batch")
             log(f"  [{rep}/{reps}] late arrival after "
                 f"{settings.late_arrival_clients} clients: TTFT "
                 + ("—" if late.ttft is None else f"{late.ttft * 1e3:.0f} ms")
-                + (f" ERROR {late.error}" if late.error else ""))
+                + (f" ERROR {late.error}" if late.error else "")
+                + (f" ({waiting} early clients not yet decoding)" if waiting else ""))
         time.sleep(SETTLE_SECONDS)
         for mode, server in servers.items():
             results.memory_trace.setdefault(f"server ({mode})", []).append(server.memory())
