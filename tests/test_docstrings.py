@@ -1,4 +1,5 @@
-"""Every example in djl_stream's docstrings runs and shows what it says.
+"""Every example in djl_stream's docstrings, and in the benchmarks', runs and shows what
+it says.
 
 The examples are the first thing a reader of a public name sees; this keeps them true.
 Those that need a tokenizer get the real SmolLM2 one as ``tokenizer``.
@@ -13,15 +14,21 @@ import pkgutil
 
 import pytest
 
+import benchmarks
 import djl_stream
 
-MODULES = sorted(info.name for info in pkgutil.walk_packages(djl_stream.__path__, "djl_stream.")
-                 if not info.name.endswith("__main__"))
+#: Benchmark modules that run inside a peer's own virtual environment (``make bench-peers``),
+#: importing what only that environment has (Ray, llama-cpp-python).
+PEER_ONLY = {"benchmarks.peers.ray_app", "benchmarks.peers.llama_cpp_server"}
+MODULES = sorted(info.name for package in (djl_stream, benchmarks)
+                 for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".")
+                 if not info.name.endswith("__main__") and info.name not in PEER_ONLY)
 
 
 def test_every_module_is_looked_at():
     assert "djl_stream.generation.detokenize" in MODULES
     assert "djl_stream.protocols.openai.request" in MODULES
+    assert "benchmarks.targets" in MODULES and "benchmarks.peers.run" in MODULES
 
 
 @pytest.mark.parametrize("name", MODULES)
