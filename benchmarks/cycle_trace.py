@@ -63,7 +63,7 @@ from djl_stream.generation.batch import CausalLMBatch
 
 from .inprocess import LoadedModel
 from .measure import ProcessMemory
-from .settings import PROMPTS
+from .settings import PROMPTS, late_clients
 
 
 @dataclasses.dataclass
@@ -216,17 +216,6 @@ def warm_up_as_the_server(lm: LoadedModel) -> float:
 def resident_mib() -> int:
     memory = ProcessMemory.of()
     return memory.rss >> 20 if memory is not None else 0
-
-
-def late_clients(asked: int, max_rows: int) -> int:
-    """The clients a late round runs before its late request: ``asked``, but no more than
-    leave the late request a row of the server's ``max_rows`` (past them it would wait for
-    rows to free up, not join the running batch).
-
-    >>> late_clients(63, 32), late_clients(15, 32), late_clients(0, 32)
-    (31, 15, 0)
-    """
-    return min(asked, max_rows - 1)
 
 
 def run_round(lm: LoadedModel, prompts: Sequence[str], clients: int, tokens: int, *,

@@ -356,5 +356,5 @@ def not_yet_decoding(late: StreamTiming, early: LoadResult, steps_before: int = 
     (0, 1)
     """
     return sum(1 for timing in early.timings
-               if timing is None or sum(t <= late.start for t in timing.arrivals) < steps_before)
+               if sum(t <= late.start for t in timing.arrivals) < steps_before)
 

@@ -138,10 +138,18 @@ class Settings:
         >>> Settings("model", 8, (1, 16, 64), 4, 1, 1, 1, max_rows=32).late_arrival_clients
         31
         """
-        clients = max(self.concurrency)
-        if self.max_rows is not None:
-            clients = min(clients, self.max_rows)
-        return clients - 1
+        return late_clients(max(self.concurrency) - 1, self.max_rows)
+
+
+def late_clients(asked: int, max_rows: Optional[int]) -> int:
+    """The clients already decoding when a late request arrives: ``asked``, but no more
+    than leave the late request a row of the server's ``max_rows`` (past them it would
+    wait for rows to free up, not join the running batch); ``None``: no cap known.
+
+    >>> late_clients(63, 32), late_clients(15, 32), late_clients(0, 32), late_clients(63, None)
+    (31, 15, 0, 63)
+    """
+    return asked if max_rows is None else min(asked, max_rows - 1)
 
 
 def server_max_rows(model_dir: str) -> Optional[int]:
