@@ -36,9 +36,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, TextIteratorStreamer
 
 from djl_stream import StreamingUtils
-from djl_stream.generation.forward_kwargs import cache_kwarg, last_logits_only
-from djl_stream.generation.loading import in_passing_thread, prepare_for_decoding, torch_dtype
-from djl_stream.generation.scheduler import retire_scheduler
+from djl_stream.runtime.forward_kwargs import cache_kwarg, last_logits_only
+from djl_stream.runtime.loading import in_passing_thread, torch_dtype
 from djl_stream.serving.properties import ModelProperties, djl_init_properties
 
 from .measure import StreamTiming
@@ -76,15 +75,10 @@ class LoadedModel:
     properties: ModelProperties
 
     @classmethod
-    def load(cls, model_dir: str, device: str = "auto", dtype: str = "auto",
-             decode_step: str = "") -> "LoadedModel":
-        """``decode_step``, where given, overrides the model directory's
-        ``option.decode_step``."""
+    def load(cls, model_dir: str, device: str = "auto", dtype: str = "auto") -> "LoadedModel":
         init = djl_init_properties(model_dir)
         if dtype != "auto":
             init["dtype"] = dtype
-        if decode_step:
-            init["decode_step"] = decode_step
         props = ModelProperties.from_init_properties(init)
         target = resolve_device(device)
 
@@ -97,9 +91,7 @@ class LoadedModel:
                 dtype=torch_dtype(props, on_gpu=target.type == "cuda"),
                 trust_remote_code=props.trust_remote_code,
             )
-            model = model.to(target).eval()
-            prepare_for_decoding(model, tokenizer, props, on_gpu=target.type == "cuda")
-            return model, tokenizer
+            return model.to(target).eval(), tokenizer
 
         model, tokenizer = in_passing_thread(load)
         return cls(model, tokenizer, target, props)
@@ -264,16 +256,10 @@ def warm_up(rows: List[Row], lm: Any, prompt: Prompt, tokens: int) -> None:
 
 
 def _alone(row: Row, lm: Any, prompt: Prompt, n: int) -> StreamTiming:
-    """``row`` run in a thread that ends with it, and djl-stream's scheduler retired after
-    it: each way computes with the only GNU OpenMP thread pool alive, as it would in a
-    process of its own (a second live pool throttles the first:
-    :func:`~djl_stream.generation.loading.in_passing_thread`). Before, the rows ran in
-    this process's main thread, whose pool from the load and the other rows lived on
-    beside the scheduler's, and djl-stream's row ran 1.4x slower (13 against 19 tokens/s
-    in one check)."""
-    try:
-        return in_passing_thread(row.run, lm, prompt, n)
-    finally:
-        if getattr(lm, "model", None) is not None:
-            retire_scheduler(lm.model)
+    """``row`` run in a thread that ends with it: each way computes with the only GNU
+    OpenMP thread pool alive, as it would in a process of its own (a second live pool
+    throttles the first: :func:`~djl_stream.runtime.loading.in_passing_thread`).
+    djl-stream's stream generator ends its engine, and the engine's scheduler thread with
+    its pool, when its stream ends."""
+    return in_passing_thread(row.run, lm, prompt, n)
 

@@ -1,8 +1,8 @@
 """``python -m benchmarks.loading_thread``: decode steps in the scheduler's thread with the
 model loaded in the calling thread (as djl-serving's Python worker calls ``handle`` to
 load) against loaded in a thread that ends with the load (what
-:func:`~djl_stream.generation.loading.load_model_and_tokenizer` does: see
-:func:`~djl_stream.generation.loading.in_passing_thread`).
+:func:`~djl_stream.runtime.loading.load_model_and_tokenizer` does: see
+:func:`~djl_stream.runtime.loading.in_passing_thread`).
 
 Each way runs in a process of its own (an OpenMP thread pool is process state), the ways
 taking turns; in each, ``--clients`` prompts decode ``--tokens`` greedy tokens together
@@ -31,7 +31,7 @@ WAYS = {"calling": "loaded in the calling thread (which lives on)",
 def run_child(way: str, model_dir: str, clients: int, tokens: int) -> dict:
     """One process's figures: load ``way``, decode, return tokens/s and step medians."""
     from djl_stream.generation import batch as batch_module
-    from djl_stream.generation import loading
+    from djl_stream.runtime import loading
     from djl_stream.generation import scheduler as scheduler_module
     from djl_stream.generation.sequence import GenerationSequence
     from djl_stream.serving.properties import ModelProperties

@@ -3,7 +3,7 @@ closely its greedy text follows float32's, in-process, side by side; bfloat16 we
 (``option.dtype=bf16``) too, the other way to read fewer bytes a step.
 
 Every method loads the model directory the way the server does
-(:func:`~djl_stream.generation.loading.load_model_and_tokenizer`, so float32 is prepacked
+(:func:`~djl_stream.runtime.loading.load_model_and_tokenizer`, so float32 is prepacked
 on a CPU where packing pays), then:
 
 * **decode step**: the median time of a one-row decode step through
@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from djl_stream.generation.batch import CausalLMBatch, generate_token
-from djl_stream.generation.loading import load_model_and_tokenizer
+from djl_stream.runtime.loading import load_model_and_tokenizer
 from djl_stream.generation.sequence import GenerationSequence
 from djl_stream.serving.properties import ModelProperties, djl_init_properties
 
@@ -74,7 +74,7 @@ def _row_name(method: str, unset: str = "float32", on_gpu: bool = False) -> str:
     method = method[:-len(COMPILED)] if compiled else method
     name = (f"unset ({unset})" if method == "none"
             else f"unset, `option.dtype={method}`" if method in DTYPES else f"`{method}`")
-    if method == "w8a8" and on_gpu:  # (djl_stream.generation.quantization says why)
+    if method == "w8a8" and on_gpu:  # (djl_stream.runtime.quantization says why)
         name += " (a GPU serves `int8` for it)"
     return name + (", `option.decode_step=compiled`" if compiled
                    else ", `option.decode_step=eager`")

@@ -44,7 +44,7 @@ def make(source: Path, target: Path, dtype: str = "bf16", seed: int = 0) -> Path
     config = AutoConfig.from_pretrained(source)
     torch.manual_seed(seed)
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    from djl_stream.generation.loading import dtype_keyword
+    from djl_stream.runtime.loading import dtype_keyword
 
     model = AutoModelForCausalLM.from_config(config, **{dtype_keyword(): dtypes[dtype]})
     model.save_pretrained(target)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from djl_stream.generation.loading import read_grouped_heads_in_place
+from djl_stream.runtime.loading import read_grouped_heads_in_place
 
 # The server reads grouped key/value heads in place on a CPU (see the function): the
 # references these tests compute in this process with transformers' own generate() use the

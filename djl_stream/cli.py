@@ -6,7 +6,6 @@ Subcommands::
     djl-stream generate model/ "Hello" --chat    # in-process, tokens printed live
     djl-stream embed model/                      # write the embedded SmolLM2 into model/
     djl-stream check model/                      # is model/ ready to ship? (exit 0 or 1)
-    djl-stream compile model/ --weights shared   # ship the compiled decode step in model/
     djl-stream package model/ -o model.tar.gz    # SageMaker's model.tar.gz
 
 ``generate`` goes through :class:`~djl_stream.serving.worker.ModelWorker` and the model's own
@@ -111,25 +110,6 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("--force", action="store_true",
                        help="overwrite a model already in MODEL_DIR")
     embed.set_defaults(run=_embed)
-
-    from djl_stream.serving.properties import COMPILED_WEIGHTS
-
-    compile_step = commands.add_parser(
-        "compile", help="compile the decode step into MODEL_DIR for this kind of CPU",
-        description="Load MODEL_DIR as the server does with option.decode_step=compiled and "
-                    "copy its compiled one-row program (and, with the default shared "
-                    "weights, its few-rows and 16-row programs) into MODEL_DIR/compiled_decode/. A "
-                    "server or container loading MODEL_DIR on a machine with the same CPU "
-                    "model and PyTorch then takes it from there instead of compiling (about "
-                    "a minute and a half for SmolLM2 on a 2-core CPU); elsewhere it compiles "
-                    "as usual. The default option.decode_step=auto serves with it, as "
-                    "compiled does.")
-    compile_step.add_argument("model_dir", metavar="MODEL_DIR", help="the model directory")
-    compile_step.add_argument(
-        "--weights", choices=COMPILED_WEIGHTS, default=None,
-        help="option.compiled_weights (default: the model directory's, else shared): shared "
-             "writes a few MB, copy the weights' size again")
-    compile_step.set_defaults(run=_compile)
 
     from djl_stream.shipping.images import IMAGES
 
@@ -383,54 +363,6 @@ def _embed(args: argparse.Namespace) -> int:
               "pass --force to overwrite it")
     return 0
 
-
-# -- compile --
-
-def _compile(args: argparse.Namespace) -> int:
-    import logging
-    from pathlib import Path
-
-    from djl_stream.generation import compiled_decode, llama_decode
-    from djl_stream.generation.loading import ModelLoadError, load_model_and_tokenizer
-    from djl_stream.serving.properties import ModelProperties, PropertyError, djl_init_properties
-
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    init = djl_init_properties(args.model_dir)
-    init["decode_step"] = "compiled"
-    if args.weights:
-        init["compiled_weights"] = args.weights
-    # unset, whether the layers are packed beside the programs is the serving machine's
-    # trial: this one's layers left plain, so that the batch program a machine where
-    # packing does not pay loads is compiled and shipped too
-    init.setdefault("prepack_weights", "false")
-    try:
-        model, _ = load_model_and_tokenizer(ModelProperties.from_init_properties(init))
-    except (PropertyError, ModelLoadError) as error:
-        print(f"djl-stream compile: {error}", file=sys.stderr)
-        return 1
-    step = llama_decode.step_of(model)
-    if step is None or not step.compiled:
-        print("djl-stream compile: this model got no compiled decode step here (the log above "
-              "says why)", file=sys.stderr)
-        return 1
-    # (with option.compiled_weights=shared, the batch and few-rows programs too, or the
-    # few-rows program alone over option.quantize=int8's layers)
-    programs = [p for p in (step.one_row, step.batch_program, step.few_rows) if p is not None]
-    try:
-        targets = [compiled_decode.ship(program, Path(args.model_dir)) for program in programs]
-    except (ValueError, OSError) as error:
-        print(f"djl-stream compile: {error}", file=sys.stderr)
-        return 1
-    for target in targets:
-        size = compiled_decode.CacheEntry(target).megabytes()
-        print(f"wrote {target} ({size:.1f} MB): loaded instead of compiling on a machine with "
-              "this CPU model and PyTorch, with option.decode_step=auto or compiled"
-              + ("" if step.one_row.shares_weights
-                 else " and option.compiled_weights=copy"))
-    return 0
-
-
-# -- check / package --
 
 def _check(args: argparse.Namespace) -> int:
     from djl_stream.shipping.check import DEFAULT_MAX_IMPORT_SECONDS, check_model_dir, format_report

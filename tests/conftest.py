@@ -9,13 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from djl_stream.generation.loading import read_grouped_heads_in_place
-
-# The server reads grouped key/value heads in place on a CPU (see the function): the
-# references these tests compute in this process with transformers' own generate() use the
-# same attention kernels, whatever test loads a model first.
-read_grouped_heads_in_place()
-
 REPO = Path(__file__).resolve().parents[1]
 # The embedded model's directory; its tokenizer serves the tiny models too. Where model/ was
 # not set up (a GPU machine the weights cannot reach), benchmarks/on_a_gpu.sh points this at
@@ -69,63 +62,6 @@ def build_tiny_llama(vocab_size: int, seed: int = 0):
     return LlamaForCausalLM(config).eval()
 
 
-class StepLogits:
-    """Collects the logits the step attached to ``model`` (djl-stream's Llama decode step)
-    returns; it does not call the model, so a forward hook would not see them."""
-
-    def __init__(self, model, monkeypatch):
-        from djl_stream.generation import llama_decode
-
-        step = llama_decode.step_of(model)
-        self.seen = []
-        original = step.logits
-
-        def recording(batch):
-            logits = original(batch)
-            self.seen.append(logits.clone())
-            return logits
-
-        monkeypatch.setattr(step, "logits", recording)
-
-
-#: The seed of the tiny Llama whose one-row program the compiled-step tests share: one
-#: compile per test session (about 15 s here), then loads from the session's cache.
-COMPILED_SEED = 3
-
-
-@pytest.fixture(scope="session")
-def inductor_cache(tmp_path_factory) -> Path:
-    """A TorchInductor cache directory of this test session's own (compiled programs are
-    not taken from, or left in, the machine's)."""
-    return tmp_path_factory.mktemp("inductor-cache")
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _every_load_uses_the_session_s_inductor_cache(inductor_cache):
-    """``TORCHINDUCTOR_CACHE_DIR`` set to the session's cache for the whole session, so that
-    every load (in this process, and in the servers and workers tests start) compiles into
-    and loads from it: on a CPU ``option.decode_step=auto`` compiles the Llama decode
-    programs at the first load, and the machine's cache is its users' (the embedded model's
-    programs are compiled once per session, about 90 s here, then loaded in seconds). It
-    keeps every program: the tests' programs outnumber the count a cache keeps by default,
-    and each one evicted would be compiled again by the next test that shares it."""
-    from djl_stream.generation.compiled_decode import KEPT_ENTRIES_VARIABLE
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache))
-        patch.setenv(KEPT_ENTRIES_VARIABLE, "0")
-        yield
-
-
-@pytest.fixture
-def one_row_cache() -> Path:
-    """The one-row programs' directory in the session's cache
-    (:func:`_every_load_uses_the_session_s_inductor_cache`)."""
-    from djl_stream.generation.compiled_decode import cache_root
-
-    return cache_root()
-
-
 def resident_bytes() -> int:
     """This process's resident memory, in bytes (Linux's ``/proc/self/statm``)."""
     import os
@@ -134,18 +70,18 @@ def resident_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def greedy_in_one_batch(model, tokenizer, prompts, new_tokens: int = 12):
+def greedy_in_one_batch(runner, tokenizer, prompts, new_tokens: int = 12):
     """Each prompt's greedy tokens (end-of-sequence ignored), the prompts decoding in one
-    left-padded batch through ``generate_token``."""
+    batch on ``runner`` through ``generate_token``."""
     from djl_stream.generation.batch import CausalLMBatch, generate_token
     from djl_stream.generation.sequence import GenerationSequence
 
     sequences = [GenerationSequence(i, tokenizer(p)["input_ids"], tokenizer,
                                     max_new_tokens=new_tokens, eos_token_ids=set(),
                                     ignore_eos=True) for i, p in enumerate(prompts)]
-    batch = CausalLMBatch.from_sequences(sequences, pad_token_id=2, device="cpu")
+    batch = CausalLMBatch.from_sequences(runner, sequences)
     while batch is not None:
-        _, batch = generate_token(model, batch)
+        _, batch = generate_token(runner, batch)
     return [seq.generated_ids for seq in sequences]
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from djl_stream.generation.batch import CausalLMBatch, generate_token, prefill_chunk
 from djl_stream.generation.errors import GenerationFailed
-from djl_stream.generation.forward_kwargs import cache_in
+from djl_stream.runtime.forward_kwargs import cache_in
 from djl_stream.generation.prefill_pacing import PrefillPacer
 from djl_stream.generation.scheduler import (BURST_PASSES, BURST_RATIO, CANCELLED, BatchState, Scheduler,
                                              IDLE_PREFILL_FACTOR, attention_parity_context,

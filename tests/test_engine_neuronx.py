@@ -33,7 +33,7 @@ from djl_stream.generation.engines.neuronx import (
     load_neuron_model,
     neuronx_stream_generator,
 )
-from djl_stream.generation.loading import ModelLoadError
+from djl_stream.runtime.loading import ModelLoadError
 from djl_stream.serving.properties import ModelProperties
 from djl_stream.protocols.validation import RequestError
 from logit_bias import LogitBias

@@ -20,7 +20,7 @@ from benchmarks import cycle_trace, decode_step, quantization, random_weights
 from benchmarks import run as bench_run
 from benchmarks.peers import run as peers_run
 from benchmarks.peers.servers import PEERS
-from djl_stream.generation.quantization import QUANTIZE_METHODS
+from djl_stream.runtime.quantization import QUANTIZE_METHODS
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "on_a_gpu.sh"

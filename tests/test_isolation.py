@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from djl_stream.generation.errors import GenerationFailed
-from djl_stream.generation.forward_kwargs import cache_in
+from djl_stream.runtime.forward_kwargs import cache_in
 from djl_stream.generation.sampling import TokenChooser, UnusableScores, choose_next_tokens
 from test_scheduler import PROMPTS, collect, sequences, solo_texts
 

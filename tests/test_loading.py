@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from djl_stream.generation.loading import ModelLoadError, load_model_and_tokenizer, placement, torch_dtype
+from djl_stream.runtime.loading import ModelLoadError, load_model_and_tokenizer, placement, torch_dtype
 from djl_stream.serving.properties import ModelProperties
 
 
@@ -42,7 +42,7 @@ def test_an_unreachable_hub_id_fails_with_a_clear_message(tmp_path):
     # No hub is reachable from here; HF_HUB_OFFLINE=1 makes that certain and fast (it is
     # read when huggingface_hub is imported, hence a fresh interpreter).
     code = (
-        "from djl_stream.generation.loading import load_model_and_tokenizer\n"
+        "from djl_stream.runtime.loading import load_model_and_tokenizer\n"
         "from djl_stream.serving.properties import ModelProperties\n"
         f"load_model_and_tokenizer(ModelProperties(model_dir={str(tmp_path)!r}, "
         "model_id='no-such-org/no-such-model'))\n"
@@ -51,7 +51,7 @@ def test_an_unreachable_hub_id_fails_with_a_clear_message(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     last_line = result.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("djl_stream.generation.loading.ModelLoadError")
+    assert last_line.startswith("djl_stream.runtime.loading.ModelLoadError")
     assert "no-such-org/no-such-model" in last_line
     assert "hub" in last_line
 
@@ -62,7 +62,7 @@ def test_the_model_loads_in_a_thread_that_ends_with_the_load(tiny_model_dir, mon
     # (loading.in_passing_thread says how much).
     import threading
 
-    from djl_stream.generation import loading
+    from djl_stream.runtime import loading
 
     seen = []
     prepare = loading.prepare_for_decoding

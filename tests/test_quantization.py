@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from djl_stream.generation.int8_linear import int8_matmul_unavailable
+from djl_stream.runtime.int8 import int8_matmul_unavailable
 from djl_stream.generation.int8_weights import Int8WeightOnlyLinear
-from djl_stream.generation.loading import ModelLoadError, load_model_and_tokenizer
-from djl_stream.generation.quantization import QuantizationUnavailable, quantization_kwargs
+from djl_stream.runtime.loading import ModelLoadError, load_model_and_tokenizer
+from djl_stream.runtime.quantization import QuantizationUnavailable, quantization_kwargs
 from djl_stream.serving.properties import ModelProperties
 
 IDS = torch.tensor([[1, 400, 401, 402, 403]])
@@ -109,7 +109,7 @@ def test_on_cuda_w8a8_serves_torchao_s_int8_weight_only_config_and_says_so(caplo
 def test_w8a8_on_a_cpu_without_int8_dot_products_says_float32_is_faster(
         tiny_model_dir, tmp_path, monkeypatch, caplog, flags, warned):
     # (measured on a 2-core AMD EPYC without them: w8a8 0.3x float32's tokens/s)
-    from djl_stream.generation import quantization
+    from djl_stream.runtime import quantization
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
@@ -123,7 +123,7 @@ def test_w8a8_on_a_cpu_without_int8_dot_products_says_float32_is_faster(
 
 
 def test_a_cpu_whose_flags_cannot_be_read_is_not_judged(tmp_path):
-    from djl_stream.generation.quantization import lacks_int8_dot_products
+    from djl_stream.runtime.quantization import lacks_int8_dot_products
 
     assert not lacks_int8_dot_products(str(tmp_path / "absent"))
     (tmp_path / "arm").write_text("processor\t: 0\nFeatures\t: fp asimd asimddp\n")

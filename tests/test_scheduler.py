@@ -303,7 +303,7 @@ def test_a_longer_prompt_joins_the_running_rows_in_their_own_cache(make_schedule
     # newcomer longer than the running rows is prefilled into them, and the running rows
     # stay in the cache they were decoding in (before slots, a longer newcomer's cache
     # took them in: a copy of every running row's cache at every such join).
-    from djl_stream.generation.forward_kwargs import cache_in
+    from djl_stream.runtime.forward_kwargs import cache_in
 
     decode_caches = []
 

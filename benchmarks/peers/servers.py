@@ -193,10 +193,10 @@ def _transformers_serve(model_dir: Path, files: Dict[str, Path], port: int,
 
 def served_dtype(model_dir: Path, device: str) -> str:
     """The dtype djl-stream serves ``model_dir`` in on ``device`` (``cpu`` or ``cuda``), by
-    its own rule (:func:`~djl_stream.generation.loading.torch_dtype`: ``option.dtype``,
+    its own rule (:func:`~djl_stream.runtime.loading.torch_dtype`: ``option.dtype``,
     and for ``auto`` float32 on a CPU, bfloat16 on a GPU that has it, else float16), as
     ``transformers serve --dtype`` names it."""
-    from djl_stream.generation.loading import torch_dtype
+    from djl_stream.runtime.loading import torch_dtype
     from djl_stream.serving.properties import ModelProperties, djl_init_properties
 
     props = ModelProperties.from_init_properties(djl_init_properties(model_dir))

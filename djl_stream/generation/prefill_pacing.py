@@ -59,7 +59,7 @@ import statistics
 import time
 from typing import Callable, Deque, Iterator, Optional
 
-from djl_stream.generation.kv_memory import attention_shape
+from djl_stream.runtime.kv_memory import attention_shape
 
 #: ``option.prefill_stall_steps`` when unset: a running stream waits at most this many of
 #: its decode steps for one prefill pass, so about 2.5 between two tokens, which leaves

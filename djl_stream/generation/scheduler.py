@@ -38,8 +38,7 @@ metrics and log lines, so this package never needs a metrics library.
 
 Example::
 
-    scheduler = Scheduler(model, pad_token_id=tokenizer.pad_token_id, device="cpu",
-                          max_batch_size=32, max_queue=100)
+    scheduler = Scheduler(load_runner(model), max_batch_size=32, max_queue=100)
     stream = scheduler.submit(build_sequences(model, tokenizer, prompt_ids, max_new_tokens=64))
     for pieces in stream:
         print(pieces[0], end="", flush=True)
@@ -57,24 +56,20 @@ import threading
 import time
 from typing import Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from djl_stream.generation import llama_decode
-from djl_stream.generation.batch import (CausalLMBatch, generate_token, mixed_pass,
-                                         mixed_pass_possible, prefill_chunk)
-from djl_stream.generation.allocators import release_cached_memory
+from djl_stream.generation.batch import CausalLMBatch, generate_token, mixed_pass, prefill_chunk
 from djl_stream.generation.errors import GenerationFailed, QueueFullError
-from djl_stream.generation.kv_cache import reserving_is_free
 from djl_stream.generation.prefill_pacing import (DEFAULT_PREFILL_STALL_STEPS, PrefillPacer,
                                                   attention_parity_context, prefill_columns)
 from djl_stream.generation.sequence import GenerationSequence
 from djl_stream.generation.step import Generation, Step
+from djl_stream.runtime.memory import release_cached_memory
+from djl_stream.runtime.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BATCH_SIZE = 32
 DEFAULT_MAX_QUEUE = 1000
-#: The longest prompt a request may send by default (``option.max_input_length``'s default):
-#: the columns a cache leaves free on the left for a longer prompt to join (see
-#: :meth:`Scheduler._room_to_reserve`).
+#: The longest prompt a request may send by default (``option.max_input_length``'s default).
 DEFAULT_MAX_INPUT_LENGTH = 4096
 #: The prefill budget (tokens per forward pass) when none is set, by device type. On a
 #: CPU, prefill is compute-bound: the number keeps one chunk within a few decode steps of
@@ -328,18 +323,15 @@ class Scheduler:
     :class:`~djl_stream.generation.prefill_pacing.PrefillPacer` built from it (another
     clock, another policy).
     ``max_input_length`` is the longest prompt a request may send
-    (``option.max_input_length``): where reserving is free, a running batch's cache keeps
-    room for one that long to join it without moving its rows.
+    (``option.max_input_length``).
     ``observers`` are told what happens (see :class:`SchedulerObserver`); by default, the
     process-wide ones of :func:`add_observer`.
     """
 
     def __init__(
         self,
-        model,
+        runner: ModelRunner,
         *,
-        pad_token_id: int,
-        device,
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         max_queue: int = DEFAULT_MAX_QUEUE,
         max_batch_prefill_tokens: Optional[int] = None,
@@ -351,6 +343,7 @@ class Scheduler:
     ):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
+        device = runner.device
         if max_batch_prefill_tokens is None:
             max_batch_prefill_tokens = max(default_max_batch_prefill_tokens(device),
                                            max_batch_size)
@@ -359,8 +352,7 @@ class Scheduler:
                 f"max_batch_prefill_tokens ({max_batch_prefill_tokens}) must be at least "
                 f"max_batch_size ({max_batch_size}): a prefill chunk feeds one column of "
                 "every row of a request at the least")
-        self.model = model
-        self.pad_token_id = pad_token_id
+        self.runner = runner
         self.device = device
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
@@ -370,7 +362,7 @@ class Scheduler:
             max_batch_prefill_tokens,
             IDLE_PREFILL_FACTOR * max_batch_prefill_tokens if max_idle_prefill_tokens is None
             else max_idle_prefill_tokens)
-        self._pacer = pacer or PrefillPacer(prefill_stall_steps, attention_parity_context(model),
+        self._pacer = pacer or PrefillPacer(prefill_stall_steps, attention_parity_context(runner.model),
                                             synchronize=_synchronizer(device))
         self._ids = itertools.count()
         self._waiting: Deque[_Job] = collections.deque()
@@ -402,6 +394,8 @@ class Scheduler:
             self._stopping = True
             self._wakeup.notify()
         self._thread.join(timeout)
+        if self in _LIVE_SCHEDULERS:
+            _LIVE_SCHEDULERS.remove(self)
 
     # -- called from request threads --------------------------------------------------
 
@@ -473,13 +467,14 @@ class Scheduler:
                 self._publish_running()
                 if self._running is None and not self._busy():
                     # The batch just emptied (the loop only gets here with work done).
-                    release_cached_memory(keep_gpu_blocks=llama_decode.replays_graphs(self.model))
+                    release_cached_memory()
             except Exception as error:  # noqa: BLE001 - the loop must outlive any bug
                 # Whatever went wrong, no request may wait forever: fail every request
                 # admitted (those in a batch, and any caught between two, a prefill
                 # that was joining the running batch say) and start again empty.
                 self._running = self._joining = None
                 self._prefilling.clear()
+                self._reclaim()
                 with self._wakeup:
                     queued = {id(job) for job in self._waiting}
                     admitted = [job for job in self._jobs.values() if id(job) not in queued]
@@ -572,12 +567,7 @@ class Scheduler:
         try:
             if prefill.batch is None:
                 sequences = [seq for job in prefill.jobs for seq in job.sequences]
-                # Its prompts go straight into free rows of the running batch's cache
-                # where it has them (no copy at the join), else into a cache of its own.
-                host = self._running.past_key_values if self._running is not None else None
-                prefill.batch = CausalLMBatch.from_sequences(
-                    sequences, pad_token_id=self.pad_token_id, device=self.device,
-                    host_cache=host, **self._room_to_reserve(sequences))
+                prefill.batch = CausalLMBatch.from_sequences(self.runner, sequences)
             batch = prefill.batch
         except Exception as error:  # noqa: BLE001 - a prompt the model cannot take
             self._prefill_failed(error)
@@ -587,7 +577,7 @@ class Scheduler:
         # (none may be left: every running request was cancelled)
         # A running batch that outgrew the last step timed alone takes its next step alone
         # (after this prefill pass), so that passes are sized by what a step costs now.
-        if (self._running is not None and mixed_pass_possible(self.model, self._running, batch)
+        if (self._running is not None and self.runner.mixes_passes
                 and not self._pacer.step_outdated(len(self._running))
                 and self._mixed_step(prefill)):
             return True
@@ -598,10 +588,10 @@ class Scheduler:
             width = self._columns(prefill, rows, cached)
             if batch.columns_to_feed > width:
                 with self._pacer.prefill_pass(rows, width, cached):
-                    prefill.batch = prefill_chunk(self.model, batch, width)
+                    prefill.batch = prefill_chunk(self.runner, batch, width)
                 return False
             with self._pacer.prefill_pass(rows, batch.columns_to_feed, cached):
-                generations, batch = generate_token(self.model, batch)
+                generations, batch = generate_token(self.runner, batch)
         except Exception as error:  # noqa: BLE001 - find who caused it, keep serving
             self._prefill_failed(error)
             return False
@@ -615,22 +605,20 @@ class Scheduler:
         whole pass. The chunk may add ``prefill_stall_steps`` of their steps to the step
         (the wait between two of their tokens stays what it is with separate passes), and
         a short prompt is read in one pass instead of two or three. A mixed pass that
-        raises is cut out of both caches and ``False`` comes back: this cycle then runs
-        the prefill pass and the decode step apart, each finding its own culprit."""
+        raises grows no cache, and ``False`` comes back: this cycle then runs the prefill
+        pass and the decode step apart, each finding its own culprit."""
         running, batch = self._running, prefill.batch
-        rows, cached, running_cached = len(batch), batch.cache_length, running.cache_length
+        rows, cached = len(batch), batch.cache_length
         width = min(batch.columns_to_feed,
                     self._columns(prefill, rows, cached, beside_step=True))
         last_chunk = width == batch.columns_to_feed
         try:
             with self._pacer.mixed_pass(rows, width, cached):
                 generations, self._running, first_tokens, rest = mixed_pass(
-                    self.model, running, batch, width)
+                    self.runner, running, batch, width)
         except Exception as error:  # noqa: BLE001 - run them apart: each finds its culprit
             logger.warning("a mixed pass failed (%s: %s); running the prefill and the decode "
                            "step apart", type(error).__name__, error)
-            running.truncate_cache(running_cached)
-            batch.truncate_cache(cached)
             return False
         self._dispatch(generations)
         if last_chunk:
@@ -654,6 +642,8 @@ class Scheduler:
 
     def _prefill_failed(self, error: Exception) -> None:
         prefill = self._prefilling.popleft()
+        if prefill.batch is not None:
+            prefill.batch.release()  # (a retry starts again from its prompts)
         if len(prefill.jobs) == 1:
             self._fail(prefill.jobs, error)
             return
@@ -697,58 +687,38 @@ class Scheduler:
         """Whether anything besides the running batch is under way or waiting."""
         return bool(self._waiting or self._prefilling or self._joining is not None)
 
-    def _room_to_reserve(self, sequences: List[GenerationSequence]) -> Dict[str, int]:
-        """What a new prefill's cache reserves for rows that may join it (at a join, a
-        cache with room for it hosts the other: ``CausalLMBatch.concatenate``). Where
-        reserving costs address space only (a CPU): rows up to the batch size and columns
-        on the left for the longest prompt allowed, so that either cache can host.
-        Elsewhere (a GPU's memory is taken whole at allocation), as before slots: rows for
-        the running ones when these prompts are longer than the running rows, else none."""
-        if reserving_is_free(self.device):
-            return {"room_for_rows": max(self.max_batch_size - len(sequences), 0),
-                    "room_on_left": self.max_input_length}
-        running = self._running
-        longest = max(len(seq.prompt_ids) for seq in sequences)
-        if running is None or longest <= running.cache_length:
-            return {}
-        return {"room_for_rows": len(running)}
-
     def _decode(self) -> None:
         batch = self._running
-        cached = batch.cache_length
         try:
-            with self._pacer.decode_step(len(batch)) as timing:
-                generations, self._running = generate_token(self.model, batch)
-                timing.counted = not llama_decode.last_step_ran_apart(self.model)
+            with self._pacer.decode_step(len(batch)):
+                generations, self._running = generate_token(self.runner, batch)
         except Exception as error:  # noqa: BLE001 - find who caused it, keep serving
             self._running = None
-            self._decode_apart(batch, cached, error)
+            self._decode_apart(batch, error)
             return
         self._dispatch(generations)
 
-    def _decode_apart(self, batch: CausalLMBatch, cached: int, error: Exception) -> None:
+    def _decode_apart(self, batch: CausalLMBatch, error: Exception) -> None:
         """A decode step of several requests raised: run each request's rows as a batch of
         its own, so that the one that caused it (if one did) fails alone and the others
-        go on, in one batch again.
-
-        The failed forward pass may have written this step into some layers' caches; they
-        are cut back to ``cached`` positions first. Only when every request fails on its
-        own do they all fail, as before.
+        go on, in one batch again. (The failed pass grew no cache.) Only when every
+        request fails on its own do they all fail, as before.
         """
         jobs = self._jobs_of(batch.sequences)
         if len(jobs) <= 1:
+            batch.release()
             self._fail(jobs, error)
             return
         logger.warning("a decode step of %d requests failed (%s: %s); retrying each alone",
                        len(jobs), type(error).__name__, error)
-        batch.truncate_cache(cached)
         survivors: List[CausalLMBatch] = []
         generations: List[Generation] = []
         for job, part in zip(jobs, batch.split([[seq.request_id for seq in job.sequences]
                                                 for job in jobs])):
             try:
-                part_generations, part = generate_token(self.model, part)
+                part_generations, part = generate_token(self.runner, part)
             except Exception as part_error:  # noqa: BLE001 - this one fails alone
+                part.release()
                 self._fail([job], part_error)
                 continue
             generations.extend(part_generations)
@@ -862,9 +832,17 @@ class Scheduler:
         decoding = [b for b in (self._running, self._joining) if b is not None]
         prefilling = [prefill.batch for prefill in self._prefilling if prefill.batch is not None]
         rows = sum(len(batch) for batch in decoding)
-        kv_tokens = sum(len(batch) * batch.cache_length for batch in decoding + prefilling)
+        kv_tokens = sum(batch.cached_tokens for batch in decoding + prefilling)
         with self._wakeup:
             self._publish(rows, kv_tokens)
+
+    def _reclaim(self) -> None:
+        """Free the caches of every sequence no batch holds any more (after a failure
+        dropped batches whole)."""
+        live = {h for batch in [self._running, self._joining]
+                + [prefill.batch for prefill in self._prefilling]
+                if batch is not None for h in batch.handles}
+        self.runner.release_all_but(live)
 
     def _publish(self, rows: int, kv_tokens: int) -> None:
         # Under self._wakeup, so that states reach observers in the order they happened.
@@ -912,32 +890,3 @@ _LIVE_SCHEDULERS: List[Scheduler] = []
 def _shutdown_all() -> None:
     for scheduler in list(_LIVE_SCHEDULERS):
         scheduler.shutdown()
-
-
-#: The scheduler of each model (keyed by the model object itself, compared by identity).
-_SCHEDULERS: Dict[object, Scheduler] = {}
-_SCHEDULERS_LOCK = threading.Lock()
-
-
-def scheduler_for(model, *, pad_token_id: int, device, **settings) -> Scheduler:
-    """The model's scheduler, created on first use (``settings`` apply only then)."""
-    with _SCHEDULERS_LOCK:
-        scheduler = _SCHEDULERS.get(model)
-        if scheduler is None:
-            scheduler = Scheduler(model, pad_token_id=pad_token_id, device=device, **settings)
-            _SCHEDULERS[model] = scheduler
-        return scheduler
-
-
-def retire_scheduler(model) -> None:
-    """Shut ``model``'s scheduler down, if it has one (requests in flight end with an
-    error); the next :func:`scheduler_for` starts another. For a process that runs other
-    ways of generating in between, as ``benchmarks.inprocess`` does: the scheduler's
-    thread keeps its OpenMP thread pool while it lives, and a second pool throttles the
-    first (see :func:`~djl_stream.generation.loading.in_passing_thread`)."""
-    with _SCHEDULERS_LOCK:
-        scheduler = _SCHEDULERS.pop(model, None)
-    if scheduler is not None:
-        scheduler.shutdown()
-        if scheduler in _LIVE_SCHEDULERS:
-            _LIVE_SCHEDULERS.remove(scheduler)

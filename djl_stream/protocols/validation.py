@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from pydantic import BaseModel, ValidationError
 
-from djl_stream.generation.kv_memory import kv_positions
+from djl_stream.runtime.kv_memory import kv_positions
 
 
 class RequestError(ValueError):

@@ -30,17 +30,12 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from djl_stream.generation.prefill_pacing import DEFAULT_PREFILL_STALL_STEPS
-from djl_stream.generation.quantization import QUANTIZE_METHODS
+from djl_stream.runtime.quantization import QUANTIZE_METHODS
 
 logger = logging.getLogger(__name__)
 
 DTYPES = ("fp32", "fp16", "bf16", "auto")
 CHAT_PROTOCOLS = ("openai", "djl")
-#: ``option.decode_step``: who runs a decode step (see djl_stream.generation.llama_decode)
-DECODE_STEPS = ("auto", "forward", "eager", "compiled")
-#: ``option.compiled_weights``: whose weights the compiled one-row step reads (see
-#: djl_stream.generation.compiled_decode)
-COMPILED_WEIGHTS = ("shared", "copy")
 #: Keys djl-serving itself puts in the init call (its own settings, the non-option keys of
 #: serving.properties, what LMI adds); accepted and ignored here.
 DJL_KEYS = frozenset(
@@ -115,42 +110,11 @@ class ModelProperties:
             weights; ``None`` means the weights are in ``model_dir`` itself.
         dtype: ``fp32``, ``fp16``, ``bf16`` or ``auto`` (half precision on GPU, fp32 on CPU).
         quantize: load the weights quantized: ``int8`` (weight-only: djl-stream's int8
-            layers and their compiled programs on a CPU, torchao on a GPU), ``w8a8`` (int8 weights and per-token int8 activations: djl-stream's int8
+            layers on a CPU, torchao on a GPU), ``w8a8`` (int8 weights and per-token int8 activations: djl-stream's int8
             layers on a CPU; on a GPU ``int8`` serves instead, with a warning), ``bitsandbytes8`` or ``bitsandbytes4``
             (made for CUDA); ``None`` for none
-            (see :mod:`djl_stream.generation.quantization`). djl-serving's deprecated
+            (see :mod:`djl_stream.runtime.quantization`). djl-serving's deprecated
             ``load_in_8bit=true`` / ``load_in_4bit=true`` mean ``bitsandbytes8`` / ``4``.
-        prepack_weights: on a CPU, have oneDNN reorder each float32 linear layer's weight
-            once at load into the layout its kernels read fastest (1.5-2x faster decode
-            steps on SmolLM2 on an AMD EPYC; see :mod:`djl_stream.generation.packed_linear`);
-            ``None`` (``auto``) does so unless a trial at load finds it slows one row's
-            products on this CPU (it does on some Intel Xeons; 16 rows' where a compiled
-            program runs the one-row steps; beside the plain weights the default
-            programs read, only where packed layers multiply 4 rows 1.4x faster or
-            more and their copies fit in half the memory available), ``True`` always
-            (where this PyTorch can), ``False`` never.
-        decode_step: who runs a decode step: ``forward`` (the model's forward),
-            ``eager`` (djl-stream's Llama decode step, written for its KV cache: about 12 %
-            faster on SmolLM2 on a CPU), ``compiled`` (that step, plus programs for one-row
-            and 7- to 16-row steps (2 to 16 over ``w8a8``'s int8 layers) compiled ahead of
-            time by AOTInductor at the first load
-            and kept in ``$TORCHINDUCTOR_CACHE_DIR``: a single stream about 1.25x faster
-            than ``eager`` on SmolLM2; see :mod:`djl_stream.generation.compiled_decode`) or
-            ``auto`` (on a CPU ``compiled`` where the model is a Llama-architecture one
-            with float32 or ``w8a8`` linear layers, ``eager``
-            for other Llama-architecture ones; on one CUDA GPU that step replayed from CUDA graphs,
-            :mod:`djl_stream.generation.cuda_graphs`, which ``compiled`` means there too;
-            ``forward`` elsewhere; see :mod:`djl_stream.generation.llama_decode`). Where
-            compiling fails (no C++ compiler, say) the eager step runs, logged.
-        compiled_weights: what the compiled steps read: ``shared`` (the model's own
-            weights, no memory of their own, and a cached program that serves any weights of
-            the same shapes; the layers are left unpacked unless ``prepack_weights`` is
-            ``True`` or a trial finds packed copies beside them much faster for batches:
-            then a second program, for steps of 2 to 6 rows, reads the plain weights too;
-            where they are left plain a second program, for steps of 7 to 16 rows, reads
-            them) or ``copy`` (one program, for one-row steps, with a copy of
-            the weights of its own: the weights' size again in memory, and the layers
-            packed where that pays for batches).
         tensor_parallel_degree: number of GPUs to spread the model over; ``None`` means
             ``max`` (all visible GPUs). Ignored on CPU.
         enable_streaming: stream by default when a request does not say ``"stream"``.
@@ -168,7 +132,7 @@ class ModelProperties:
             included; more is a 400 before any model work. ``None`` means as many as fit
             in three quarters of the size of the model's weights, and at least one prompt of
             ``max_input_length`` with ``max_new_tokens_limit`` new tokens (see
-            :func:`djl_stream.generation.kv_memory.default_max_request_kv_tokens`).
+            :func:`djl_stream.runtime.kv_memory.default_max_request_kv_tokens`).
         max_batch_prefill_tokens: the most prompt tokens (rows × columns, padding
             included) one prefill forward pass feeds; a longer prompt is read in chunks,
             with a decode step of the running batch between them (chunked prefill, as
@@ -215,9 +179,6 @@ class ModelProperties:
     quantize: Optional[str] = None
     load_in_8bit: bool = False
     load_in_4bit: bool = False
-    prepack_weights: Optional[bool] = None
-    decode_step: str = "auto"
-    compiled_weights: str = "shared"
     tensor_parallel_degree: Optional[int] = 1
     enable_streaming: bool = True
     trust_remote_code: bool = False
@@ -300,8 +261,7 @@ class ModelProperties:
 
 
 #: Properties whose value is one of a few words (read case-insensitively).
-_CHOICES = {"decode_step": DECODE_STEPS, "compiled_weights": COMPILED_WEIGHTS,
-            "chat_protocol": CHAT_PROTOCOLS}
+_CHOICES = {"chat_protocol": CHAT_PROTOCOLS}
 
 
 def _one_of(key: str, value: Any, choices: tuple) -> str:
@@ -332,7 +292,7 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
             out[key] = _as_int(key, value)
         elif key == "prefill_stall_steps":
             out[key] = _as_float(key, value)
-        elif key in ("apply_chat_template", "prepack_weights"):
+        elif key == "apply_chat_template":
             text = str(value).strip().lower()
             out[key] = None if text == "auto" else _as_bool(key, value)
         elif key == "device_id":

@@ -36,9 +36,10 @@ import types
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from djl_stream.generation.engine import Engine, FunctionEngine
 from djl_stream.generation.errors import QueueFullError, ShuttingDown
 from djl_stream.generation.step import Step
-from djl_stream.generation.kv_memory import default_max_request_kv_tokens
+from djl_stream.runtime.kv_memory import default_max_request_kv_tokens
 from djl_stream.generation.streaming_utils import StreamingUtils
 from djl_stream.protocols.djl.formatters import StreamFormatter, resolve_formatter
 from djl_stream.protocols.djl.protocol import djl_protocol
@@ -126,6 +127,33 @@ def is_dynamic_batch(inputs) -> bool:
     return any(str(key).startswith("batch_") for key in inputs.get_content().get_keys())
 
 
+def create_engine(name: str, props: ModelProperties) -> Engine:
+    """Load the model ``props`` describe and the engine ``name`` (see :func:`select_engine`)
+    that serves it: Accelerate's with the limits the properties set; a Neuron model for
+    transformers-neuronx; any other registered stream generator as a
+    :class:`~djl_stream.generation.engine.FunctionEngine`."""
+    if name == NEURON_ENGINE:
+        from djl_stream.generation.engines.neuronx import load_neuron_model
+
+        model, tokenizer = load_neuron_model(props)
+        return FunctionEngine(name, StreamingUtils.get_stream_generator(name), model=model,
+                              tokenizer=tokenizer)
+    from djl_stream.runtime.loading import load_model_and_tokenizer
+
+    generator = StreamingUtils.get_stream_generator(name)  # (an unknown name fails first)
+    model, tokenizer = load_model_and_tokenizer(props)
+    if name != ACCELERATE_ENGINE:
+        return FunctionEngine(name, generator, model=model, tokenizer=tokenizer)
+    from djl_stream.generation.engines.accelerate import AccelerateEngine, AccelerateSettings
+
+    return AccelerateEngine(model, tokenizer, AccelerateSettings(
+        max_batch_size=props.max_rolling_batch_size, max_queue=props.job_queue_size,
+        max_batch_prefill_tokens=props.max_batch_prefill_tokens,
+        prefill_stall_steps=props.prefill_stall_steps,
+        max_input_length=props.max_input_length,
+        max_new_tokens=props.max_new_tokens_limit))
+
+
 def select_engine(props: ModelProperties) -> str:
     """The engine for this machine: ``option.stream_engine`` when set, transformers-neuronx
     where Neuron devices and the real package are present, Accelerate (GPU or CPU)
@@ -152,8 +180,7 @@ class StreamingService:
         self.props: Optional[ModelProperties] = None
         self.model = None
         self.tokenizer = None
-        self.engine: Optional[str] = None
-        self.stream_generator = None
+        self.engine: Optional[Engine] = None
         self.formatter: Optional[StreamFormatter] = None
 
     @property
@@ -201,26 +228,12 @@ class StreamingService:
         with self._lock:
             if self.initialized:
                 return
-            from djl_stream.generation.loading import load_model_and_tokenizer
+            from djl_stream.runtime.loading import load_model_and_tokenizer
 
             props = ModelProperties.from_init_properties(properties)
             self.formatter = resolve_formatter(props.output_formatter, self._module())
-            self.engine = select_engine(props)
-            self.stream_generator = StreamingUtils.get_stream_generator(self.engine)
-            if self.engine == NEURON_ENGINE:
-                from djl_stream.generation.engines.neuronx import load_neuron_model
-
-                model, tokenizer = load_neuron_model(props)
-            else:
-                model, tokenizer = load_model_and_tokenizer(props)
-            if self.engine == ACCELERATE_ENGINE:
-                from djl_stream.generation.engines.accelerate import start_scheduler
-
-                start_scheduler(model, tokenizer, max_batch_size=props.max_rolling_batch_size,
-                                max_queue=props.job_queue_size,
-                                max_batch_prefill_tokens=props.max_batch_prefill_tokens,
-                                prefill_stall_steps=props.prefill_stall_steps,
-                                max_input_length=props.max_input_length)
+            engine = create_engine(select_engine(props), props)
+            model, tokenizer = engine.model, engine.tokenizer
             if _in_djl_serving():
                 # No route can be added there: the scheduler's figures go to djl-serving's
                 # model_metric log as [METRICS] lines on the worker's stdout.
@@ -234,13 +247,15 @@ class StreamingService:
                 logger.info("a request may hold up to %s KV-cache positions "
                             "(option.max_request_kv_tokens, derived from the weights' size)",
                             props.max_request_kv_tokens)
+            self.engine = engine
             self.model, self.tokenizer, self.props = model, tokenizer, props
             try:
                 self._warm_up()
             except Exception:
                 self.model = None  # the load failed: not initialized, as before it
+                engine.shutdown()
                 raise
-            logger.info("model ready: engine=%s formatter=%s", self.engine, self.formatter)
+            logger.info("model ready: engine=%s formatter=%s", engine.name, self.formatter)
 
     def _warm_up(self) -> None:
         """Take a request the way a client's is taken, so that the first client does not
@@ -258,28 +273,13 @@ class StreamingService:
         except RequestError as error:
             logger.debug("the warm-up request was refused (%s): the first request parses "
                          "cold", error)
-        stream = self.stream_generator(self.model, self.tokenizer, ["Hello"], max_new_tokens=2)
+        stream = self.engine.generate(["Hello"], max_new_tokens=2)
         try:
             next(iter(stream), None)
             next(iter(stream), None)
         finally:
             getattr(stream, "close", lambda: None)()
-        if self.engine == ACCELERATE_ENGINE:
-            self._warm_up_bursts()
-
-    def _warm_up_bursts(self) -> None:
-        """On a GPU, bursts of requests of several sizes and prompt lengths, so that the
-        kernels they launch are loaded before the first clients' burst
-        (:mod:`djl_stream.generation.burst_warm_up`); nothing on a CPU."""
-        from djl_stream.generation.burst_warm_up import burst_sizes, warm_up_bursts
-        from djl_stream.generation.engines.accelerate import model_input_device
-
-        sizes = burst_sizes(model_input_device(self.model), self.props.max_rolling_batch_size)
-        if sizes:
-            seconds = warm_up_bursts(self.stream_generator, self.model, self.tokenizer, sizes)
-            logger.info("bursts of %s prompts run in %.1f s, so that the kernels they "
-                        "launch were loaded (CUDA loads each at its first launch)",
-                        ", ".join(str(size + 1) for size in sizes), seconds)
+        self.engine.warm_up()
 
     def _module(self) -> Optional[types.ModuleType]:
         if isinstance(self._entry_module, str):
@@ -310,9 +310,8 @@ class StreamingService:
         if cancellation is not None and cancellation.client_left:
             return CLIENT_LEFT
         try:
-            stream = self.stream_generator(
-                self.model, self.tokenizer, list(request.prompts), **request.parameters.as_kwargs()
-            )
+            stream = self.engine.generate(list(request.prompts),
+                                          **request.parameters.as_kwargs())
         except QueueFullError as error:
             return self._error(protocol, Failure("busy", str(error)))
         except RequestError as error:

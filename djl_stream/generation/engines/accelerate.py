@@ -1,23 +1,25 @@
 """The "Accelerate" engine: transformers models on GPU or CPU (placed by accelerate).
 
-The stream generator keeps one KV cache for all prompts (never re-running a prompt per
-token), batches prompts of different lengths with left padding, and yields each decode
-iteration's new text per prompt as soon as the step is done. Every caller's prompts run
-on the model's one :class:`~djl_stream.generation.scheduler.Scheduler` (continuous batching).
+An :class:`AccelerateEngine` runs every request of one model on one continuous-batching
+:class:`~djl_stream.generation.scheduler.Scheduler`, whose forward passes a
+:class:`~djl_stream.runtime.runner.ModelRunner` runs, and yields each decode step's new
+text per prompt as soon as the step is done.
 
 Example::
 
-    gen = StreamingUtils.get_stream_generator("Accelerate")
-    for pieces in gen(model, tokenizer, ["The capital of France is"], max_new_tokens=8):
+    engine = AccelerateEngine(model, tokenizer)
+    for pieces in engine.generate(["The capital of France is"], max_new_tokens=8):
         print(pieces[0], end="", flush=True)
 """
 
 from __future__ import annotations
 
-from typing import Any, FrozenSet, List, Optional, Sequence
+import dataclasses
+from typing import Any, FrozenSet, Iterator, List, Optional, Sequence
 
 import torch
 
+from djl_stream.generation.engine import Engine, EngineCapabilities
 from djl_stream.generation.prefill_pacing import DEFAULT_PREFILL_STALL_STEPS
 from djl_stream.generation.sampling import TokenChooser
 from djl_stream.generation.scheduler import (
@@ -26,10 +28,10 @@ from djl_stream.generation.scheduler import (
     DEFAULT_MAX_QUEUE,
     GenerationStream,
     Scheduler,
-    scheduler_for,
 )
 from djl_stream.generation.sequence import GenerationSequence
 from djl_stream.generation.streaming_utils import register_engine
+from djl_stream.runtime.runner import RunnerSettings, load_runner
 
 DEFAULT_MAX_NEW_TOKENS = 50
 _CHOOSER_PARAMETERS = (
@@ -63,13 +65,6 @@ def eos_token_ids(model, tokenizer) -> FrozenSet[int]:
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(int(tokenizer.eos_token_id))
     return frozenset(ids)
-
-
-def pad_token_id(tokenizer, eos_ids: FrozenSet[int]) -> int:
-    """Any id works for padding (the mask hides it); prefer the tokenizer's own."""
-    if getattr(tokenizer, "pad_token_id", None) is not None:
-        return int(tokenizer.pad_token_id)
-    return min(eos_ids) if eos_ids else 0
 
 
 def encode_prompts(tokenizer, prompts: Sequence[str]) -> List[List[int]]:
@@ -120,37 +115,109 @@ def build_sequences(
     ]
 
 
-def start_scheduler(
-    model,
-    tokenizer,
-    *,
-    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-    max_queue: int = DEFAULT_MAX_QUEUE,
-    max_batch_prefill_tokens: Optional[int] = None,
-    prefill_stall_steps: Optional[float] = DEFAULT_PREFILL_STALL_STEPS,
-    max_input_length: int = DEFAULT_MAX_INPUT_LENGTH,
-) -> Scheduler:
-    """The model's continuous-batching scheduler, created with these limits on first use
-    (``option.max_rolling_batch_size``, ``job_queue_size``,
-    ``option.max_batch_prefill_tokens``, ``None`` for the device's default,
-    ``option.prefill_stall_steps`` and ``option.max_input_length``)."""
-    return scheduler_for(
-        model,
-        pad_token_id=pad_token_id(tokenizer, eos_token_ids(model, tokenizer)),
-        device=model_input_device(model),
-        max_batch_size=max_batch_size,
-        max_queue=max_queue,
-        max_batch_prefill_tokens=max_batch_prefill_tokens,
-        prefill_stall_steps=prefill_stall_steps,
-        max_input_length=max_input_length,
-    )
+@dataclasses.dataclass(frozen=True)
+class AccelerateSettings:
+    """The limits of an :class:`AccelerateEngine` (``option.max_rolling_batch_size``,
+    ``job_queue_size``, ``option.max_batch_prefill_tokens`` with ``None`` for the device's
+    default, ``option.prefill_stall_steps``, ``option.max_input_length`` and
+    ``option.max_new_tokens_limit``)."""
+
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    max_queue: int = DEFAULT_MAX_QUEUE
+    max_batch_prefill_tokens: Optional[int] = None
+    prefill_stall_steps: Optional[float] = DEFAULT_PREFILL_STALL_STEPS
+    max_input_length: int = DEFAULT_MAX_INPUT_LENGTH
+    max_new_tokens: int = 2048
+
+
+class AccelerateEngine(Engine):
+    """transformers models on a GPU or CPU, every request on one continuous-batching
+    :class:`~djl_stream.generation.scheduler.Scheduler` over the model's
+    :class:`~djl_stream.runtime.runner.ModelRunner`.
+
+    ``generate`` takes the parameters of :func:`build_sequences`; each item is a
+    :class:`~djl_stream.generation.step.Step`::
+
+        engine = AccelerateEngine(model, tokenizer)
+        step = next(engine.generate(["Hi"], max_new_tokens=4, top_logprobs=2))
+        step.generations[0].top_logprobs    # ((13, -0.41...), (28, -2.3...))
+        engine.shutdown()
+    """
+
+    name = "Accelerate"
+    capabilities = EngineCapabilities(scores=True, seeds=True, continuous_batching=True)
+
+    def __init__(self, model, tokenizer, settings: AccelerateSettings = AccelerateSettings(),
+                 **scheduler_options: Any) -> None:
+        super().__init__(model, tokenizer)
+        self.settings = settings
+        positions = settings.max_input_length + settings.max_new_tokens
+        limit = _position_limit(model)
+        self.runner = load_runner(model, RunnerSettings(
+            max_rows=settings.max_batch_size,
+            max_positions=min(positions, limit) if limit else positions))
+        self.scheduler = Scheduler(
+            self.runner, max_batch_size=settings.max_batch_size, max_queue=settings.max_queue,
+            max_batch_prefill_tokens=settings.max_batch_prefill_tokens,
+            prefill_stall_steps=settings.prefill_stall_steps,
+            max_input_length=settings.max_input_length, **scheduler_options)
+
+    def generate(self, inputs: List[str], **parameters: Any) -> GenerationStream:
+        if isinstance(inputs, str):
+            inputs = [inputs]
+        sequences = build_sequences(self.model, self.tokenizer,
+                                    encode_prompts(self.tokenizer, inputs), **parameters)
+        return self.submit(sequences)
+
+    def submit(self, sequences: List[GenerationSequence]) -> GenerationStream:
+        """Queue prepared sequences (:func:`build_sequences`) as one request."""
+        return self.scheduler.submit(sequences)
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+
+
+def _position_limit(model) -> Optional[int]:
+    """The most positions the model's config says it takes, where it says."""
+    config = model.config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+class _OneCallStream(Iterator[List[str]]):
+    """A stream that shuts its engine down once it ends or is closed."""
+
+    def __init__(self, engine: AccelerateEngine, stream: GenerationStream) -> None:
+        self._engine, self._stream = engine, stream
+
+    def __iter__(self) -> "_OneCallStream":
+        return self
+
+    def __next__(self) -> List[str]:
+        try:
+            return next(self._stream)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self._stream.close()
+        self._engine.shutdown()
+
+    @property
+    def sequences(self) -> List[GenerationSequence]:
+        return self._stream.sequences
 
 
 @register_engine("Accelerate")
 def accelerate_stream_generator(
     model, tokenizer, inputs: List[str], **parameters: Any
-) -> GenerationStream:
-    """Stream the continuation of every prompt in ``inputs``, one list per decode step.
+) -> Iterator[List[str]]:
+    """djl-serving's stream generator: stream the continuation of every prompt in
+    ``inputs``, one list per decode step, on an engine of its own for this call.
 
     ``parameters``: ``max_new_tokens`` (default 50), ``do_sample``, ``temperature``,
     ``top_k``, ``top_p``, ``typical_p``, ``repetition_penalty``, ``manual_seed``, ``stop``,
@@ -160,21 +227,13 @@ def accelerate_stream_generator(
     ``top_logprobs`` (0 to 20; the model's own log-probabilities, see
     :func:`~djl_stream.generation.sampling.token_logprobs`).
 
-    Each item is a :class:`~djl_stream.generation.step.Step`: a list with one entry per
-    prompt, the text that step released for it (``""`` when it released none: an
-    incomplete character, a possible stop string, or already done), whose
-    ``generations`` hold the token, its log-probabilities when asked, whether it is a
-    special token, and the finish reason::
-
-        gen = StreamingUtils.get_stream_generator("Accelerate")
-        step = next(gen(model, tokenizer, ["Hi"], max_new_tokens=4, top_logprobs=2))
-        step.generations[0].top_logprobs    # ((13, -0.41...), (28, -2.3...))
-
-    The prompts join the model's running batch (continuous batching), so concurrent
-    callers share decode steps. Closing the returned iterator (a client that left) takes
-    its rows out of the batch, and frees their cache, at the next step.
+    A function holds no state between calls, so the prompts of one call are batched
+    together and no more: for continuous batching across callers, keep one
+    :class:`AccelerateEngine` and call its ``generate`` (the server does).
     """
-    if isinstance(inputs, str):
-        inputs = [inputs]
-    sequences = build_sequences(model, tokenizer, encode_prompts(tokenizer, inputs), **parameters)
-    return start_scheduler(model, tokenizer).submit(sequences)
+    engine = AccelerateEngine(model, tokenizer)
+    try:
+        return _OneCallStream(engine, engine.generate(inputs, **parameters))
+    except BaseException:
+        engine.shutdown()
+        raise

@@ -169,7 +169,7 @@ def from_pretrained_kwargs(props) -> Dict[str, Any]:
     ...                                        max_rolling_batch_size=4, n_positions=1024))
     {'batch_size': 4, 'tp_degree': 2, 'amp': 'bf16', 'n_positions': 1024}
     """
-    from djl_stream.generation.loading import ModelLoadError
+    from djl_stream.runtime.loading import ModelLoadError
 
     if props.tensor_parallel_degree is None:
         raise ModelLoadError(
@@ -297,9 +297,9 @@ def compiled_graph_dir(props, *, environ: Optional[Mapping[str, str]] = None,
       from :func:`graph_cache_key`, so that a restarted worker finds its graphs again.
 
     The compiler's work files go under the first writable cache root either way.
-    Raises :class:`~djl_stream.generation.loading.ModelLoadError` when no candidate is writable.
+    Raises :class:`~djl_stream.runtime.loading.ModelLoadError` when no candidate is writable.
     """
-    from djl_stream.generation.loading import ModelLoadError
+    from djl_stream.runtime.loading import ModelLoadError
 
     roots = graph_cache_roots(environ)
     work_root = next((root for root in roots if writable_directory(root)), None)
@@ -330,10 +330,10 @@ def has_compiled_artifacts(directory: Optional[Path]) -> bool:
 
 def check_graph_place(place: GraphPlace) -> str:
     """``"load"`` when ``place`` holds compiled graphs, ``"compile"`` when it can take
-    them; :class:`~djl_stream.generation.loading.ModelLoadError` (before any compiling) when it holds
+    them; :class:`~djl_stream.runtime.loading.ModelLoadError` (before any compiling) when it holds
     none and cannot be written, e.g. a relative ``option.compiled_graph_path`` in a
     read-only ``/opt/ml/model`` that was shipped without its graphs."""
-    from djl_stream.generation.loading import ModelLoadError
+    from djl_stream.runtime.loading import ModelLoadError
 
     if has_compiled_artifacts(place.directory):
         return "load"
@@ -407,13 +407,13 @@ def compile_or_load(model, place: GraphPlace) -> str:
     transformers-neuronx's order: ``model.load(dir)`` *before* ``model.to_neuron()`` makes
     ``to_neuron()`` take the saved graphs instead of compiling; ``model.save(dir)`` after
     ``to_neuron()`` writes them. So with artifacts in ``place`` we load them, and
-    otherwise compile (refusing first, with :class:`~djl_stream.generation.loading.ModelLoadError`,
+    otherwise compile (refusing first, with :class:`~djl_stream.runtime.loading.ModelLoadError`,
     a place that could not keep the result: see :func:`check_graph_place`) and save them
     there for the next start. Either way ``to_neuron()`` runs in a fresh directory under
     ``place.work_root`` (see :func:`working_directory`), removed afterwards unless the
     compiler failed, when it keeps the compiler's logs.
     """
-    from djl_stream.generation.loading import ModelLoadError
+    from djl_stream.runtime.loading import ModelLoadError
 
     action = check_graph_place(place)
     work = Path(tempfile.mkdtemp(prefix="compile-", dir=place.work_root))
@@ -459,7 +459,7 @@ def load_neuron_model(props) -> Tuple[Any, Any]:
     Nothing is written into the model directory unless ``option.compiled_graph_path``
     points there; the log says where the graphs come from or go. Raises
     :class:`NeuronUnavailableError` when the package is missing and
-    :class:`~djl_stream.generation.loading.ModelLoadError` for settings it cannot honour, before
+    :class:`~djl_stream.runtime.loading.ModelLoadError` for settings it cannot honour, before
     the weights are read when it can tell.
     """
     neuronx = import_transformers_neuronx()

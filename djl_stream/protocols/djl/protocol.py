@@ -284,9 +284,7 @@ def _answer_of(request: GenerationRequest) -> DjlAnswer:
 def djl_protocol(service: Any) -> DjlProtocol:
     """The djl protocol of a loaded :class:`~djl_stream.serving.service.StreamingService`:
     its output formatter, its tokenizer for the texts of ``top_logprobs``, whether its
-    engine reports scores (Accelerate), and ``option.enable_streaming``."""
-    from djl_stream.serving.service import ACCELERATE_ENGINE
-
+    engine reports scores (Accelerate does), and ``option.enable_streaming``."""
     tokenizer = service.tokenizer
 
     def token_text(token_id: int) -> str:
@@ -294,5 +292,5 @@ def djl_protocol(service: Any) -> DjlProtocol:
                                 clean_up_tokenization_spaces=False)
 
     return DjlProtocol(service.formatter, token_text=token_text,
-                       scores=service.engine == ACCELERATE_ENGINE,
+                       scores=service.engine.capabilities.scores,
                        enable_streaming=service.props.enable_streaming)

@@ -99,14 +99,13 @@ class TgiProtocol(Protocol):
 
 
 def _for_service(service: Any, route_stream: Optional[bool]) -> TgiProtocol:
-    from djl_stream.serving.service import ACCELERATE_ENGINE
-
-    # Only the Accelerate engine reports scores and takes seeds; transformers-neuronx
-    # refuses both, and a custom engine may not know the parameters at all.
-    accelerate = service.engine == ACCELERATE_ENGINE
+    # transformers-neuronx reports no scores and takes no seeds, and a custom engine may
+    # not know the parameters at all: the engine says what it does.
+    capabilities = service.engine.capabilities
     return TgiProtocol(route_stream, vocabulary=Vocabulary.of(service.tokenizer),
-                       scores=accelerate, draw_seed=_draw_seed if accelerate else None,
-                       engine=service.engine)
+                       scores=capabilities.scores,
+                       draw_seed=_draw_seed if capabilities.seeds else None,
+                       engine=service.engine.name)
 
 
 def generate_protocol(service: Any) -> TgiProtocol:

@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from djl_stream.generation.forward_kwargs import cache_in as cache_of, cache_kwarg
+from djl_stream.runtime.forward_kwargs import cache_in as cache_of, cache_kwarg
 
 __version__ = "0.0+standin"
 GRAPH_FILE = "standin-graph.neff"

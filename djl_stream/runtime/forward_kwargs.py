@@ -64,6 +64,22 @@ def cache_in(kwargs: Mapping[str, Any]) -> Optional[Any]:
     return None
 
 
+def cache_of(outputs) -> Optional[Any]:
+    """The KV cache a forward call returned, whichever name it came under."""
+    for name in CACHE_NAMES:
+        cache = getattr(outputs, name, None)
+        if cache is not None:
+            return cache
+    return None
+
+
+def logits_keyword(model) -> Optional[str]:
+    """The name under which ``model.forward`` takes the positions to compute logits for
+    (``logits_to_keep``, or ``num_logits_to_keep`` before transformers 4.50), or ``None``."""
+    names = _parameters(model)
+    return next((name for name in LOGITS_TO_KEEP_NAMES if name in names), None)
+
+
 def last_logits_only(model) -> Dict[str, int]:
     """``{"logits_to_keep": 1}`` where the model's forward accepts it (older
     transformers named it ``num_logits_to_keep``), else nothing."""

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from djl_stream.generation import allocators
-from djl_stream.generation.allocators import keep_freed_memory
+from djl_stream.runtime import memory as allocators
+from djl_stream.runtime.memory import keep_freed_memory
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 ROUNDS_OF_ALLOCATIONS = textwrap.dedent("""
     import resource, sys
     sys.path.insert(0, {repo!r})
-    from djl_stream.generation.allocators import keep_freed_memory
+    from djl_stream.runtime.memory import keep_freed_memory
     if {keep}:
         assert keep_freed_memory(environ={{}}).applied
     faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -5,37 +5,34 @@
     output channel and multiplied in the activations' own precision. It does not change
     what a row computes with its batch mates (the activations are not quantized), so
     batching still never changes a request's text. On a CPU this is djl-stream's
-    :class:`~djl_stream.generation.int8_weights.Int8WeightOnlyLinear` (no extra library;
+    :class:`~djl_stream.runtime.int8.Int8WeightOnlyLinear` (no extra library;
     the weights load in float32 and are quantized after, the LM head too, as a copy
-    where it is tied to the input embedding), whose int8 products the compiled decode
-    programs run with AVX2 alone: the fast int8 mode on a CPU without int8 dot-product
-    instructions (on a 2-core AMD EPYC of that kind, see BENCHMARKS.md). On a GPU,
+    where it is tied to the input embedding): the int8 mode for a CPU without int8
+    dot-product instructions. On a GPU,
     torchao's ``Int8WeightOnlyConfig`` handed to transformers as a ``TorchAoConfig``
     (the LM head stays unquantized there); needs ``pip install torchao``.
 ``w8a8``
     Int8 weights *and* activations: each linear layer's weight as int8 with one scale per
     output channel, each input row quantized to int8 as it arrives (dynamic, per token),
     the product in integers. On a CPU this is djl-stream's
-    :class:`~djl_stream.generation.int8_linear.Int8Linear` on PyTorch's own ``torch._int_mm``
+    :class:`~djl_stream.runtime.int8.Int8Linear` on PyTorch's own ``torch._int_mm``
     (no extra library; the weights load in float32 and are quantized after): the fast
-    int8 mode there, 2-3x float32's matrix products where the CPU has AVX512-VNNI, but
+    int8 mode where the CPU has int8 dot-product instructions (AVX512-VNNI, AVX-VNNI, AMX), but
     rounding the activations too makes it less faithful to float32 than ``int8`` (see
     ``make bench-quantization``). The LM head is quantized too. A row's scales are its
     own, so batching does not change a request's text. On a GPU it serves ``int8``
     instead, with a warning: torchao's ``Int8DynamicActivationInt8WeightConfig``, the same
     arithmetic there, runs eagerly with a host synchronization per input feature (576 per
-    product of SmolLM2's) and took 37x bfloat16's decode step on an H100 (torchao 0.18,
-    torch 2.11; BENCHMARKS.md), against 1.2x for weight-only ``int8``, which stores the
-    same int8 weights. So a model directory set up for a CPU's ``w8a8`` goes to a GPU
-    without an edit and without a 1.6 s token.
+    input feature), many times slower than weight-only ``int8`` (BENCHMARKS.md), which
+    stores the same int8 weights. So a model directory set up for a CPU's ``w8a8`` goes
+    to a GPU without an edit.
 ``bitsandbytes8`` / ``bitsandbytes4``
     bitsandbytes' LLM.int8() and 4-bit NF4, djl-serving's own names for them (its
     deprecated ``option.load_in_8bit=true`` / ``option.load_in_4bit=true`` mean the
     same, as there), through transformers' ``BitsAndBytesConfig``: what the Llama-2
     tutorials load with ``load_in_8bit=True``. Made for CUDA GPUs; bitsandbytes 0.45 and
     later also run on a CPU (``python -m benchmarks.quantization`` compares them with
-    float32 there: on this project's 2-core CPU ``bitsandbytes8`` took twice float32's
-    decode step, and ``bitsandbytes4`` was faster but the least faithful). Needs
+    float32 there). Needs
     ``pip install bitsandbytes``.
 
 The library is imported only when asked for, so neither is a dependency of the package.
@@ -95,8 +92,8 @@ def quantization_kwargs(method: Optional[str], *, on_gpu: bool,
         logger.warning("option.quantize=w8a8 on a GPU: serving int8 weight-only weights "
                        "(option.quantize=int8) instead, the same int8 weight memory: "
                        "torchao's int8 products with dynamically quantized activations "
-                       "run eagerly here and took 37x bfloat16's decode step on an H100 "
-                       "(int8 weight-only: 1.2x)")
+                       "run eagerly on a GPU, many times slower than weight-only int8 "
+                       "(BENCHMARKS.md)")
         return {"quantization_config": _torchao("w8a8", "Int8WeightOnlyConfig")}
     return {"quantization_config": _bitsandbytes(method, compute_dtype)}
 
@@ -104,8 +101,8 @@ def quantization_kwargs(method: Optional[str], *, on_gpu: bool,
 def quantize_after_load(model, method: Optional[str], *, on_gpu: bool) -> int:
     """Quantize what ``from_pretrained`` loaded unquantized for ``method``: on a CPU,
     ``int8``'s linear layers
-    (:func:`~djl_stream.generation.int8_weights.quantize_weights_only`) or ``w8a8``'s
-    (:func:`~djl_stream.generation.int8_linear.quantize_linear_layers`); returns how many
+    (:func:`~djl_stream.runtime.int8.quantize_weights_only`) or ``w8a8``'s
+    (:func:`~djl_stream.runtime.int8.quantize_linear_layers`); returns how many
     layers were quantized (0 for every other method, which :func:`quantization_kwargs`
     hands to ``from_pretrained``).
 
@@ -116,7 +113,7 @@ def quantize_after_load(model, method: Optional[str], *, on_gpu: bool) -> int:
     if on_gpu or method not in ("int8", "w8a8"):
         return 0
     if method == "int8":
-        from djl_stream.generation.int8_weights import quantize_weights_only
+        from djl_stream.runtime.int8 import quantize_weights_only
 
         quantized = quantize_weights_only(model)
         if not quantized:
@@ -125,26 +122,20 @@ def quantize_after_load(model, method: Optional[str], *, on_gpu: bool) -> int:
                 "no float32 nn.Linear on the CPU whose input width is a multiple of 4)")
         logger.info("quantized %d linear layers to int8 weights (int8 weight-only)", quantized)
         return quantized
-    from djl_stream.generation.int8_linear import int8_matmul_unavailable, quantize_linear_layers
+    from djl_stream.runtime.int8 import int8_matmul_unavailable, quantize_linear_layers
 
     quantized = quantize_linear_layers(model)
     if not quantized:
         raise QuantizationUnavailable(
             "option.quantize=w8a8: no linear layer could be quantized: "
             f"{int8_matmul_unavailable() or 'the model has no float32 nn.Linear on the CPU'}")
-    from djl_stream.generation.llama_decode import fuse_int8_projections
-
-    fused = fuse_int8_projections(model)
-    logger.info("quantized %d linear layers to int8 weights and activations (w8a8)%s",
-                quantized, f"; {fused} fused products of one input each (query, key and "
-                           "value; gate and up) for the decode step" if fused else "")
+    logger.info("quantized %d linear layers to int8 weights and activations (w8a8)",
+                quantized)
     if lacks_int8_dot_products():
         logger.warning("option.quantize=w8a8 on a CPU without int8 dot-product instructions "
                        "(AVX512-VNNI, AVX-VNNI or AMX): PyTorch's integer products are slow "
-                       "here, and float32 decodes faster (on a 2-core AMD EPYC of that "
-                       "kind one stream got 10.5 tokens/s against float32's 34.6; 1.6x "
-                       "float32's on CPUs with AVX512-VNNI); option.quantize=int8 is the "
-                       "fast int8 mode here")
+                       "here, and float32 may decode faster; option.quantize=int8 is the "
+                       "int8 mode for this CPU")
     return quantized
 
 
@@ -164,7 +155,7 @@ def lacks_int8_dot_products(cpuinfo: str = "/proc/cpuinfo") -> bool:
     ...     lacks_int8_dot_products(f.name)
     True
     """
-    from djl_stream.generation.cpu_info import cpu_fields
+    from djl_stream.runtime.cpu_info import cpu_fields
 
     flags = (cpu_fields(("flags",), cpuinfo) or {}).get("flags")
     return flags is not None and not (set(flags.split()) & INT8_DOT_PRODUCT_FLAGS)

@@ -9,9 +9,9 @@ import torch
 
 from conftest import build_tiny_llama, greedy_in_one_batch
 from djl_stream.generation import int8_linear, llama_decode
-from djl_stream.generation.int8_linear import (Int8Linear, int8_matmul_unavailable,
+from djl_stream.runtime.int8 import (Int8Linear, int8_matmul_unavailable,
                                                quantize_linear_layers, quantize_rows)
-from djl_stream.generation.loading import ModelLoadError, load_model_and_tokenizer
+from djl_stream.runtime.loading import ModelLoadError, load_model_and_tokenizer
 from djl_stream.serving.properties import ModelProperties
 
 pytestmark = pytest.mark.skipif(int8_matmul_unavailable() is not None,

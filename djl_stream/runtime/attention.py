@@ -1,0 +1,235 @@
+"""Attention over djl-stream's KV cache, plugged into transformers' ``AttentionInterface``.
+
+transformers' models call their attention through a registry keyed by
+``config._attn_implementation``: the model's own code computes the projections, the
+rotary embeddings, the norms and everything else, then hands the attention function the
+new tokens' queries, keys and values, with keyword arguments of its own (``scaling``,
+``sliding_window``, ``softcap``) and whatever the caller passed to the model's forward.
+The function registered here (:func:`attend`) receives an :class:`AttentionLayout` that
+way, writes the new keys and values into the rows of the :class:`~djl_stream.runtime.
+kv_cache.KVCache` at their positions, and attends each token to its own row. One forward
+pass then carries any mix of sequences: the running rows' decode tokens and the prompt
+chunks of new ones, flattened into one sequence of ``T`` tokens (batch size 1), as the
+transformers backends of text-generation-inference and vLLM feed them.
+
+The layout has two parts:
+
+* a **block**: tokens ``[0, n)`` are one token each of the consecutive cache rows
+  ``[block_start, block_start + n)``, a running batch's decode step. Their attention is
+  one batched call over a view of those rows, masked per row to its own positions (and
+  window);
+* **chunks**: each a run of tokens of one row (a prompt, or part of one), attended with a
+  causal mask over that row's columns.
+
+Grouped-query heads are read in place: the query heads that share a key/value head are
+laid side by side as extra query positions of that head, so no key or value is copied.
+
+Where the model is called without a layout (``model.generate()`` on the same model, say),
+the function hands the call to the implementation the model had before, so the model
+object keeps working for other uses.
+
+Example::
+
+    name = use_attention(model)         # the model's attention now reads AttentionLayout
+    model(input_ids=..., position_ids=..., attention_mask=NO_MASK, use_cache=False,
+          **{LAYOUT_KWARG: layout})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+#: The keyword argument of the model's forward that carries the layout down to attention.
+LAYOUT_KWARG = "djl_stream_layout"
+#: Registered name prefix: ``djl_stream:<the implementation it hands other calls to>``.
+NAME_PREFIX = "djl_stream:"
+
+
+@dataclasses.dataclass
+class AttentionLayout:
+    """Where each token of one forward pass writes and reads the KV cache.
+
+    ``rows`` and ``positions`` (``(T,)``, on the model's device) say where token ``t``'s
+    keys and values go: column ``positions[t]`` of cache row ``rows[t]``. Tokens
+    ``[0, block_rows)`` are the block (see the module docstring): row ``block_start + t``
+    each, attending to ``block_span`` columns at most, through ``block_masks`` (one
+    ``(block_rows, 1, 1, block_span)`` boolean mask per sliding window the model uses,
+    ``None`` for full attention). ``chunks`` are ``(first token, end token, row, first
+    position)``. ``keys`` and ``values`` are the cache's buffers, one per layer.
+    """
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    keys: List[torch.Tensor]
+    values: List[torch.Tensor]
+    block_start: int = 0
+    block_rows: int = 0
+    block_masks: Dict[Optional[int], torch.Tensor] = dataclasses.field(default_factory=dict)
+    chunks: Sequence[Tuple[int, int, int, int]] = ()
+    _chunk_masks: Dict[tuple, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def chunk_mask(self, index: int, window: Optional[int], groups: int) -> torch.Tensor:
+        """The causal mask of chunk ``index`` for its ``groups`` query heads per key/value
+        head laid side by side: ``(1, 1, groups × tokens, columns)``."""
+        key = (index, window, groups)
+        mask = self._chunk_masks.get(key)
+        if mask is None:
+            first, end, _, start = self.chunks[index]
+            queries = torch.arange(start, start + end - first,
+                                   device=self.positions.device).view(-1, 1)
+            mask = causal_mask(queries, start + end - first, window)
+            mask = mask.repeat(groups, 1).unsqueeze(0).unsqueeze(0)
+            self._chunk_masks[key] = mask
+        return mask
+
+
+def causal_mask(positions: torch.Tensor, columns: int, window: Optional[int]) -> torch.Tensor:
+    """``(len(positions), columns)``: whether a query at each position sees each column,
+    itself included, and within ``window`` positions where a window is given (transformers'
+    rule: a key ``k`` is seen from ``q`` when ``q - window < k <= q``).
+
+    >>> causal_mask(torch.tensor([[2], [3]]), 4, window=2).int().tolist()
+    [[0, 1, 1, 0], [0, 0, 1, 1]]
+    """
+    columns = torch.arange(columns, device=positions.device).view(1, -1)
+    seen = columns <= positions
+    if window:
+        seen = seen & (columns > positions - window)
+    return seen
+
+
+def block_mask(positions: torch.Tensor, span: int, window: Optional[int]) -> torch.Tensor:
+    """The block's mask for one window: ``(rows, 1, 1, span)``, row ``i`` seeing its own
+    columns up to ``positions[i]``."""
+    return causal_mask(positions.view(-1, 1), span, window).unsqueeze(1).unsqueeze(1)
+
+
+def _scaled_attention(query, key, value, mask, scale, softcap):
+    if softcap is None:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+    # Logit soft-capping (Gemma 2) is applied to the scores before the mask and softmax,
+    # which SDPA does not do: the same arithmetic written out.
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    return torch.matmul(weights, value)
+
+
+def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           layout: AttentionLayout, *, scaling: Optional[float] = None,
+           sliding_window: Optional[int] = None, softcap: Optional[float] = None
+           ) -> torch.Tensor:
+    """Write ``key``/``value`` (``(1, kv_heads, T, dim)``) into the cache at the layout's
+    places and attend ``query`` (``(1, heads, T, dim)``) to each token's row; returns
+    ``(1, T, heads, value_dim)``, the shape transformers' attention functions return."""
+    layer = module.layer_idx
+    keys, values = layout.keys[layer], layout.values[layer]
+    _, heads, tokens, dim = query.shape
+    kv_heads, value_dim = key.shape[1], value.shape[3]
+    groups = heads // kv_heads
+    keys[layout.rows, :, layout.positions] = key[0].transpose(0, 1).to(keys.dtype)
+    values[layout.rows, :, layout.positions] = value[0].transpose(0, 1).to(values.dtype)
+    out = query.new_empty(tokens, heads, value_dim)
+    n = layout.block_rows
+    if n:
+        mask = layout.block_masks[sliding_window]
+        span = mask.shape[-1]
+        rows = slice(layout.block_start, layout.block_start + n)
+        queries = query[0, :, :n].transpose(0, 1).reshape(n, kv_heads, groups, dim)
+        attended = _scaled_attention(queries, keys[rows, :, :span], values[rows, :, :span],
+                                     mask, scaling, softcap)
+        out[:n] = attended.reshape(n, heads, value_dim)
+    for index, (first, end, row, start) in enumerate(layout.chunks):
+        count = end - first
+        span = start + count
+        queries = query[0, :, first:end].reshape(1, kv_heads, groups * count, dim)
+        attended = _scaled_attention(queries, keys[row:row + 1, :, :span],
+                                     values[row:row + 1, :, :span],
+                                     layout.chunk_mask(index, sliding_window, groups),
+                                     scaling, softcap)
+        out[first:end] = attended.view(heads, count, value_dim).transpose(0, 1)
+    return out.unsqueeze(0)
+
+
+def _attention_handing_off(fallback: Callable) -> Callable:
+    """The function registered for one fallback: :func:`attend` when the call carries a
+    layout, ``fallback`` (the model's implementation before) otherwise."""
+
+    def attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                  scaling: Optional[float] = None, sliding_window: Optional[int] = None,
+                  softcap: Optional[float] = None, **kwargs):
+        layout = kwargs.pop(LAYOUT_KWARG, None)
+        if layout is None:
+            if sliding_window is not None:
+                kwargs["sliding_window"] = sliding_window
+            if softcap is not None:
+                kwargs["softcap"] = softcap
+            return fallback(module, query, key, value, attention_mask, dropout=dropout,
+                            scaling=scaling, **kwargs)
+        for name in ("s_aux", "sinks", "position_bias"):
+            if kwargs.get(name) is not None:
+                raise NotImplementedError(f"attention with {name} is not supported")
+        return attend(module, query, key, value, layout, scaling=scaling,
+                      sliding_window=sliding_window, softcap=softcap), None
+
+    return attention
+
+
+def _fallback_for(model, implementation: str) -> Callable:
+    """The function ``implementation`` names for ``model``'s attention: the registry's,
+    or for ``eager`` the model's own (each modeling file defines one)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if implementation != "eager" and implementation in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[implementation]
+    own = getattr(sys.modules.get(type(model).__module__), "eager_attention_forward", None)
+    return own or ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+
+def interface_available() -> Optional[str]:
+    """``None`` where this transformers has the attention registry the runtime plugs into,
+    else why not."""
+    try:
+        from transformers import AttentionInterface  # noqa: F401
+    except ImportError:
+        import transformers
+
+        return (f"transformers {transformers.__version__} has no AttentionInterface "
+                "(4.51 or newer has)")
+    return None
+
+
+def use_attention(model) -> str:
+    """Have ``model``'s attention read :class:`AttentionLayout`\\ s: register the function
+    for the model's present implementation and switch the model to it. Returns the name
+    (``djl_stream:sdpa``, say). Calls without a layout behave as before."""
+    from transformers import AttentionInterface
+
+    present = model.config._attn_implementation or "eager"
+    if present.startswith(NAME_PREFIX):
+        return present
+    name = NAME_PREFIX + present
+    AttentionInterface.register(name, _attention_handing_off(_fallback_for(model, present)))
+    try:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    except ImportError:  # older releases build masks per model, by their own rules
+        pass
+    else:
+        if present in ALL_MASK_ATTENTION_FUNCTIONS:
+            AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[present])
+    model.config._attn_implementation = name
+    return name
+
+
+def restore_attention(model) -> None:
+    """Undo :func:`use_attention` (a model that does not take the runtime's path)."""
+    present = model.config._attn_implementation or ""
+    if present.startswith(NAME_PREFIX):
+        model.config._attn_implementation = present[len(NAME_PREFIX):]

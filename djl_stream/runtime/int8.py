@@ -1,0 +1,215 @@
+"""Linear layers with int8 weights on a CPU (``option.quantize=int8`` and ``w8a8``).
+
+A decode step on a CPU streams every weight once, so reading int8 weights instead of
+float32 ones reads a quarter of the bytes. Both layers here store a linear layer's weight
+once as int8 with one float32 scale per output row (symmetric, ``scale = max|w| / 127``),
+the float32 original freed, and replace ``nn.Linear`` wherever a model has one: they know
+nothing of the architecture around them.
+
+* :class:`Int8WeightOnlyLinear` (``int8``) multiplies in the activations' own precision:
+  the int8 weight is turned into the activations' dtype and multiplied, the row scales
+  applied to the result. The activations are not rounded, so a row computes what it
+  computes alone, and greedy text stays close to float32's.
+* :class:`Int8Linear` (``w8a8``) rounds each input row to int8 too, with a scale of its
+  own (dynamic, per token), and multiplies int8 by int8 into int32 with PyTorch's
+  ``torch._int_mm`` (oneDNN; AVX512-VNNI, AVX-VNNI or AMX make it fast). This is what
+  torchao calls ``Int8DynamicActivationInt8Weight`` and vLLM "W8A8 INT8, dynamic
+  per-token". Integer sums are exact and a row's scale is its own, so batching never
+  changes a request's text; rounding the activations makes it lossier than ``int8``
+  (``make bench-quantization`` measures both).
+
+A tied output embedding (SmolLM2's LM head shares the input embedding's weight) is
+quantized as a copy: the embedding keeps its float32 rows.
+
+Example::
+
+    >>> import torch
+    >>> layer = torch.nn.Linear(64, 32, bias=False)
+    >>> x = torch.randn(3, 64)
+    >>> for kind in (Int8WeightOnlyLinear, Int8Linear):
+    ...     quantized = kind.from_linear(layer)
+    ...     if quantized is not None:
+    ...         error = (quantized(x) - layer(x)).abs().max() / layer(x).abs().max()
+    ...         assert error < 0.05, (kind, error)
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Callable, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: The largest magnitude of a symmetric int8 value (-127..127: -128 is left out so that
+#: a value and its negation both fit).
+INT8_MAX = 127
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def int8_matmul_unavailable() -> Optional[str]:
+    """Why this PyTorch cannot multiply int8 matrices on a CPU, or ``None`` if it can.
+
+    >>> int8_matmul_unavailable() is None or isinstance(int8_matmul_unavailable(), str)
+    True
+    """
+    if not hasattr(torch, "_int_mm"):
+        return "this PyTorch has no torch._int_mm"
+    return _int_mm_fails_on_this_cpu()
+
+
+@functools.lru_cache(maxsize=None)
+def _int_mm_fails_on_this_cpu() -> Optional[str]:
+    """Why a tiny ``torch._int_mm`` raises here, or ``None``; tried once per process
+    (:func:`Int8Linear.from_linear` asks for every layer)."""
+    try:
+        probe = torch.ones(1, 8, dtype=torch.int8)
+        torch._int_mm(probe, probe.t())
+    except RuntimeError as error:
+        return f"torch._int_mm does not run on this CPU ({error})"
+    return None
+
+
+def hold_int8_weight(layer: torch.nn.Module, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: Optional[torch.Tensor]) -> None:
+    """Give ``layer`` an int8 layer's parameters: ``weight`` (int8, ``(out, in)``),
+    ``weight_scale`` (one per row) and ``bias`` (float32, or ``None``), none trained, and
+    its ``out_features`` and ``in_features``."""
+    layer.out_features, layer.in_features = weight.shape
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(weight_scale, requires_grad=False)
+    layer.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(),
+                                                             requires_grad=False)
+
+
+def quantize_rows(matrix: torch.Tensor):
+    """``matrix`` (rows, columns) as int8 and one float32 scale per row, symmetric:
+    ``matrix ≈ int8 * scale[:, None]``.
+
+    >>> q, scale = quantize_rows(torch.tensor([[1.0, -2.0], [0.5, 0.25]]))
+    >>> q.tolist(), [round(s * 127, 3) for s in scale.tolist()]
+    ([[64, -127], [127, 64]], [2.0, 0.5])
+    """
+    matrix = matrix.float()
+    scale = matrix.abs().amax(-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny)
+    scale = scale.div_(INT8_MAX)
+    return torch.round(matrix / scale).to(torch.int8), scale.squeeze(-1)
+
+
+class _Int8Weights(torch.nn.Module):
+    """An int8 weight ``(out, in)`` and its per-row scales, both parameters (so that a count
+    of the model's parameters or bytes stays true). Where the original weight lives on
+    (tied to an input embedding), the int8 one is a copy and says so:
+    ``weight.duplicates_a_weight`` is ``True``."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 bias: Optional[torch.Tensor]):
+        super().__init__()
+        hold_int8_weight(self, weight, weight_scale, bias)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear):
+        """The int8 twin of ``linear``, or ``None`` where there cannot be one (not a plain
+        float CPU weight, or a product this PyTorch cannot run)."""
+        weight = linear.weight
+        if (cls.unavailable() is not None or type(weight) not in _PLAIN_TENSORS
+                or weight.device.type != "cpu" or weight.dim() != 2
+                or not weight.dtype.is_floating_point):
+            return None
+        with torch.no_grad():
+            quantized, scale = quantize_rows(weight.detach())
+        return cls(quantized, scale, linear.bias)
+
+    @staticmethod
+    def unavailable() -> Optional[str]:
+        return None
+
+    def _finish(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None:
+            out = out.add_(self.bias)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+class Int8WeightOnlyLinear(_Int8Weights):
+    """``nn.Linear``'s forward through an int8 weight, in the input's precision
+    (``option.quantize=int8``): see the module docstring."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = torch.nn.functional.linear(rows, self.weight.to(rows.dtype))
+        return self._finish(out.mul_(self.weight_scale.to(out.dtype)), x)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, int8 weights")
+
+
+class Int8Linear(_Int8Weights):
+    """``nn.Linear``'s forward through int8 weights and per-row int8 activations
+    (``option.quantize=w8a8``): see the module docstring."""
+
+    @staticmethod
+    def unavailable() -> Optional[str]:
+        return int8_matmul_unavailable()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] == 0:  # no row to scale (amax of nothing is an error)
+            return x.new_zeros(*x.shape[:-1], self.out_features)
+        quantized, scale = quantize_rows(rows)
+        # (rows, out) int32 sums; ``weight.t()`` is a view that oneDNN reads in place
+        sums = torch._int_mm(quantized, self.weight.t())
+        return self._finish((sums * self.weight_scale).mul_(scale.unsqueeze(-1)), x)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, int8 weights and per-row int8 activations")
+
+
+def linear_layers(model: torch.nn.Module):
+    """Every ``(parent, name, layer)`` of ``model`` whose layer is a plain ``nn.Linear``."""
+    return [(parent, name, child) for parent in model.modules()
+            for name, child in parent.named_children() if type(child) is torch.nn.Linear]
+
+
+def replace_linear_layers(model: torch.nn.Module, make: Callable) -> int:
+    """Replace each plain ``nn.Linear`` of ``model`` by ``make(layer)`` (``None`` leaves it),
+    one at a time, so that each float weight is let go before the next is made; returns
+    how many were replaced. A weight another module still uses (a tied input embedding)
+    is replaced by a copy that says so (``weight.duplicates_a_weight``).
+
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> replace_linear_layers(model, Int8WeightOnlyLinear.from_linear)
+    2
+    """
+    kept = {id(p) for module in model.modules() if type(module) is not torch.nn.Linear
+            for p in module.parameters(recurse=False)}
+    count = 0
+    for parent, name in [(parent, name) for parent, name, _ in linear_layers(model)]:
+        layer = getattr(parent, name)
+        replacement = make(layer)
+        if replacement is None:
+            continue
+        replacement.weight.duplicates_a_weight = id(layer.weight) in kept
+        setattr(parent, name, replacement)
+        count += 1
+    return count
+
+
+def quantize_weights_only(model: torch.nn.Module) -> int:
+    """``option.quantize=int8`` on a CPU: every plain float ``nn.Linear`` by its
+    :class:`Int8WeightOnlyLinear`; how many were replaced."""
+    return replace_linear_layers(model, Int8WeightOnlyLinear.from_linear)
+
+
+def quantize_linear_layers(model: torch.nn.Module) -> int:
+    """``option.quantize=w8a8`` on a CPU: every plain float ``nn.Linear`` by its
+    :class:`Int8Linear`; how many were replaced (none, logged, where this PyTorch cannot
+    multiply int8 on a CPU)."""
+    unavailable = int8_matmul_unavailable()
+    if unavailable is not None:
+        logger.warning("int8 linear layers unavailable: %s", unavailable)
+        return 0
+    return replace_linear_layers(model, Int8Linear.from_linear)

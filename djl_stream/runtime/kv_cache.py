@@ -1,0 +1,254 @@
+"""The KV cache: one row of every layer's key and value buffers per sequence, written in place.
+
+Each layer keeps its keys and values in two buffers shaped ``(rows, kv_heads, columns,
+head_dim)``. A sequence holds one row from its admission to its end, and writes the keys
+and values of its position ``p`` into column ``p``: a column *is* a position. So rows of
+different lengths need no padding and no shifting, a row that joins a running batch
+lands in the columns it would use alone, and a sliding window is counted in positions
+exactly as the model counts it. A row attends to its own columns ``[0, length)``;
+whatever an earlier occupant left beyond them is never read.
+
+Rows are handed out as *handles* (:meth:`KVCache.reserve`), and a handle's physical row
+may change: a decode step reads the rows of its batch as one contiguous block of the
+buffers (a view, no copy), so :meth:`KVCache.place` moves rows into such a block when the
+batch's membership changed (a row left, a prompt joined), copying each moved row's
+columns in use once.
+
+On a CPU the buffers lie on freshly mapped anonymous memory (:func:`zeroed_buffer`): a
+page becomes resident only once a token is written there, so the cache can reserve every
+row and column the server may ever need at no cost. Elsewhere (a GPU's memory is taken
+whole at allocation) the columns grow when a row needs more (:meth:`KVCache.need_columns`).
+
+Example::
+
+    >>> import torch
+    >>> cache = KVCache([LayerShape(heads=2, key_dim=4, value_dim=4)] * 3, rows=4,
+    ...                 columns=16, dtype=torch.float32, device="cpu")
+    >>> a, b = cache.reserve(), cache.reserve()
+    >>> cache.row_of(a), cache.row_of(b)
+    (0, 1)
+    >>> c = cache.reserve()
+    >>> cache.set_length(c, 5); cache.release(b)
+    >>> cache.place([a, c])       # c moves into b's row, next to a's
+    0
+    >>> cache.row_of(c)
+    1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import mmap
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+#: Columns are allocated in multiples of this where they grow (on a GPU).
+COLUMN_GRANULE = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerShape:
+    """What one attention layer stores per position: ``heads`` key/value heads of
+    ``key_dim`` and ``value_dim`` numbers, on ``device`` (``None``: the cache's)."""
+
+    heads: int
+    key_dim: int
+    value_dim: int
+    device: Optional[str] = None
+
+
+def zeroed_buffer(shape: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
+    """A tensor of ``shape`` that reads as zeros, resident only where written on a CPU.
+
+    On a CPU it lies on anonymous memory mapped for it: the kernel maps zero pages as they
+    are first written, so rows and columns reserved cost address space, not memory
+    (``torch.zeros`` would write every page). Transparent huge pages are refused for it: a
+    2 MB page would make a whole block of columns resident for one token. Elsewhere, or
+    where the mapping is refused, it is ``torch.zeros``.
+
+    >>> zeroed_buffer((2, 3), torch.float32, "cpu").tolist()
+    [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    """
+    device = torch.device(device)
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or size == 0:
+        return torch.zeros(tuple(shape), dtype=dtype, device=device)
+    try:
+        pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, AttributeError, ValueError):
+        return torch.zeros(tuple(shape), dtype=dtype, device=device)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        try:
+            pages.madvise(mmap.MADV_NOHUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages
+            pass
+    # (the tensor holds the mapping: it is unmapped when the tensor is freed)
+    return torch.frombuffer(pages, dtype=dtype).view(tuple(shape))
+
+
+def reserving_is_free(device) -> bool:
+    """Whether rows and columns reserved on ``device`` cost address space only: on a CPU,
+    unless the kernel counts every mapped page against a limit (``vm.overcommit_memory=2``)."""
+    if torch.device(device).type != "cpu":
+        return False
+    try:
+        with open("/proc/sys/vm/overcommit_memory", encoding="ascii") as mode:
+            return mode.read().strip() != "2"
+    except OSError:  # not Linux: mapped pages are not counted up front there either
+        return True
+
+
+class KVCache:
+    """Every layer's keys and values, one row per sequence; see the module docstring.
+
+    ``rows`` is the most sequences held at once. One more row is kept spare, so that
+    :meth:`place` can always move a row out of the way. ``columns`` is the most positions
+    a row may hold; where reserving is not free the buffers start with fewer and grow.
+    """
+
+    def __init__(self, layers: Sequence[LayerShape], *, rows: int, columns: int,
+                 dtype: torch.dtype, device, initial_columns: Optional[int] = None) -> None:
+        self.layer_shapes = list(layers)
+        self.rows = rows
+        self.max_columns = columns
+        self.dtype = dtype
+        self.device = torch.device(device)
+        free = reserving_is_free(self.device)
+        start = columns if free or initial_columns is None else min(columns, initial_columns)
+        self.keys: List[torch.Tensor] = []
+        self.values: List[torch.Tensor] = []
+        self._allocate(_round_up(start, columns))
+        self._row_of: Dict[int, int] = {}
+        self._length: Dict[int, int] = {}
+        self._next_handle = 0
+
+    @property
+    def columns(self) -> int:
+        """Positions each row can hold now."""
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def _allocate(self, columns: int) -> None:
+        keys, values = [], []
+        for shape in self.layer_shapes:
+            device = shape.device or self.device
+            keys.append(zeroed_buffer((self.rows + 1, shape.heads, columns, shape.key_dim),
+                                      self.dtype, device))
+            values.append(zeroed_buffer((self.rows + 1, shape.heads, columns, shape.value_dim),
+                                        self.dtype, device))
+        if self.keys:  # growing: the columns written so far come along
+            used = max(self._length.values(), default=0)
+            for old, new in zip(self.keys + self.values, keys + values):
+                new[:, :, :used].copy_(old[:, :, :used])
+        self.keys, self.values = keys, values
+
+    # -- rows ---------------------------------------------------------------------------
+
+    def reserve(self) -> int:
+        """A handle to a free row (empty: length 0). Raises ``RuntimeError`` when every
+        row is held."""
+        taken = set(self._row_of.values())
+        row = next((r for r in range(self.rows) if r not in taken), None)
+        if row is None:
+            raise RuntimeError(f"all {self.rows} rows of the KV cache are in use")
+        handle = self._next_handle
+        self._next_handle += 1
+        self._row_of[handle] = row
+        self._length[handle] = 0
+        return handle
+
+    def release(self, handle: int) -> None:
+        """Give the row back (its contents are left; the next holder overwrites them)."""
+        self._row_of.pop(handle, None)
+        self._length.pop(handle, None)
+
+    def row_of(self, handle: int) -> int:
+        return self._row_of[handle]
+
+    def length(self, handle: int) -> int:
+        """Positions the row holds."""
+        return self._length[handle]
+
+    def set_length(self, handle: int, length: int) -> None:
+        self._length[handle] = length
+
+    def handles(self) -> List[int]:
+        """Every handle held."""
+        return list(self._row_of)
+
+    @property
+    def held(self) -> int:
+        """Rows held now."""
+        return len(self._row_of)
+
+    def place(self, handles: Sequence[int]) -> int:
+        """Make ``handles`` occupy consecutive rows (in any order) and return the first;
+        read each one's row with :meth:`row_of` after.
+
+        Where they already do, nothing moves. Otherwise they are gathered into rows
+        ``[0, len(handles))``: those already there stay, each one beyond moves into a
+        hole (a row of another sequence there is moved out of the way first), so that a
+        batch that lost a row costs the copy of one row, not of all the rows after it.
+
+        >>> cache = KVCache([LayerShape(1, 2, 2)], rows=4, columns=4, dtype=torch.float32,
+        ...                 device="cpu")
+        >>> h = [cache.reserve() for _ in range(4)]
+        >>> cache.place([h[1], h[2]])   # rows 1 and 2 already follow each other
+        1
+        >>> cache.place([h[0], h[2], h[3]])   # h[3] moves in, h[1] moves out of its way
+        0
+        >>> [cache.row_of(x) for x in h]
+        [0, 4, 2, 1]
+        """
+        rows = sorted(self._row_of[h] for h in handles)
+        if not rows or rows[-1] - rows[0] == len(rows) - 1:
+            return rows[0] if rows else 0
+        size = len(handles)
+        inside = {self._row_of[h] for h in handles if self._row_of[h] < size}
+        holes = iter(r for r in range(size) if r not in inside)
+        for handle in handles:
+            if self._row_of[handle] < size:
+                continue
+            target = next(holes)
+            occupant = next((h for h, r in self._row_of.items() if r == target), None)
+            if occupant is not None:
+                self._move(occupant, self._free_row(avoid=size))
+            self._move(handle, target)
+        return 0
+
+    def _free_row(self, avoid: int) -> int:
+        """A row no handle holds, at or after ``avoid`` where one is (the spare row always
+        is)."""
+        taken = set(self._row_of.values())
+        free = [r for r in range(self.rows + 1) if r not in taken]
+        return next((r for r in free if r >= avoid), free[-1])
+
+    def _move(self, handle: int, row: int) -> None:
+        source, used = self._row_of[handle], self._length[handle]
+        if used:
+            with torch.inference_mode():
+                for buffer in self.keys + self.values:
+                    buffer[row, :, :used].copy_(buffer[source, :, :used])
+        self._row_of[handle] = row
+
+    # -- columns ------------------------------------------------------------------------
+
+    def need_columns(self, columns: int) -> None:
+        """Make room for ``columns`` positions per row, growing the buffers (a copy of the
+        columns written) where they are shorter. Raises ``ValueError`` beyond the most a
+        row may hold."""
+        if columns <= self.columns:
+            return
+        if columns > self.max_columns:
+            raise ValueError(f"a sequence of {columns} positions does not fit in the KV "
+                             f"cache's {self.max_columns}")
+        self._allocate(_round_up(max(columns, 2 * self.columns), self.max_columns))
+
+    def tokens_held(self) -> int:
+        """Positions written, over every row held."""
+        return sum(self._length.values())
+
+
+def _round_up(columns: int, most: int) -> int:
+    return min(most, -(-columns // COLUMN_GRANULE) * COLUMN_GRANULE)

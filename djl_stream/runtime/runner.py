@@ -1,0 +1,411 @@
+"""Running the model: one forward pass over the tokens any mix of sequences feeds.
+
+A :class:`ModelRunner` owns a model and its KV cache. The scheduling side hands it
+:class:`Feed`\\ s, each the next tokens of one sequence (a prompt, part of one, or one
+decoded token), and gets back the logits of each feed's last token where it asked for
+them: :meth:`ModelRunner.run` is prefill, decode and mixed passes alike.
+
+Two runners share that interface:
+
+* :class:`AttentionRunner`, the fast path for every model whose attention goes through
+  transformers' ``AttentionInterface``: the model's own forward runs once over all the
+  feeds' tokens, flattened into one sequence, and its attention reads and writes
+  djl-stream's :class:`~djl_stream.runtime.kv_cache.KVCache` (see
+  :mod:`djl_stream.runtime.attention`);
+* :class:`ForwardRunner`, for any other model: each sequence keeps the cache its model's
+  forward makes, and each feed runs its own forward pass.
+
+:func:`load_runner` chooses. It tries the fast path on a short probe and keeps it only where
+the model computes the same logits through it as through its own attention, so a model
+whose attention does something the runtime does not know (attention sinks, shared key
+and value layers, layers on several devices) is served correctly by its own forward,
+with the reason in one log line.
+
+Example::
+
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16,
+    ...     intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)).eval()
+    >>> runner = load_runner(model, RunnerSettings(max_rows=4, max_positions=64))
+    >>> runner.path
+    'attention'
+    >>> a, b = runner.reserve(), runner.reserve()
+    >>> runner.run([Feed(a, [5, 6, 7]), Feed(b, [8, 9])]).shape   # two prompts
+    torch.Size([2, 64])
+    >>> runner.run([Feed(a, [3]), Feed(b, [4])]).shape              # a decode step
+    torch.Size([2, 64])
+    >>> runner.length(a), runner.length(b)
+    (4, 3)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from djl_stream.runtime import attention
+from djl_stream.runtime.attention import LAYOUT_KWARG, AttentionLayout, block_mask
+from djl_stream.runtime.kv_cache import KVCache, LayerShape
+
+logger = logging.getLogger(__name__)
+
+#: Tokens of the probe that checks the fast path against the model's own attention; longer
+#: where the model slides a shorter window, so that the window is tested too.
+PROBE_TOKENS = 12
+#: The fast path is kept where its logits on the probe are within this share of the
+#: largest logit of the model's own (per dtype: sums in another order differ by more in
+#: half precision).
+PROBE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Feed:
+    """The next ``tokens`` of the sequence holding ``handle``, and whether the logits of the
+    last of them are wanted (not for a prompt chunk that is not its prompt's last)."""
+
+    handle: int
+    tokens: Sequence[int]
+    logits: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerSettings:
+    """The most sequences held at once (``max_rows``) and the most positions one may
+    reach (``max_positions``: its prompt and its new tokens)."""
+
+    max_rows: int = 32
+    max_positions: int = 8192
+
+
+class ModelRunner:
+    """What both runners offer; see the module docstring."""
+
+    #: ``"attention"`` (the fast path) or ``"forward"`` (the model's forward per sequence).
+    path = ""
+    #: Whether one pass can carry decode tokens and prompt chunks of several sequences at
+    #: once (a mixed pass) at the cost of about one: the weights are read once for all.
+    mixes_passes = False
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.device = _input_device(model)
+
+    def reserve(self) -> int:
+        """A handle for a new sequence's cache."""
+        raise NotImplementedError
+
+    def release(self, handle: int) -> None:
+        """The sequence left: its cache is free."""
+        raise NotImplementedError
+
+    def length(self, handle: int) -> int:
+        """Positions the sequence's cache holds."""
+        raise NotImplementedError
+
+    def run(self, feeds: Sequence[Feed]) -> torch.Tensor:
+        """One pass over ``feeds``: the logits ``(k, vocab)`` of the last token of each
+        feed that wants them, in order. Each feed's tokens join its cache; where the pass
+        raises, no cache has grown (what it wrote past a cache's end is never read)."""
+        raise NotImplementedError
+
+    @property
+    def tokens_held(self) -> int:
+        """Positions the caches hold, over every sequence."""
+        raise NotImplementedError
+
+    def handles(self) -> List[int]:
+        """Every handle held."""
+        raise NotImplementedError
+
+    def release_all_but(self, live) -> None:
+        """Release every handle not in ``live`` (after a failure dropped batches whole)."""
+        for handle in self.handles():
+            if handle not in live:
+                self.release(handle)
+
+
+class AttentionRunner(ModelRunner):
+    """The model's forward over flattened feeds, its attention on the runner's KV cache."""
+
+    path = "attention"
+    mixes_passes = True
+
+    def __init__(self, model, settings: RunnerSettings, layers: Sequence[LayerShape],
+                 windows: Sequence[Optional[int]], dtype: torch.dtype) -> None:
+        super().__init__(model)
+        self.settings = settings
+        self.windows = sorted(set(windows), key=lambda w: (w is not None, w or 0))
+        self.cache = KVCache(layers, rows=settings.max_rows, columns=settings.max_positions,
+                             dtype=dtype, device=self.device, initial_columns=1024)
+        self._keep_logits = _logits_keyword(model)
+        self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
+
+    def reserve(self) -> int:
+        return self.cache.reserve()
+
+    def release(self, handle: int) -> None:
+        self.cache.release(handle)
+
+    def length(self, handle: int) -> int:
+        return self.cache.length(handle)
+
+    @property
+    def tokens_held(self) -> int:
+        return self.cache.tokens_held()
+
+    def handles(self) -> List[int]:
+        return self.cache.handles()
+
+    def run(self, feeds: Sequence[Feed]) -> torch.Tensor:
+        if not feeds:
+            raise ValueError("a pass needs at least one feed")
+        cache = self.cache
+        singles = [f for f in feeds if len(f.tokens) == 1]
+        block: List[Feed] = []
+        if len(singles) > 1:
+            start = cache.place([f.handle for f in singles])
+            block = sorted(singles, key=lambda f: cache.row_of(f.handle))
+        elif singles:
+            block, start = singles, cache.row_of(singles[0].handle)
+        in_block = {id(f) for f in block}
+        chunks = [f for f in feeds if id(f) not in in_block]
+        ids: List[int] = []
+        rows: List[int] = []
+        positions: List[int] = []
+        where: Dict[int, int] = {}  # id(feed) -> index of its last token in the pass
+        spans = []
+        for feed in block + chunks:
+            first = cache.length(feed.handle)
+            count = len(feed.tokens)
+            ids.extend(int(t) for t in feed.tokens)
+            rows.extend([cache.row_of(feed.handle)] * count)
+            positions.extend(range(first, first + count))
+            where[id(feed)] = len(ids) - 1
+            spans.append(first + count)
+        cache.need_columns(max(spans))
+        device = self.device
+        position_tensor = torch.tensor(positions, dtype=torch.long, device=device)
+        chunk_tuples = []
+        offset = len(block)
+        for feed in chunks:
+            count = len(feed.tokens)
+            chunk_tuples.append((offset, offset + count, cache.row_of(feed.handle),
+                                 cache.length(feed.handle)))
+            offset += count
+        layout = AttentionLayout(
+            rows=torch.tensor(rows, dtype=torch.long, device=device),
+            positions=position_tensor, keys=cache.keys, values=cache.values,
+            block_start=start if block else 0, block_rows=len(block), chunks=chunk_tuples)
+        if block:
+            block_positions = position_tensor[:len(block)]
+            span = max(spans[:len(block)])
+            layout.block_masks = {window: block_mask(block_positions, span, window)
+                                  for window in self.windows}
+        wanted = [where[id(f)] for f in feeds if f.logits]
+        logits = self._forward(ids, position_tensor, layout, wanted)
+        for feed in feeds:
+            cache.set_length(feed.handle, cache.length(feed.handle) + len(feed.tokens))
+        return logits
+
+    def _forward(self, ids: List[int], positions: torch.Tensor, layout: AttentionLayout,
+                 wanted: List[int]) -> torch.Tensor:
+        device = self.device
+        kwargs = {}
+        index = torch.tensor(wanted or [len(ids) - 1], dtype=torch.long, device=device)
+        if self._keep_logits:
+            kwargs[self._keep_logits] = index
+        with torch.inference_mode():
+            outputs = self.model(
+                input_ids=torch.tensor([ids], dtype=torch.long, device=device),
+                position_ids=positions.unsqueeze(0), attention_mask=self._no_mask,
+                use_cache=False, **{LAYOUT_KWARG: layout}, **kwargs)
+        logits = outputs.logits[0]
+        if not self._keep_logits or logits.shape[0] != index.shape[0]:
+            logits = logits[index]
+        return logits[:len(wanted)]
+
+
+class ForwardRunner(ModelRunner):
+    """Each sequence through the model's own forward and the cache it makes, one forward
+    pass per feed: correct for any causal LM, batched for none."""
+
+    path = "forward"
+
+    def __init__(self, model, reason: str = "") -> None:
+        super().__init__(model)
+        self.reason = reason
+        self._caches: Dict[int, object] = {}
+        self._lengths: Dict[int, int] = {}
+        self._next = 0
+
+    def reserve(self) -> int:
+        handle, self._next = self._next, self._next + 1
+        self._caches[handle] = None
+        self._lengths[handle] = 0
+        return handle
+
+    def release(self, handle: int) -> None:
+        self._caches.pop(handle, None)
+        self._lengths.pop(handle, None)
+
+    def length(self, handle: int) -> int:
+        return self._lengths[handle]
+
+    @property
+    def tokens_held(self) -> int:
+        return sum(self._lengths.values())
+
+    def handles(self) -> List[int]:
+        return list(self._lengths)
+
+    def run(self, feeds: Sequence[Feed]) -> torch.Tensor:
+        from djl_stream.runtime.forward_kwargs import cache_kwarg, cache_of
+
+        results = []
+        grown = []
+        with torch.inference_mode():
+            for feed in feeds:
+                cache = self._caches[feed.handle]
+                ids = torch.tensor([list(feed.tokens)], dtype=torch.long, device=self.device)
+                kwargs = cache_kwarg(self.model, cache) if cache is not None else {}
+                outputs = self.model(input_ids=ids, use_cache=True, **kwargs)
+                grown.append((feed, cache_of(outputs)))
+                if feed.logits:
+                    results.append(outputs.logits[0, -1])
+        for feed, cache in grown:  # (only once every feed ran)
+            self._caches[feed.handle] = cache
+            self._lengths[feed.handle] += len(feed.tokens)
+        return torch.stack(results) if results else torch.empty(0)
+
+
+def load_runner(model, settings: RunnerSettings = RunnerSettings()) -> ModelRunner:
+    """The fast path for ``model`` where it computes the model's own logits (checked on a
+    probe), the model's forward otherwise; the choice and its reason are logged once."""
+    reason = _why_not_the_fast_path(model)
+    runner: Optional[ModelRunner] = None
+    if reason is None:
+        try:
+            runner, reason = _probed_attention_runner(model, settings)
+        except Exception as error:  # noqa: BLE001 - any failure means: not this path
+            reason = f"its forward failed on djl-stream's KV cache ({type(error).__name__}: {error})"
+            runner = None
+    if runner is not None:
+        logger.info("%s runs on djl-stream's KV cache (one forward pass for every batch, "
+                    "through transformers' attention interface)", type(model).__name__)
+        return runner
+    attention.restore_attention(model)
+    logger.info("%s runs its own forward for each sequence, unbatched: %s",
+                type(model).__name__, reason)
+    return ForwardRunner(model, reason)
+
+
+def _why_not_the_fast_path(model) -> Optional[str]:
+    missing = attention.interface_available()
+    if missing:
+        return missing
+    if getattr(model.config, "is_encoder_decoder", False):
+        return "an encoder-decoder model"
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        return f"its layers are spread over {len(devices)} devices"
+    if not hasattr(model.config, "_attn_implementation"):
+        return "its config names no attention implementation"
+    return None
+
+
+def _probed_attention_runner(model, settings: RunnerSettings):
+    """Run a probe through the model's own attention, recording what each layer passes
+    its attention (shapes, sliding window); then through the runner, and compare."""
+    from transformers import AttentionInterface
+
+    attention.restore_attention(model)
+    present = model.config._attn_implementation or "eager"
+    own = attention._fallback_for(model, present)
+    seen: Dict[int, tuple] = {}
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        index = getattr(module, "layer_idx", None)
+        if index is None:
+            raise NotImplementedError("an attention layer without a layer_idx")
+        seen[index] = (LayerShape(key.shape[1], key.shape[3], value.shape[3]),
+                       kwargs.get("sliding_window"), key.dtype)
+        return own(module, query, key, value, attention_mask, **kwargs)
+
+    probe_name = "djl_stream_probe"
+    AttentionInterface.register(probe_name, recording)
+    try:
+        from transformers.masking_utils import (ALL_MASK_ATTENTION_FUNCTIONS,
+                                                AttentionMaskInterface)
+        if present in ALL_MASK_ATTENTION_FUNCTIONS:
+            AttentionMaskInterface.register(probe_name, ALL_MASK_ATTENTION_FUNCTIONS[present])
+    except ImportError:
+        pass
+    windows_in_config = _configured_windows(model.config)
+    short = min((w for w in windows_in_config if w), default=None)
+    length = PROBE_TOKENS if not short or short >= 64 else max(PROBE_TOKENS, short + 6)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    device = _input_device(model)
+    ids = (torch.arange(length, device=device) * 7 + 3) % vocab
+    model.config._attn_implementation = probe_name
+    try:
+        with torch.inference_mode():
+            reference = model(input_ids=ids.unsqueeze(0)).logits[0, -3:].float()
+    finally:
+        model.config._attn_implementation = present
+    layers = getattr(model.config, "num_hidden_layers", None)
+    if not seen or sorted(seen) != list(range(len(seen))) or (layers and len(seen) != layers):
+        return None, (f"its attention was called for layers {sorted(seen)}, not once per "
+                      "layer with a layer index")
+    shapes = [seen[i][0] for i in range(len(seen))]
+    windows = [seen[i][1] if seen[i][1] is not None else
+               (windows_in_config[i] if i < len(windows_in_config) else None)
+               for i in range(len(seen))]
+    dtype = seen[0][2]
+    attention.use_attention(model)
+    runner = AttentionRunner(model, settings, shapes, windows, dtype)
+    handle = runner.reserve()
+    tokens = ids.tolist()
+    try:
+        got = torch.cat([runner.run([Feed(handle, tokens[:-2])]),
+                         runner.run([Feed(handle, tokens[-2:-1])]),
+                         runner.run([Feed(handle, tokens[-1:])])]).float()
+    finally:
+        runner.release(handle)
+    tolerance = PROBE_TOLERANCE.get(dtype, 5e-2) * max(1.0, float(reference.abs().max()))
+    difference = float((got - reference).abs().max())
+    if not difference <= tolerance:
+        attention.restore_attention(model)
+        return None, (f"its logits through djl-stream's KV cache differ from its own by "
+                      f"{difference:.3g} (tolerance {tolerance:.3g})")
+    return runner, None
+
+
+def _configured_windows(config) -> List[Optional[int]]:
+    """Each layer's sliding window by the config's own rules, for models that apply it in
+    their mask rather than pass it to attention: ``layer_types`` where the config lists
+    them, else one window for every layer where ``sliding_window`` is set (and
+    ``use_sliding_window`` does not turn it off)."""
+    window = getattr(config, "sliding_window", None)
+    layers = getattr(config, "num_hidden_layers", 0) or 0
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [window if kind == "sliding_attention" else None for kind in types]
+    if window and getattr(config, "use_sliding_window", True):
+        return [window] * layers
+    return [None] * layers
+
+
+def _logits_keyword(model) -> Optional[str]:
+    from djl_stream.runtime.forward_kwargs import logits_keyword
+
+    return logits_keyword(model)
+
+
+def _input_device(model) -> torch.device:
+    try:
+        return model.get_input_embeddings().weight.device
+    except AttributeError:
+        return next(model.parameters()).device
