@@ -21,28 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 from pydantic import BaseModel, ValidationError
 
 from djl_stream.runtime.kv_memory import kv_positions
-
-
-class RequestError(ValueError):
-    """The request is malformed; answered with HTTP 400 and :meth:`to_dict` as the body.
-
-    ``field`` is a dotted path into the body (``parameters.top_p``, ``inputs[1]``,
-    ``messages[0].role``), or ``body`` for the body as a whole.
-
-    >>> RequestError("parameters.top_p", "parameters.top_p must be at most 1, got 2").to_dict()
-    {'code': 400, 'type': 'RequestError', 'field': 'parameters.top_p', 'message': 'parameters.top_p must be at most 1, got 2'}
-    """
-
-    code = 400
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
-        self.message = message
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"code": self.code, "type": "RequestError", "field": self.field,
-                "message": self.message}
+from djl_stream.generation.errors import RequestError  # noqa: F401 - the protocols' 400
 
 
 _EXPECTED = {

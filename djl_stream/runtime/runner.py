@@ -356,7 +356,9 @@ def _probed_attention_runner(model, settings: RunnerSettings):
     finally:
         model.config._attn_implementation = present
     layers = getattr(model.config, "num_hidden_layers", None)
-    if not seen or sorted(seen) != list(range(len(seen))) or (layers and len(seen) != layers):
+    if not seen:
+        return None, "its attention does not go through transformers' attention interface"
+    if sorted(seen) != list(range(len(seen))) or (layers and len(seen) != layers):
         return None, (f"its attention was called for layers {sorted(seen)}, not once per "
                       "layer with a layer index")
     shapes = [seen[i][0] for i in range(len(seen))]

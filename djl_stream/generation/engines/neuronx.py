@@ -68,7 +68,7 @@ from typing import (AbstractSet, Any, Dict, FrozenSet, Iterator, List, Mapping, 
 
 import torch
 
-from djl_stream.protocols.validation import RequestError
+from djl_stream.generation.errors import RequestError
 from djl_stream.generation.sequence import GenerationSequence
 from djl_stream.generation.step import Generation, Step
 from djl_stream.generation.streaming_utils import register_engine
@@ -610,7 +610,7 @@ def check_batch_size(n_prompts: int, batch_size: int) -> None:
     >>> check_batch_size(5, 4)
     Traceback (most recent call last):
     ...
-    djl_stream.protocols.validation.RequestError: inputs has 5 prompts; the model is compiled for a batch of 4 (option.max_rolling_batch_size)
+    djl_stream.generation.errors.RequestError: inputs has 5 prompts; the model is compiled for a batch of 4 (option.max_rolling_batch_size)
     """
     if n_prompts > batch_size:
         raise RequestError(
@@ -661,7 +661,7 @@ def sample_options(
     >>> sample_options({"repetition_penalty": 1.2}, vocab_size=100)
     Traceback (most recent call last):
     ...
-    djl_stream.protocols.validation.RequestError: parameters.repetition_penalty is not supported by the transformers-neuronx engine (the Neuron sampler has no repetition penalty); leave it 1
+    djl_stream.generation.errors.RequestError: parameters.repetition_penalty is not supported by the transformers-neuronx engine (the Neuron sampler has no repetition penalty); leave it 1
     >>> sample_options({"ignore_eos": True}, vocab_size=100,
     ...                accepted={"top_k", "top_p", "temperature", "eos_token_override"})
     {'top_k': 1, 'top_p': 1.0, 'temperature': 1.0, 'eos_token_override': -1}

@@ -1,0 +1,105 @@
+"""The model runner: one forward pass over any mix of feeds, and the probe that chooses it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import transformers
+
+from architectures import build
+from djl_stream.runtime.runner import Feed, ForwardRunner, RunnerSettings, load_runner
+from generality import concurrent_streams, solo_references
+
+SETTINGS = RunnerSettings(max_rows=6, max_positions=128)
+
+
+def logits_alone(model, tokens):
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([tokens])).logits[0, -1]
+
+
+def test_feeds_of_any_mix_get_the_logits_each_would_get_alone():
+    model = build("llama")
+    runner = load_runner(model, SETTINGS)
+    a, b, c = runner.reserve(), runner.reserve(), runner.reserve()
+    prompts = {a: [5, 6, 7, 8], b: [9, 10], c: [11, 12, 13, 14, 15, 16]}
+    # c's prompt in two parts, the second beside a's and b's first decode tokens
+    runner.run([Feed(b, prompts[b]), Feed(a, prompts[a]), Feed(c, prompts[c][:3], logits=False)])
+    logits = runner.run([Feed(c, prompts[c][3:]), Feed(a, [20]), Feed(b, [21])])
+    expected = [logits_alone(model, prompts[c]), logits_alone(model, prompts[a] + [20]),
+                logits_alone(model, prompts[b] + [21])]
+    assert torch.allclose(logits, torch.stack(expected), atol=1e-9)
+    assert [runner.length(h) for h in (a, b, c)] == [5, 3, 6]
+
+
+def test_a_pass_that_raises_grows_no_cache_and_can_be_run_again():
+    model = build("qwen2")
+    runner = load_runner(model, SETTINGS)
+    row = runner.reserve()
+    runner.run([Feed(row, [3, 4, 5])])
+
+    def fail(module, args):
+        raise RuntimeError("simulated failure")
+
+    hook = model.model.layers[-1].register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError):
+        runner.run([Feed(row, [6])])
+    hook.remove()
+    assert runner.length(row) == 3
+    assert torch.allclose(runner.run([Feed(row, [6])])[0], logits_alone(model, [3, 4, 5, 6]),
+                          atol=1e-9)
+
+
+def test_rows_of_a_decode_step_are_gathered_when_one_leaves():
+    model = build("mistral")
+    runner = load_runner(model, SETTINGS)
+    rows = [runner.reserve() for _ in range(4)]
+    prompts = [[3 + i, 4 + i, 5 + i, 6 + i, 7 + i, 8 + i, 9 + i] for i in range(4)]
+    runner.run([Feed(h, p) for h, p in zip(rows, prompts)])
+    runner.release(rows[1])  # a hole among the rows: the last one moves into it
+    kept = [rows[0], rows[2], rows[3]]
+    logits = runner.run([Feed(h, [30]) for h in kept])
+    expected = [logits_alone(model, prompts[i] + [30]) for i in (0, 2, 3)]
+    assert torch.allclose(logits, torch.stack(expected), atol=1e-9)
+    assert sorted(runner.cache.row_of(h) for h in kept) == [0, 1, 2]
+
+
+def test_the_model_keeps_its_own_generate_after_the_runner_adopted_it(smollm2_tokenizer):
+    model = build("gemma2", vocab_size=len(smollm2_tokenizer))
+    before = solo_references(model, smollm2_tokenizer, ["Hello there, general"])
+    load_runner(model, SETTINGS)
+    assert model.config._attn_implementation.startswith("djl_stream:")
+    assert solo_references(model, smollm2_tokenizer, ["Hello there, general"]) == before
+
+
+@pytest.mark.parametrize("config", [
+    transformers.FalconConfig(vocab_size=49152, hidden_size=64, num_hidden_layers=2,
+                              num_attention_heads=4),
+    transformers.BloomConfig(vocab_size=49152, hidden_size=64, n_layer=2, n_head=4),
+], ids=["falcon", "bloom"])
+def test_a_model_whose_attention_skips_the_interface_runs_its_forward_correctly(
+        config, smollm2_tokenizer, caplog):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
+    references = solo_references(model, smollm2_tokenizer)
+    with caplog.at_level(logging.INFO, logger="djl_stream.runtime.runner"):
+        runner = load_runner(model, SETTINGS)
+    assert isinstance(runner, ForwardRunner) and not runner.mixes_passes
+    assert "attention interface" in runner.reason
+    assert any(runner.reason in record.getMessage() for record in caplog.records)
+    assert concurrent_streams(model, smollm2_tokenizer) == references
+
+
+def test_a_model_whose_logits_differ_through_the_cache_runs_its_forward(monkeypatch):
+    from djl_stream.runtime import attention
+
+    model = build("llama")
+    real = attention.attend
+    monkeypatch.setattr(attention, "attend",
+                        lambda *args, **kwargs: real(*args, **kwargs) * 1.5)
+    runner = load_runner(model, SETTINGS)
+    assert runner.path == "forward"
+    assert "differ" in runner.reason
+    assert not model.config._attn_implementation.startswith("djl_stream:")
