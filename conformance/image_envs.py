@@ -340,7 +340,7 @@ def build_venv(pins: ImagePins, kind: str, cache: Path = CACHE) -> Venv:
     A venv is complete once its ``.complete`` file exists; a half-built one (an interrupted
     run) is removed and built again, and so are the same image's venvs of other keys.
     """
-    from djl_stream.file_lock import exclusive_lock
+    from djl_stream.runtime.file_lock import exclusive_lock
 
     prefix = f"{pins.image}-{kind}-"
     path = cache / f"{prefix}{cache_key(pins, kind)}"

@@ -166,9 +166,8 @@ class RequestStats:
 class BatchState:
     """The scheduler's load at one moment.
 
-    ``kv_cache_tokens`` counts the token slots the KV caches hold in memory: rows × cached
-    positions of the running batch, left padding included (rows of different lengths are
-    padded to the longest), plus those of prompts part-way through a chunked prefill.
+    ``kv_cache_tokens`` counts the positions the KV cache holds: every running row's, plus
+    those of prompts part-way through a chunked prefill.
     """
 
     running_rows: int = 0
@@ -759,6 +758,8 @@ class Scheduler:
             prefill.jobs = [job for job in prefill.jobs if job not in gone]
             if not prefill.jobs:
                 self._prefilling.remove(prefill)
+                if prefill.batch is not None:
+                    prefill.batch.release()
             elif prefill.batch is not None:
                 prefill.batch = prefill.batch.filter(
                     [seq.request_id for job in prefill.jobs for seq in job.sequences])

@@ -71,20 +71,34 @@ class AttentionLayout:
     block_rows: int = 0
     block_masks: Dict[Optional[int], torch.Tensor] = dataclasses.field(default_factory=dict)
     chunks: Sequence[Tuple[int, int, int, int]] = ()
-    _chunk_masks: Dict[tuple, torch.Tensor] = dataclasses.field(default_factory=dict)
+    _derived: Dict[tuple, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def slots(self, heads: int, columns: int) -> torch.Tensor:
+        """Where each token's key (or value) vectors go in a layer's buffer seen as one row
+        of vectors per (row, head, column): ``(tokens × heads,)``, token-major. One
+        ``index_copy_`` over that view writes every token's heads; computed once per
+        buffer geometry and pass."""
+        key = ("slots", heads, columns)
+        slots = self._derived.get(key)
+        if slots is None:
+            head = torch.arange(heads, device=self.rows.device).view(1, -1)
+            slots = ((self.rows.view(-1, 1) * heads + head) * columns
+                     + self.positions.view(-1, 1)).reshape(-1)
+            self._derived[key] = slots
+        return slots
 
     def chunk_mask(self, index: int, window: Optional[int], groups: int) -> torch.Tensor:
         """The causal mask of chunk ``index`` for its ``groups`` query heads per key/value
         head laid side by side: ``(1, 1, groups × tokens, columns)``."""
         key = (index, window, groups)
-        mask = self._chunk_masks.get(key)
+        mask = self._derived.get(key)
         if mask is None:
             first, end, _, start = self.chunks[index]
             queries = torch.arange(start, start + end - first,
                                    device=self.positions.device).view(-1, 1)
             mask = causal_mask(queries, start + end - first, window)
             mask = mask.repeat(groups, 1).unsqueeze(0).unsqueeze(0)
-            self._chunk_masks[key] = mask
+            self._derived[key] = mask
         return mask
 
 
@@ -132,10 +146,13 @@ def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     layer = module.layer_idx
     keys, values = layout.keys[layer], layout.values[layer]
     _, heads, tokens, dim = query.shape
-    kv_heads, value_dim = key.shape[1], value.shape[3]
+    kv_heads, key_dim, value_dim = key.shape[1], key.shape[3], value.shape[3]
     groups = heads // kv_heads
-    keys[layout.rows, :, layout.positions] = key[0].transpose(0, 1).to(keys.dtype)
-    values[layout.rows, :, layout.positions] = value[0].transpose(0, 1).to(values.dtype)
+    slots = layout.slots(kv_heads, keys.shape[2])
+    keys.view(-1, key_dim).index_copy_(0, slots, key[0].transpose(0, 1)
+                                       .reshape(-1, key_dim).to(keys.dtype))
+    values.view(-1, value_dim).index_copy_(0, slots, value[0].transpose(0, 1)
+                                           .reshape(-1, value_dim).to(values.dtype))
     out = query.new_empty(tokens, heads, value_dim)
     n = layout.block_rows
     if n:

@@ -122,6 +122,14 @@ class _Int8Weights(torch.nn.Module):
             quantized, scale = quantize_rows(weight.detach())
         return cls(quantized, scale, linear.bias)
 
+    @classmethod
+    def empty_like(cls, linear: torch.nn.Linear):
+        """A layer of this kind with ``linear``'s shapes and weights left unwritten (the
+        structure of a quantized model, for a compiler that needs shapes only)."""
+        out_features, in_features = linear.weight.shape
+        return cls(torch.empty((out_features, in_features), dtype=torch.int8),
+                   torch.empty(out_features), linear.bias)
+
     @staticmethod
     def unavailable() -> Optional[str]:
         return None
@@ -196,6 +204,22 @@ def replace_linear_layers(model: torch.nn.Module, make: Callable) -> int:
         setattr(parent, name, replacement)
         count += 1
     return count
+
+
+#: The layer each CPU int8 method puts in place of ``nn.Linear``.
+LAYERS = {"int8": Int8WeightOnlyLinear, "w8a8": Int8Linear}
+
+
+def quantized_method(model: torch.nn.Module) -> Optional[str]:
+    """Which of :data:`LAYERS` ``model``'s linear layers were replaced by, if any."""
+    kinds = {type(module) for module in model.modules()}
+    return next((method for method, layer in LAYERS.items() if layer in kinds), None)
+
+
+def quantize_structure(model: torch.nn.Module, method: str) -> int:
+    """Put ``method``'s layers in place of ``model``'s, their weights unwritten (see
+    :meth:`_Int8Weights.empty_like`)."""
+    return replace_linear_layers(model, LAYERS[method].empty_like)
 
 
 def quantize_weights_only(model: torch.nn.Module) -> int:

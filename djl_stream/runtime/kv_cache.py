@@ -103,8 +103,9 @@ def reserving_is_free(device) -> bool:
 class KVCache:
     """Every layer's keys and values, one row per sequence; see the module docstring.
 
-    ``rows`` is the most sequences held at once. One more row is kept spare, so that
-    :meth:`place` can always move a row out of the way. ``columns`` is the most positions
+    ``rows`` is the most sequences held at once. Two more rows are kept: one free, so that
+    :meth:`place` can always move a row out of the way, and one no sequence ever holds
+    (:attr:`spare_row`), which the padding rows of a compiled step write into. ``columns`` is the most positions
     a row may hold; where reserving is not free the buffers start with fewer and grow.
     """
 
@@ -133,9 +134,9 @@ class KVCache:
         keys, values = [], []
         for shape in self.layer_shapes:
             device = shape.device or self.device
-            keys.append(zeroed_buffer((self.rows + 1, shape.heads, columns, shape.key_dim),
+            keys.append(zeroed_buffer((self.rows + 2, shape.heads, columns, shape.key_dim),
                                       self.dtype, device))
-            values.append(zeroed_buffer((self.rows + 1, shape.heads, columns, shape.value_dim),
+            values.append(zeroed_buffer((self.rows + 2, shape.heads, columns, shape.value_dim),
                                         self.dtype, device))
         if self.keys:  # growing: the columns written so far come along
             used = max(self._length.values(), default=0)
@@ -178,16 +179,21 @@ class KVCache:
         return list(self._row_of)
 
     @property
+    def spare_row(self) -> int:
+        """A row no handle ever holds: where a padding row of a step may write."""
+        return self.rows + 1
+
+    @property
     def held(self) -> int:
         """Rows held now."""
         return len(self._row_of)
 
-    def place(self, handles: Sequence[int]) -> int:
+    def place(self, handles: Sequence[int], *, at_start: bool = False) -> int:
         """Make ``handles`` occupy consecutive rows (in any order) and return the first;
         read each one's row with :meth:`row_of` after.
 
-        Where they already do, nothing moves. Otherwise they are gathered into rows
-        ``[0, len(handles))``: those already there stay, each one beyond moves into a
+        Where they already do (from row 0, with ``at_start``), nothing moves. Otherwise
+        they are gathered into rows ``[0, len(handles))``: those already there stay, each one beyond moves into a
         hole (a row of another sequence there is moved out of the way first), so that a
         batch that lost a row costs the copy of one row, not of all the rows after it.
 
@@ -202,7 +208,7 @@ class KVCache:
         [0, 4, 2, 1]
         """
         rows = sorted(self._row_of[h] for h in handles)
-        if not rows or rows[-1] - rows[0] == len(rows) - 1:
+        if not rows or (rows[-1] - rows[0] == len(rows) - 1 and (rows[0] == 0 or not at_start)):
             return rows[0] if rows else 0
         size = len(handles)
         inside = {self._row_of[h] for h in handles if self._row_of[h] < size}

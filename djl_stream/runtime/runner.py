@@ -120,6 +120,14 @@ class ModelRunner:
         """Every handle held."""
         raise NotImplementedError
 
+    def compile_decode_step(self, root=None):
+        """Start getting a compiled decode step (see :class:`AttentionRunner`); nothing
+        here."""
+        return None
+
+    def close(self) -> None:
+        """Stop whatever the runner runs in the background."""
+
     def release_all_but(self, live) -> None:
         """Release every handle not in ``live`` (after a failure dropped batches whole)."""
         for handle in self.handles():
@@ -142,6 +150,107 @@ class AttentionRunner(ModelRunner):
                              dtype=dtype, device=self.device, initial_columns=1024)
         self._keep_logits = _logits_keyword(model)
         self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
+        self.program = None        # the compiled decode step, once checked
+        self._builder = None       # what is getting it (decode_program.ProgramBuilder)
+        self._candidate = None     # a program ready but not yet checked against a step
+
+    # -- the compiled decode step ---------------------------------------------------------
+
+    def geometry(self):
+        """The KV cache's shapes, as a compiled decode step reads them."""
+        from djl_stream.runtime.decode_program import CacheGeometry
+
+        cache = self.cache
+        return CacheGeometry(
+            rows=cache.rows + 2, columns=cache.columns,
+            layers=tuple((s.heads, s.key_dim, s.value_dim) for s in cache.layer_shapes),
+            windows=tuple(self.windows), dtype=str(cache.dtype).replace("torch.", ""))
+
+    def compile_decode_step(self, root=None):
+        """Get the compiled decode step in the background (from the cache, or compiled by a
+        process of its own); decode steps run it once it gives the eager step's logits.
+        Only on a CPU, whose cache's columns never grow (the program's shapes are fixed)."""
+        from djl_stream.runtime.decode_program import ProgramBuilder
+
+        if self.device.type != "cpu" or self._builder is not None or self.program is not None:
+            return None
+        self._builder = ProgramBuilder(self.model, self.geometry(), root=root)
+        self._builder.start()
+        return self._builder
+
+    def close(self) -> None:
+        if self._builder is not None:
+            self._builder.stop()
+
+    def _program_to_try(self):
+        """The compiled step to use or to check now, if any."""
+        if self.program is not None:
+            return self.program
+        if self._candidate is None and self._builder is not None and self._builder.finished:
+            self._candidate, self._builder = self._builder.result(), None
+        return self._candidate
+
+    def _run_program(self, program, block: List[Feed], positions: List[int]) -> torch.Tensor:
+        """The block's logits (in block order) from the compiled step, its rows ``[0, n)``
+        at ``positions``; a single row is padded to two with a row that writes into the
+        spare row."""
+        cache = self.cache
+        count = len(block)
+        ids = [int(f.tokens[0]) for f in block]
+        rows = list(range(count))
+        if count == 1:
+            ids, positions, rows = ids * 2, positions + [0], rows + [cache.spare_row]
+        device = self.device
+        position_tensor = torch.tensor([positions], dtype=torch.long, device=device)
+        span = max(positions) + 1
+        masks = [block_mask(position_tensor[0], span, window) for window in self.windows]
+        with torch.inference_mode():
+            logits = program(torch.tensor([ids], dtype=torch.long, device=device),
+                             position_tensor, torch.tensor(rows, dtype=torch.long, device=device),
+                             masks, cache.keys, cache.values)
+        return logits[:count]
+
+    def _decode_with_program(self, feeds: Sequence[Feed]) -> Optional[torch.Tensor]:
+        """Run a decode step of single-token ``feeds`` through the compiled step where there
+        is one (checking a new one against this step's eager logits first); ``None`` where
+        the eager path runs it."""
+        program = self._program_to_try()
+        cache = self.cache
+        if program is None or not all(len(f.tokens) == 1 for f in feeds):
+            return None
+        span = max(cache.length(f.handle) for f in feeds) + 1
+        if span >= cache.columns or len(feeds) > cache.rows:
+            return None
+        cache.place([f.handle for f in feeds], at_start=True)
+        block = sorted(feeds, key=lambda f: cache.row_of(f.handle))
+        positions = [cache.length(f.handle) for f in block]
+        if program is self._candidate:
+            eager = self._run_eager(feeds)
+            try:
+                compiled = self._run_program(program, block, positions)
+            except Exception as error:  # noqa: BLE001 - the eager step goes on serving
+                self._candidate = None
+                logger.warning("the compiled decode step failed (%s: %s); the eager forward "
+                               "goes on serving", type(error).__name__, error)
+                return eager
+            order = [block.index(f) for f in feeds]
+            difference = float((compiled[order].float() - eager.float()).abs().max())
+            tolerance = (PROBE_TOLERANCE.get(eager.dtype, 5e-2)
+                         * max(1.0, float(eager.abs().max())))
+            self._candidate = None
+            if difference <= tolerance:
+                self.program = program
+                logger.info("decode steps now run the compiled program (its logits within "
+                            "%.2g of the eager step's)", difference)
+            else:
+                logger.warning("the compiled decode step's logits differ from the eager "
+                               "step's by %.3g: the eager forward goes on serving", difference)
+            return eager
+        logits = self._run_program(program, block, positions)
+        for feed in feeds:
+            cache.set_length(feed.handle, cache.length(feed.handle) + 1)
+        where = {id(f): i for i, f in enumerate(block)}
+        return logits[[where[id(f)] for f in feeds]]
 
     def reserve(self) -> int:
         return self.cache.reserve()
@@ -162,6 +271,10 @@ class AttentionRunner(ModelRunner):
     def run(self, feeds: Sequence[Feed]) -> torch.Tensor:
         if not feeds:
             raise ValueError("a pass needs at least one feed")
+        logits = self._decode_with_program(feeds)
+        return logits if logits is not None else self._run_eager(feeds)
+
+    def _run_eager(self, feeds: Sequence[Feed]) -> torch.Tensor:
         cache = self.cache
         singles = [f for f in feeds if len(f.tokens) == 1]
         block: List[Feed] = []

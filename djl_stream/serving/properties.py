@@ -115,6 +115,12 @@ class ModelProperties:
             (made for CUDA); ``None`` for none
             (see :mod:`djl_stream.runtime.quantization`). djl-serving's deprecated
             ``load_in_8bit=true`` / ``load_in_4bit=true`` mean ``bitsandbytes8`` / ``4``.
+        compile: compile the decode step (the model's own forward over the running rows)
+            ahead of time with ``torch.export`` and AOTInductor, in a process of its own
+            while the server answers with the eager forward, and run it once it gives the
+            eager step's logits; kept in a cache for the next start (see
+            :mod:`djl_stream.runtime.decode_program`). ``None`` (``auto``) and ``True`` do so
+            on a CPU; ``False`` never.
         tensor_parallel_degree: number of GPUs to spread the model over; ``None`` means
             ``max`` (all visible GPUs). Ignored on CPU.
         enable_streaming: stream by default when a request does not say ``"stream"``.
@@ -177,6 +183,7 @@ class ModelProperties:
     model_id: Optional[str] = None
     dtype: str = "auto"
     quantize: Optional[str] = None
+    compile: Optional[bool] = None
     load_in_8bit: bool = False
     load_in_4bit: bool = False
     tensor_parallel_degree: Optional[int] = 1
@@ -292,7 +299,7 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
             out[key] = _as_int(key, value)
         elif key == "prefill_stall_steps":
             out[key] = _as_float(key, value)
-        elif key == "apply_chat_template":
+        elif key in ("apply_chat_template", "compile"):
             text = str(value).strip().lower()
             out[key] = None if text == "auto" else _as_bool(key, value)
         elif key == "device_id":

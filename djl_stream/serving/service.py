@@ -151,7 +151,8 @@ def create_engine(name: str, props: ModelProperties) -> Engine:
         max_batch_prefill_tokens=props.max_batch_prefill_tokens,
         prefill_stall_steps=props.prefill_stall_steps,
         max_input_length=props.max_input_length,
-        max_new_tokens=props.max_new_tokens_limit))
+        max_new_tokens=props.max_new_tokens_limit,
+        compile=props.compile is not False))
 
 
 def select_engine(props: ModelProperties) -> str:

@@ -120,7 +120,8 @@ class AccelerateSettings:
     """The limits of an :class:`AccelerateEngine` (``option.max_rolling_batch_size``,
     ``job_queue_size``, ``option.max_batch_prefill_tokens`` with ``None`` for the device's
     default, ``option.prefill_stall_steps``, ``option.max_input_length`` and
-    ``option.max_new_tokens_limit``)."""
+    ``option.max_new_tokens_limit``), and whether decode steps run a compiled program once it
+    is ready (``option.compile``: see :mod:`djl_stream.runtime.decode_program`)."""
 
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     max_queue: int = DEFAULT_MAX_QUEUE
@@ -128,6 +129,7 @@ class AccelerateSettings:
     prefill_stall_steps: Optional[float] = DEFAULT_PREFILL_STALL_STEPS
     max_input_length: int = DEFAULT_MAX_INPUT_LENGTH
     max_new_tokens: int = 2048
+    compile: bool = False
 
 
 class AccelerateEngine(Engine):
@@ -156,6 +158,8 @@ class AccelerateEngine(Engine):
         self.runner = load_runner(model, RunnerSettings(
             max_rows=settings.max_batch_size,
             max_positions=min(positions, limit) if limit else positions))
+        if settings.compile and self.runner.path == "attention":
+            self.runner.compile_decode_step()
         self.scheduler = Scheduler(
             self.runner, max_batch_size=settings.max_batch_size, max_queue=settings.max_queue,
             max_batch_prefill_tokens=settings.max_batch_prefill_tokens,
@@ -175,6 +179,7 @@ class AccelerateEngine(Engine):
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
+        self.runner.close()
 
 
 def _position_limit(model) -> Optional[int]:

@@ -1,6 +1,6 @@
 """An exclusive lock on a file, held by one process (or thread) at a time: what keeps two
-processes from building the same cache entry at once (the compiled one-row program,
-:mod:`djl_stream.generation.compiled_decode`; the conformance suite's image environments).
+processes from building the same cache entry at once (a compiled decode program,
+:mod:`djl_stream.runtime.decode_program`; the conformance suite's image environments).
 
 Example::
 

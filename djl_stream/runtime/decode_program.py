@@ -1,0 +1,377 @@
+"""The decode step compiled ahead of time: the model's own forward over a block of rows,
+exported with ``torch.export`` and compiled by AOTInductor into a package kept on disk.
+
+A decode step of ``n`` running rows is the same computation at every step but for ``n``
+and the columns attended, so it is compiled once with both as dynamic sizes
+(:class:`DecodeStep`): the whole forward, every architecture's own code, becomes one C++
+function with no Python between its operators. The package holds no weights
+(``aot_inductor.package_constants_in_so`` off): the program reads the served model's own
+parameters (``load_constants(..., user_managed=True)``), so it costs no memory beyond its
+code, and a program serves any weights of the same shapes.
+
+Compiling takes minutes on a small CPU, so it never happens in the serving process:
+:class:`ProgramBuilder` starts ``python -m djl_stream.runtime.decode_program SPEC`` in a
+process of its own (a crash there cannot take the server down) while the server answers
+with the model's eager forward, and the runner switches to the program between two steps
+once it has checked that the program gives the eager step's logits
+(:meth:`~djl_stream.runtime.runner.AttentionRunner.run`). The compiling process builds the
+model's structure from its config with weights left unwritten (the program only needs
+their shapes) and the served model's buffers, so it reads no checkpoint.
+
+Programs are cached under :func:`cache_root`, keyed by what decides the compiled code
+(:func:`program_key`): the model's config, dtype and layer types, the cache's geometry,
+the versions of torch, transformers and djl-stream's runtime, and the CPU's instruction
+sets. Nothing measured decides it, so a second start finds the program its first start
+compiled. A process that finds another compiling the same program waits for it (and says
+so) rather than compiling it again.
+
+Example::
+
+    builder = ProgramBuilder(model, runner.geometry())
+    builder.start()                        # returns at once; compiles in the background
+    program = builder.result(timeout=0)    # a DecodeProgram once ready, else None
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from djl_stream.runtime.attention import LAYOUT_KWARG, AttentionLayout
+from djl_stream.runtime.file_lock import exclusive_lock
+
+logger = logging.getLogger(__name__)
+
+#: Where programs are kept: ``$DJL_STREAM_CACHE_DIR``, else ``$DJL_CACHE_DIR/djl-stream``
+#: (djl-serving's cache), else ``~/.cache/djl-stream``.
+CACHE_VARIABLE = "DJL_STREAM_CACHE_DIR"
+#: x86 flags that decide which vector code the compiler writes.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+             "avx512_fp16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+#: Bumped when the exported step changes in a way the versions do not show.
+FORMAT = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheGeometry:
+    """The shapes of the KV cache a program reads: ``rows`` (the spare row included),
+    ``columns``, and per layer ``(heads, key_dim, value_dim)``; ``windows`` in the order the
+    program takes their masks; ``dtype`` of the cache."""
+
+    rows: int
+    columns: int
+    layers: Tuple[Tuple[int, int, int], ...]
+    windows: Tuple[Optional[int], ...]
+    dtype: str
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "CacheGeometry":
+        return cls(data["rows"], data["columns"], tuple(tuple(x) for x in data["layers"]),
+                   tuple(data["windows"]), data["dtype"])
+
+
+class DecodeStep(torch.nn.Module):
+    """A decode step of rows ``[0, n)`` of the cache, one token each, as a module over the
+    model: ``(input_ids (1, n), position_ids (1, n), rows (n,), masks, keys, values) ->
+    logits (n, vocab)``. ``rows`` says where each token's keys and values are written (a
+    padding row writes into the spare row); ``masks`` holds one block mask per window of
+    :attr:`windows`."""
+
+    def __init__(self, model: torch.nn.Module, windows: Sequence[Optional[int]]) -> None:
+        super().__init__()
+        self.model = model
+        self.windows = tuple(windows)
+
+    def forward(self, input_ids, position_ids, rows, masks, keys, values):
+        layout = AttentionLayout(
+            rows=rows, positions=position_ids[0], keys=list(keys), values=list(values),
+            block_start=0, block_rows=input_ids.shape[1],
+            block_masks=dict(zip(self.windows, masks)))
+        no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=input_ids.device)
+        outputs = self.model(input_ids=input_ids, position_ids=position_ids,
+                             attention_mask=no_mask, use_cache=False,
+                             **{LAYOUT_KWARG: layout})
+        return outputs.logits[0]
+
+
+class DecodeProgram:
+    """A compiled :class:`DecodeStep` reading ``model``'s own parameters."""
+
+    def __init__(self, path: Path, model: torch.nn.Module) -> None:
+        self.path = path
+        self._program = torch._inductor.aoti_load_package(str(path))
+        wrapper = DecodeStep(model, ())
+        constants = dict(wrapper.named_parameters(remove_duplicate=False))
+        constants.update(wrapper.named_buffers(remove_duplicate=False))
+        wanted = self._program.get_constant_fqns()
+        missing = [name for name in wanted if name not in constants]
+        if missing:
+            raise ValueError(f"the program wants constants the model lacks: {missing[:3]}")
+        self._program.load_constants({name: constants[name] for name in wanted},
+                                     check_full_update=True, user_managed=True)
+
+    def __call__(self, input_ids, position_ids, rows, masks, keys, values) -> torch.Tensor:
+        return self._program(input_ids, position_ids, rows, tuple(masks), tuple(keys),
+                             tuple(values))
+
+
+def cache_root(environ: Optional[Dict[str, str]] = None) -> Path:
+    """Where compiled programs are kept (see :data:`CACHE_VARIABLE`).
+
+    >>> cache_root({"DJL_STREAM_CACHE_DIR": "/srv/cache"})
+    PosixPath('/srv/cache/decode-programs')
+    >>> cache_root({"DJL_CACHE_DIR": "/tmp/.djl.ai"})
+    PosixPath('/tmp/.djl.ai/djl-stream/decode-programs')
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get(CACHE_VARIABLE):
+        root = Path(environ[CACHE_VARIABLE])
+    elif environ.get("DJL_CACHE_DIR"):
+        root = Path(environ["DJL_CACHE_DIR"]) / "djl-stream"
+    else:
+        root = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "djl-stream"
+    return root / "decode-programs"
+
+
+def cpu_instruction_sets() -> List[str]:
+    """The instruction sets the compiler may use here: PyTorch's own reading of the CPU
+    and the :data:`ISA_FLAGS` ``/proc/cpuinfo`` lists."""
+    from djl_stream.runtime.cpu_info import cpu_fields
+
+    flags = set(((cpu_fields(("flags",)) or {}).get("flags") or "").split())
+    return [torch.backends.cpu.get_cpu_capability()] + sorted(flags & set(ISA_FLAGS))
+
+
+def program_key(model: torch.nn.Module, geometry: CacheGeometry) -> str:
+    """What decides a program's code, hashed: see the module docstring."""
+    import transformers
+
+    layers = sorted({f"{type(m).__module__}.{type(m).__name__}" for m in model.modules()})
+    parameters = sorted((name, str(p.dtype), tuple(p.shape))
+                        for name, p in model.named_parameters(remove_duplicate=False))
+    described = {
+        "format": FORMAT,
+        "config": model.config.to_dict(),
+        "class": f"{type(model).__module__}.{type(model).__name__}",
+        "modules": layers,
+        "parameters": parameters,
+        "geometry": geometry.as_dict(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "runtime": _runtime_source_hash(),
+        "cpu": cpu_instruction_sets(),
+    }
+    text = json.dumps(described, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _runtime_source_hash() -> str:
+    """The source of the modules whose code the program holds (attention and this one)."""
+    digest = hashlib.sha256()
+    for name in ("attention.py", "decode_program.py", "int8.py"):
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def example_inputs(geometry: CacheGeometry, device="cpu"):
+    """Inputs of a 2-row step over empty buffers of ``geometry``: what export traces."""
+    dtype = getattr(torch, geometry.dtype)
+    n, span = 2, 4
+    keys = tuple(torch.empty((geometry.rows, h, geometry.columns, k), dtype=dtype, device=device)
+                 for h, k, _ in geometry.layers)
+    values = tuple(torch.empty((geometry.rows, h, geometry.columns, v), dtype=dtype,
+                               device=device) for h, _, v in geometry.layers)
+    masks = tuple(torch.ones((n, 1, 1, span), dtype=torch.bool, device=device)
+                  for _ in geometry.windows)
+    ids = torch.ones((1, n), dtype=torch.long, device=device)
+    positions = torch.tensor([[span - 1, span - 2]], device=device)
+    return (ids, positions, torch.arange(n, device=device), masks, keys, values)
+
+
+def export_and_compile(model: torch.nn.Module, geometry: CacheGeometry, target: Path) -> Path:
+    """Export :class:`DecodeStep` over ``model`` (rows 2 to the cache's rows, columns 2 to
+    one less than its columns: dynamic) and compile it into the package ``target``."""
+    rows = torch.export.Dim("rows", min=2, max=geometry.rows - 1)
+    span = torch.export.Dim("span", min=2, max=geometry.columns - 1)
+    shapes = ({1: rows}, {1: rows}, {0: rows}, tuple({0: rows, 3: span} for _ in geometry.windows),
+              tuple(None for _ in geometry.layers), tuple(None for _ in geometry.layers))
+    step = DecodeStep(model, geometry.windows)
+    started = time.perf_counter()
+    inputs = example_inputs(geometry)  # (not inference tensors: the compiler writes them)
+    with torch.inference_mode():
+        exported = torch.export.export(step, inputs, dynamic_shapes=shapes, strict=False)
+    logger.info("exported the decode step in %.1f s", time.perf_counter() - started)
+    started = time.perf_counter()
+    path = torch._inductor.aoti_compile_and_package(
+        exported, package_path=str(target),
+        inductor_configs={"aot_inductor.package_constants_in_so": False})
+    logger.info("compiled the decode step in %.1f s", time.perf_counter() - started)
+    return Path(path)
+
+
+class ProgramBuilder:
+    """Gets the decode program of ``model`` for ``geometry``: from the cache, or compiled by
+    a process of its own in the background (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, geometry: CacheGeometry, *,
+                 root: Optional[Path] = None) -> None:
+        from djl_stream.runtime.int8 import quantized_method
+
+        self.model = model
+        self.geometry = geometry
+        self.quantize = quantized_method(model)
+        self.key = program_key(model, geometry)
+        self.folder = (root or cache_root()) / self.key
+        self.path = self.folder / "program.pt2"
+        self._result: Optional[DecodeProgram] = None
+        self._error: Optional[str] = None
+        self._done = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._process: Optional[subprocess.Popen] = None
+        self._stopped = False
+
+    def start(self) -> None:
+        """Load the cached program, or start compiling it; returns at once."""
+        self._thread = threading.Thread(target=self._build, name="djl-stream-compile",
+                                        daemon=True)
+        self._thread.start()
+
+    def result(self, timeout: Optional[float] = None) -> Optional[DecodeProgram]:
+        """The program once ready (``None`` before, or where it failed: :attr:`error`)."""
+        self._done.wait(timeout)
+        return self._result
+
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
+
+    def stop(self) -> None:
+        """Give up: end the compiling process, if one runs (the engine shuts down)."""
+        self._stopped = True
+        process = self._process
+        if process is not None and process.poll() is None:
+            process.terminate()
+
+    @property
+    def error(self) -> Optional[str]:
+        return self._error
+
+    def _build(self) -> None:
+        try:
+            if not self.path.is_file():
+                self._compile()
+            self._result = DecodeProgram(self.path, self.model)
+        except Exception as error:  # noqa: BLE001 - the eager step goes on serving
+            self._error = f"{type(error).__name__}: {error}"
+            logger.warning("no compiled decode step (%s): the eager forward goes on serving",
+                           self._error)
+        finally:
+            self._done.set()
+
+    def _compile(self) -> None:
+        lock = self.folder.with_suffix(".lock")
+        with exclusive_lock(lock, wait=False) as held:
+            if not held:
+                logger.info("another process is compiling this decode step (%s); waiting "
+                            "for it, serving with the eager forward meanwhile", self.folder)
+        with exclusive_lock(lock):
+            if self.path.is_file():  # (the other process finished it)
+                logger.info("the decode step another process compiled is ready")
+                return
+            started = time.perf_counter()
+            logger.info("compiling the decode step in the background (a process of its own); "
+                        "serving with the eager forward meanwhile")
+            self._run_compiler()
+            logger.info("compiled the decode step in %.0f s into %s",
+                        time.perf_counter() - started, self.folder)
+
+    def _run_compiler(self) -> None:
+        self.folder.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=self.folder.parent, prefix=".compiling-") as work:
+            work_dir = Path(work)
+            spec = {
+                "config": self.model.config.to_dict(),
+                "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
+                "quantize": self.quantize,
+                "geometry": self.geometry.as_dict(),
+                "target": str(work_dir / "program.pt2"),
+            }
+            (work_dir / "spec.json").write_text(json.dumps(spec, default=str))
+            torch.save({name: buffer.detach().cpu() for name, buffer
+                        in self.model.named_buffers(remove_duplicate=False)},
+                       work_dir / "buffers.pt")
+            if self._stopped:
+                raise RuntimeError("stopped before compiling")
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "djl_stream.runtime.decode_program", str(work_dir)],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            output, _ = self._process.communicate()
+            status = self._process.returncode
+            if status != 0 or not (work_dir / "program.pt2").is_file():
+                tail = "\n".join(output.strip().splitlines()[-5:])
+                raise RuntimeError(f"the compiling process ended with status {status}: {tail}")
+            self.folder.mkdir(parents=True, exist_ok=True)
+            os.replace(work_dir / "program.pt2", self.path)
+
+
+def structural_twin(config_dict: Dict[str, Any], dtype: str, quantize: Optional[str],
+                    buffers: Dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The served model's structure from its config, its weights allocated but never
+    written (the program only needs their shapes), its buffers the served model's."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_dict = dict(config_dict)
+    model_type = config_dict.pop("model_type")
+    config = AutoConfig.for_model(model_type, **config_dict)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    for module in model.modules():
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            if parameter.device.type == "meta":
+                setattr(module, name, torch.nn.Parameter(
+                    torch.empty(parameter.shape, dtype=parameter.dtype), requires_grad=False))
+    model.tie_weights()
+    if quantize:
+        from djl_stream.runtime.int8 import quantize_structure
+
+        quantize_structure(model, quantize)
+    own = dict(model.named_buffers(remove_duplicate=False))
+    for name, value in buffers.items():
+        if name in own:
+            own[name].copy_(value)
+    return model.eval()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """The compiling process: ``python -m djl_stream.runtime.decode_program WORK_DIR``."""
+    from djl_stream.runtime.attention import use_attention
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    work = Path((argv or sys.argv[1:])[0])
+    spec = json.loads((work / "spec.json").read_text())
+    buffers = torch.load(work / "buffers.pt")
+    model = structural_twin(spec["config"], spec["dtype"], spec["quantize"], buffers)
+    use_attention(model)
+    export_and_compile(model, CacheGeometry.from_dict(spec["geometry"]), Path(spec["target"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,117 @@
+"""The compiled decode step: built in a process of its own while the eager forward serves,
+checked against an eager step before it runs one, exact where it runs, cached by what
+decides its code."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from architectures import build
+from djl_stream.runtime import decode_program
+from djl_stream.runtime.decode_program import CacheGeometry, ProgramBuilder, program_key
+from djl_stream.runtime.file_lock import exclusive_lock
+from djl_stream.runtime.runner import Feed, RunnerSettings, load_runner
+
+SETTINGS = RunnerSettings(max_rows=6, max_positions=96)
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory):
+    """A cache of this module's own."""
+    return tmp_path_factory.mktemp("decode-programs")
+
+
+def logits_alone(model, tokens):
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([tokens])).logits[0, -1]
+
+
+def decode_and_compare(runner, reference, prompts, steps):
+    """Prefill ``prompts`` on ``runner``, decode ``steps`` steps (the later ones with the
+    first row alone), and return the largest logit difference from ``reference``'s forward
+    over each whole sequence, and whether the compiled program ran the last step."""
+    handles = [runner.reserve() for _ in prompts]
+    sequences = {h: list(p) for h, p in zip(handles, prompts)}
+    runner.run([Feed(h, p) for h, p in sequences.items()])
+    worst = 0.0
+    for step in range(steps):
+        active = handles if step < steps // 2 else handles[:1]
+        token = 7 + step
+        logits = runner.run([Feed(h, [token]) for h in active])
+        for row, handle in enumerate(active):
+            sequences[handle].append(token)
+            expected = logits_alone(reference, sequences[handle])
+            worst = max(worst, float((expected - logits[row]).abs().max()))
+    for handle in handles:
+        runner.release(handle)
+    return worst, runner.program is not None
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt2", "mixtral"])
+def test_the_compiled_step_takes_over_and_computes_the_model_s_logits(name, programs, caplog):
+    model = build(name, dtype=torch.float32)
+    reference = build(name, dtype=torch.float32)  # the same weights, never adopted
+    runner = load_runner(model, SETTINGS)
+    with caplog.at_level(logging.INFO, logger="djl_stream.runtime"):
+        builder = runner.compile_decode_step(root=programs)
+        before, compiled_before = decode_and_compare(runner, reference, [[3, 4, 5]], 2)
+        assert builder.result(timeout=600) is not None, builder.error
+        worst, compiled = decode_and_compare(
+            runner, reference, [[3, 4, 5, 6, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17, 18]], 8)
+    assert compiled, caplog.text
+    assert worst < 1e-4 and before < 1e-4
+    assert "decode steps now run the compiled program" in caplog.text
+
+
+def test_a_second_start_loads_the_cached_program_without_compiling(programs, caplog):
+    model = build("llama", dtype=torch.float32, seed=5)  # other weights, the same shapes
+    runner = load_runner(model, SETTINGS)
+    with caplog.at_level(logging.INFO, logger="djl_stream.runtime"):
+        builder = runner.compile_decode_step(root=programs)
+        assert builder.result(timeout=600) is not None, builder.error
+        worst, compiled = decode_and_compare(runner, build("llama", dtype=torch.float32, seed=5),
+                                             [[3, 4, 5, 6], [7, 8]], 4)
+    assert compiled and worst < 1e-4
+    assert "compiling the decode step" not in caplog.text
+
+
+def test_a_program_that_disagrees_with_the_eager_step_is_never_used(programs, monkeypatch,
+                                                                    caplog):
+    real_call = decode_program.DecodeProgram.__call__
+    monkeypatch.setattr(decode_program.DecodeProgram, "__call__",
+                        lambda self, *args: real_call(self, *args) + 1.0)
+    model = build("llama", dtype=torch.float32)
+    runner = load_runner(model, SETTINGS)
+    with caplog.at_level(logging.INFO, logger="djl_stream.runtime"):
+        runner.compile_decode_step(root=programs).result(timeout=600)
+        worst, compiled = decode_and_compare(runner, build("llama", dtype=torch.float32),
+                                             [[3, 4, 5], [6, 7]], 4)
+    assert not compiled and worst < 1e-6
+    assert "differ from the eager step's" in caplog.text
+
+
+def test_a_start_that_finds_another_process_compiling_says_it_waits(tmp_path, caplog):
+    model = build("gpt_neox", dtype=torch.float32)
+    runner = load_runner(model, SETTINGS)
+    builder = ProgramBuilder(model, runner.geometry(), root=tmp_path)
+    with caplog.at_level(logging.INFO, logger="djl_stream.runtime"):
+        with exclusive_lock(builder.folder.with_suffix(".lock")):
+            builder.start()
+            assert builder.result(timeout=2) is None  # (still waiting for the lock)
+            assert "another process is compiling" in caplog.text
+        builder.stop()  # (the lock was given up without a program: it would compile now)
+        builder.result(timeout=600)
+
+
+def test_the_cache_key_comes_from_shapes_and_versions_never_from_weights():
+    first, second = build("qwen2", dtype=torch.float32), build("qwen2", dtype=torch.float32, seed=9)
+    geometry = load_runner(first, SETTINGS).geometry()
+    assert program_key(first, geometry) == program_key(second, geometry)
+    wider = CacheGeometry(geometry.rows, geometry.columns * 2, geometry.layers,
+                          geometry.windows, geometry.dtype)
+    assert program_key(first, wider) != program_key(first, geometry)
+    assert program_key(build("qwen2", dtype=torch.float64), geometry) != program_key(first,
+                                                                                      geometry)
