@@ -13,6 +13,7 @@ from djl_stream.generation.batch import CausalLMBatch, generate_token
 from djl_stream.generation.engines.accelerate import build_sequences, encode_prompts
 from djl_stream.generation.sampling import MAX_TOP_LOGPROBS, TokenChooser, token_logprobs
 from djl_stream.generation.sequence import special_token_ids
+from djl_stream.runtime.runner import RunnerSettings, load_runner
 from logit_bias import LogitBias
 
 PROMPTS = [
@@ -21,28 +22,38 @@ PROMPTS = [
     "Name a primary colour.",
 ]
 EOS = 2  # the tiny model's eos_token_id (SmolLM2's <|im_end|>)
-ATOL = 1e-4  # a KV-cached, padded step against one plain forward pass, in float32
+ATOL = 1e-4  # a KV-cached, batched step against one plain forward pass, in float32
 
 
-def run(model, tokenizer, groups):
+@pytest.fixture(scope="module")
+def runner(tiny_model):
+    """The tiny model's runner (made once, outside any :class:`LogitBias`: its probe
+    runs the model, and would use up a bias of a few calls)."""
+    runner = load_runner(tiny_model, RunnerSettings(max_rows=8, max_positions=512))
+    assert runner.path == "attention"
+    return runner
+
+
+def run(runner, tokenizer, groups):
     """Decode ``groups`` (a list of ``(prompts, parameters)``) in one batch, each group
     with its own parameters, by driving generate_token; every prompt's Generations."""
     sequences = []
     for g, (prompts, parameters) in enumerate(groups):
-        sequences += build_sequences(model, tokenizer, encode_prompts(tokenizer, prompts),
+        sequences += build_sequences(runner.model, tokenizer, encode_prompts(tokenizer, prompts),
                                      request_ids=[(g, i) for i in range(len(prompts))],
                                      **parameters)
     out = {seq.request_id: [] for seq in sequences}
-    batch = CausalLMBatch.from_sequences(sequences, pad_token_id=EOS, device="cpu")
+    batch = CausalLMBatch.from_sequences(runner, sequences)
     while batch is not None:
-        generations, batch = generate_token(model, batch)
+        generations, batch = generate_token(runner, batch)
         for generation in generations:
             out[generation.request_id].append(generation)
+    assert runner.handles() == []  # every row finished and left, its cache freed
     return [[out[(g, i)] for i in range(len(prompts))] for g, (prompts, _) in enumerate(groups)]
 
 
-def run_one(model, tokenizer, prompt, **parameters):
-    return run(model, tokenizer, [([prompt], parameters)])[0][0]
+def run_one(runner, tokenizer, prompt, **parameters):
+    return run(runner, tokenizer, [([prompt], parameters)])[0][0]
 
 
 def stream(model, tokenizer, prompts, **parameters):
@@ -58,7 +69,7 @@ def stream(model, tokenizer, prompts, **parameters):
 
 
 def reference_logprobs(model, tokenizer, prompt, token_ids):
-    """log_softmax of a plain forward pass (no cache, no padding) over prompt + generated:
+    """log_softmax of a plain forward pass (the model's own, no cache) over prompt + generated:
     row i is the distribution the i-th generated token was chosen from."""
     prompt_ids = encode_prompts(tokenizer, [prompt])[0]
     ids = torch.tensor([prompt_ids + list(token_ids)])
@@ -71,8 +82,9 @@ def reference_logprobs(model, tokenizer, prompt, token_ids):
 # -- logprobs ----------------------------------------------------------------------------------
 
 
-def test_logprobs_and_top_logprobs_are_the_models_own_log_softmax(tiny_model, smollm2_tokenizer):
-    generations = run_one(tiny_model, smollm2_tokenizer, PROMPTS[1], max_new_tokens=12,
+def test_logprobs_and_top_logprobs_are_the_models_own_log_softmax(
+        runner, tiny_model, smollm2_tokenizer):
+    generations = run_one(runner, smollm2_tokenizer, PROMPTS[1], max_new_tokens=12,
                           logprobs=True, top_logprobs=5)
     tokens = [g.token_id for g in generations]
     expected = reference_logprobs(tiny_model, smollm2_tokenizer, PROMPTS[1], tokens)
@@ -90,11 +102,11 @@ def test_logprobs_and_top_logprobs_are_the_models_own_log_softmax(tiny_model, sm
 
 
 def test_sampled_tokens_report_the_raw_distribution_and_are_not_changed_by_asking(
-        tiny_model, smollm2_tokenizer):
+        runner, tiny_model, smollm2_tokenizer):
     sampling_params = dict(max_new_tokens=10, do_sample=True, temperature=1.7, top_k=300,
                            manual_seed=11)
-    plain = run_one(tiny_model, smollm2_tokenizer, PROMPTS[2], **sampling_params)
-    asked = run_one(tiny_model, smollm2_tokenizer, PROMPTS[2], logprobs=True, **sampling_params)
+    plain = run_one(runner, smollm2_tokenizer, PROMPTS[2], **sampling_params)
+    asked = run_one(runner, smollm2_tokenizer, PROMPTS[2], logprobs=True, **sampling_params)
     tokens = [g.token_id for g in asked]
     assert tokens == [g.token_id for g in plain]  # the seeded draw is untouched
     assert all(g.logprob is None for g in plain)
@@ -107,10 +119,10 @@ def test_sampled_tokens_report_the_raw_distribution_and_are_not_changed_by_askin
         assert g.top_logprobs == ()  # logprobs alone: no alternatives
 
 
-def test_logprobs_are_the_same_alone_and_batched_with_other_requests(tiny_model, smollm2_tokenizer):
-    alone = run_one(tiny_model, smollm2_tokenizer, PROMPTS[1], max_new_tokens=10, top_logprobs=3)
-    plain_alone = run_one(tiny_model, smollm2_tokenizer, PROMPTS[0], max_new_tokens=10)
-    (plain,), (asked,), (other,) = run(tiny_model, smollm2_tokenizer, [
+def test_logprobs_are_the_same_alone_and_batched_with_other_requests(runner, smollm2_tokenizer):
+    alone = run_one(runner, smollm2_tokenizer, PROMPTS[1], max_new_tokens=10, top_logprobs=3)
+    plain_alone = run_one(runner, smollm2_tokenizer, PROMPTS[0], max_new_tokens=10)
+    (plain,), (asked,), (other,) = run(runner, smollm2_tokenizer, [
         ([PROMPTS[0]], dict(max_new_tokens=10)),
         ([PROMPTS[1]], dict(max_new_tokens=10, top_logprobs=3)),
         ([PROMPTS[2]], dict(max_new_tokens=10, logprobs=True)),
@@ -126,17 +138,17 @@ def test_logprobs_are_the_same_alone_and_batched_with_other_requests(tiny_model,
     assert all(g.logprob is not None and g.top_logprobs == () for g in other)
 
 
-def test_the_streams_steps_carry_the_logprobs(tiny_model, smollm2_tokenizer):
+def test_the_streams_steps_carry_the_logprobs(runner, tiny_model, smollm2_tokenizer):
     streamed = stream(tiny_model, smollm2_tokenizer, PROMPTS, max_new_tokens=6, top_logprobs=2)
     for prompt, generations in zip(PROMPTS, streamed):
-        direct = run_one(tiny_model, smollm2_tokenizer, prompt, max_new_tokens=6, top_logprobs=2)
+        direct = run_one(runner, smollm2_tokenizer, prompt, max_new_tokens=6, top_logprobs=2)
         assert [g.token_id for g in generations] == [g.token_id for g in direct]
         assert [g.logprob for g in generations] == pytest.approx([g.logprob for g in direct], abs=ATOL)
         assert all(len(g.top_logprobs) == 2 for g in generations)
         assert generations[-1].finish_reason == "length"
 
 
-def test_greedy_rows_stay_in_the_batched_argmax(tiny_model, smollm2_tokenizer, monkeypatch):
+def test_greedy_rows_stay_in_the_batched_argmax(runner, smollm2_tokenizer, monkeypatch):
     # TokenChooser.choose is the per-row path; the batched argmax never calls it.
     calls = []
     real_choose = TokenChooser.choose
@@ -146,15 +158,15 @@ def test_greedy_rows_stay_in_the_batched_argmax(tiny_model, smollm2_tokenizer, m
         return real_choose(self, input_ids, scores)
 
     monkeypatch.setattr(TokenChooser, "choose", counting_choose)
-    run(tiny_model, smollm2_tokenizer, [([PROMPTS[0]], dict(max_new_tokens=8)),
+    run(runner, smollm2_tokenizer, [([PROMPTS[0]], dict(max_new_tokens=8)),
                                         ([PROMPTS[1]], dict(max_new_tokens=8, top_logprobs=4))])
     assert calls == []
     # a greedy min_new_tokens bars end-of-sequence ids within the batched argmax
-    run(tiny_model, smollm2_tokenizer, [([PROMPTS[0]], dict(max_new_tokens=8)),
+    run(runner, smollm2_tokenizer, [([PROMPTS[0]], dict(max_new_tokens=8)),
                                         ([PROMPTS[1]], dict(max_new_tokens=8, min_new_tokens=3))])
     assert calls == []
     # beside another processor (a penalty that stays) the row takes its own path each step
-    run(tiny_model, smollm2_tokenizer, [([PROMPTS[0]], dict(max_new_tokens=8)),
+    run(runner, smollm2_tokenizer, [([PROMPTS[0]], dict(max_new_tokens=8)),
                                         ([PROMPTS[1]], dict(max_new_tokens=8, min_new_tokens=3,
                                                             repetition_penalty=1.1))])
     assert len(calls) == 8
@@ -183,8 +195,8 @@ def test_nonsense_values_are_refused_before_generating(tiny_model, smollm2_token
         generator(tiny_model, smollm2_tokenizer, ["hi"], max_new_tokens=2, **parameters)
 
 
-def test_the_largest_top_logprobs_is_accepted(tiny_model, smollm2_tokenizer):
-    (g,) = run_one(tiny_model, smollm2_tokenizer, PROMPTS[0], max_new_tokens=1,
+def test_the_largest_top_logprobs_is_accepted(runner, smollm2_tokenizer):
+    (g,) = run_one(runner, smollm2_tokenizer, PROMPTS[0], max_new_tokens=1,
                    top_logprobs=MAX_TOP_LOGPROBS)
     assert len(g.top_logprobs) == MAX_TOP_LOGPROBS
     assert sampling.MAX_TOP_LOGPROBS == 20
@@ -193,9 +205,9 @@ def test_the_largest_top_logprobs_is_accepted(tiny_model, smollm2_tokenizer):
 # -- special tokens ----------------------------------------------------------------------------
 
 
-def test_eos_is_special_adds_no_text_and_ends_the_sequence(tiny_model, smollm2_tokenizer):
+def test_eos_is_special_adds_no_text_and_ends_the_sequence(runner, tiny_model, smollm2_tokenizer):
     with LogitBias(tiny_model, token_id=EOS, bias=5.0):
-        generations = run_one(tiny_model, smollm2_tokenizer, PROMPTS[1], max_new_tokens=8,
+        generations = run_one(runner, smollm2_tokenizer, PROMPTS[1], max_new_tokens=8,
                               top_logprobs=2)
     (g,) = generations
     assert (g.token_id, g.text, g.special, g.finish_reason) == (EOS, "", True, "eos")
@@ -203,11 +215,12 @@ def test_eos_is_special_adds_no_text_and_ends_the_sequence(tiny_model, smollm2_t
     assert g.logprob > g.top_logprobs[1][1] + 3
 
 
-def test_a_special_token_that_is_not_eos_is_marked_and_adds_no_text(tiny_model, smollm2_tokenizer):
+def test_a_special_token_that_is_not_eos_is_marked_and_adds_no_text(
+        runner, tiny_model, smollm2_tokenizer):
     im_start = smollm2_tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert im_start in special_token_ids(smollm2_tokenizer) and im_start != EOS
     with LogitBias(tiny_model, token_id=im_start, bias=5.0):
-        generations = run_one(tiny_model, smollm2_tokenizer, PROMPTS[0], max_new_tokens=4)
+        generations = run_one(runner, smollm2_tokenizer, PROMPTS[0], max_new_tokens=4)
     assert [g.token_id for g in generations] == [im_start] * 4
     assert all(g.special and g.text == "" for g in generations)
     assert generations[-1].finish_reason == "length"
@@ -226,14 +239,15 @@ def test_special_token_ids_include_every_added_special_token(smollm2_tokenizer):
 # -- min_new_tokens ----------------------------------------------------------------------------
 
 
-def test_min_new_tokens_holds_eos_back_exactly_like_transformers_generate(tiny_model, smollm2_tokenizer):
+def test_min_new_tokens_holds_eos_back_exactly_like_transformers_generate(
+        runner, tiny_model, smollm2_tokenizer):
     ids = smollm2_tokenizer(PROMPTS[1], return_tensors="pt")
     with LogitBias(tiny_model, token_id=EOS, bias=5.0):
         reference = tiny_model.generate(**ids, max_new_tokens=20, min_new_tokens=5, do_sample=False,
                                         eos_token_id=EOS, pad_token_id=EOS)[0, ids["input_ids"].shape[1]:]
-        generations = run_one(tiny_model, smollm2_tokenizer, PROMPTS[1], max_new_tokens=20,
+        generations = run_one(runner, smollm2_tokenizer, PROMPTS[1], max_new_tokens=20,
                               min_new_tokens=5)
-        without = run_one(tiny_model, smollm2_tokenizer, PROMPTS[1], max_new_tokens=20)
+        without = run_one(runner, smollm2_tokenizer, PROMPTS[1], max_new_tokens=20)
     assert [g.token_id for g in without] == [EOS]  # eos is what the biased model wants
     assert reference.tolist()[-1] == EOS and len(reference) == 6
     assert [g.token_id for g in generations] == reference.tolist()
@@ -241,10 +255,10 @@ def test_min_new_tokens_holds_eos_back_exactly_like_transformers_generate(tiny_m
     assert not any(g.special for g in generations[:5]) and generations[5].special
 
 
-def test_min_new_tokens_counts_from_each_prompts_own_length_in_a_padded_batch(
+def test_min_new_tokens_counts_from_each_prompts_own_length_in_a_batch_of_several_lengths(
         tiny_model, smollm2_tokenizer):
     lengths = [len(ids) for ids in encode_prompts(smollm2_tokenizer, PROMPTS)]
-    assert len(set(lengths)) == len(lengths)  # the batch is padded
+    assert len(set(lengths)) == len(lengths)  # every prompt has its own length
     with LogitBias(tiny_model, token_id=EOS, bias=5.0):
         streamed = stream(tiny_model, smollm2_tokenizer, PROMPTS, max_new_tokens=20, min_new_tokens=4)
     for generations in streamed:
@@ -253,9 +267,10 @@ def test_min_new_tokens_counts_from_each_prompts_own_length_in_a_padded_batch(
         assert generations[-1].token_id == EOS and generations[-1].finish_reason == "eos"
 
 
-def test_max_new_tokens_still_ends_a_sequence_below_min_new_tokens(tiny_model, smollm2_tokenizer):
+def test_max_new_tokens_still_ends_a_sequence_below_min_new_tokens(
+        runner, tiny_model, smollm2_tokenizer):
     with LogitBias(tiny_model, token_id=EOS, bias=5.0):
-        generations = run_one(tiny_model, smollm2_tokenizer, PROMPTS[0], max_new_tokens=3,
+        generations = run_one(runner, smollm2_tokenizer, PROMPTS[0], max_new_tokens=3,
                               min_new_tokens=10)
     assert len(generations) == 3 and EOS not in [g.token_id for g in generations]
     assert generations[-1].finish_reason == "length"
@@ -370,7 +385,8 @@ def test_ignore_eos_runs_to_max_new_tokens(tiny_model, smollm2_tokenizer):
         assert [g.finish_reason for g in generations] == [None] * 6 + ["length"]
 
 
-def test_ignore_eos_goes_on_as_the_model_would_and_eos_adds_no_text(tiny_model, smollm2_tokenizer):
+def test_ignore_eos_goes_on_as_the_model_would_and_eos_adds_no_text(
+        runner, tiny_model, smollm2_tokenizer):
     prompt = PROMPTS[1]
     ids = smollm2_tokenizer(prompt, return_tensors="pt")
     # eos is the first token only: then the model goes on with its own distribution
@@ -378,10 +394,10 @@ def test_ignore_eos_goes_on_as_the_model_would_and_eos_adds_no_text(tiny_model, 
         reference = tiny_model.generate(**ids, max_new_tokens=10, do_sample=False, eos_token_id=None,
                                         pad_token_id=EOS)[0, ids["input_ids"].shape[1]:].tolist()
     with LogitBias(tiny_model, token_id=EOS, bias=5.0, calls=1):
-        generations = run_one(tiny_model, smollm2_tokenizer, prompt, max_new_tokens=10,
+        generations = run_one(runner, smollm2_tokenizer, prompt, max_new_tokens=10,
                               ignore_eos=True)
     with LogitBias(tiny_model, token_id=EOS, bias=5.0, calls=1):
-        stopped = run_one(tiny_model, smollm2_tokenizer, prompt, max_new_tokens=10)
+        stopped = run_one(runner, smollm2_tokenizer, prompt, max_new_tokens=10)
     assert reference[0] == EOS and EOS not in reference[1:]
     assert [g.token_id for g in generations] == reference
     assert generations[0].special and generations[0].text == ""
@@ -391,11 +407,11 @@ def test_ignore_eos_goes_on_as_the_model_would_and_eos_adds_no_text(tiny_model, 
     assert [(g.token_id, g.finish_reason) for g in stopped] == [(EOS, "eos")]
 
 
-def test_ignore_eos_with_a_stop_string_still_stops(tiny_model, smollm2_tokenizer):
-    full = "".join(g.text for g in run_one(tiny_model, smollm2_tokenizer, PROMPTS[1],
+def test_ignore_eos_with_a_stop_string_still_stops(runner, smollm2_tokenizer):
+    full = "".join(g.text for g in run_one(runner, smollm2_tokenizer, PROMPTS[1],
                                            max_new_tokens=20, ignore_eos=True))
     stop = full[5:9]
-    generations = run_one(tiny_model, smollm2_tokenizer, PROMPTS[1], max_new_tokens=20,
+    generations = run_one(runner, smollm2_tokenizer, PROMPTS[1], max_new_tokens=20,
                           ignore_eos=True, stop=[stop])
     assert "".join(g.text for g in generations) == full[: full.index(stop)]
     assert generations[-1].finish_reason == "stop"

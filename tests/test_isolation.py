@@ -16,9 +16,8 @@ import pytest
 import torch
 
 from djl_stream.generation.errors import GenerationFailed
-from djl_stream.runtime.forward_kwargs import cache_in
 from djl_stream.generation.sampling import TokenChooser, UnusableScores, choose_next_tokens
-from test_scheduler import PROMPTS, collect, sequences, solo_texts
+from test_scheduler import PROMPTS, Passes, collect, sequences, solo_texts, tiny_runner
 
 #: What the schema refuses, handed straight to the engine: the scores divided by it overflow
 #: (the tiny model's logits are small, so it takes less than the 1e-37 that broke SmolLM2's).
@@ -36,7 +35,8 @@ def make_scheduler(tiny_model):
         # the real clock, so widths would depend on this machine's speed (the bound's
         # own tests drive it with a simulated clock).
         settings.setdefault("prefill_stall_steps", 0)
-        schedulers.append(Scheduler(tiny_model, pad_token_id=2, device="cpu", **settings))
+        runner = tiny_runner(tiny_model, settings.get("max_batch_size", 32))
+        schedulers.append(Scheduler(runner, **settings))
         return schedulers[-1]
     yield make
     for scheduler in schedulers:
@@ -115,23 +115,18 @@ def test_a_decode_step_that_raises_for_one_request_is_retried_without_it(
         make_scheduler, tiny_model, smollm2_tokenizer):
     """A model that cannot go past position 20 (as one with learned positions): the long
     prompt reaches it first. The hook raises after the forward pass, so the failed step has
-    written every layer's cache; the retry must cut it back, or the short prompt's text
-    would change."""
+    written every layer's keys and values into the KV cache; the retry must not count
+    them, or the short prompt's text would change."""
     short, long = PROMPTS[0], PROMPTS[1]
     expected = solo_texts(make_scheduler, tiny_model, smollm2_tokenizer, [short],
                           max_new_tokens=12)[0]
     assert len(smollm2_tokenizer(long)["input_ids"]) + 12 > 20 > \
         len(smollm2_tokenizer(short)["input_ids"]) + 12
+    scheduler = make_scheduler()
+    passes = Passes(scheduler.runner)
     hook = Hook(tiny_model,
                 fails=lambda kwargs: bool((kwargs["position_ids"] >= 20).any()))
-    # Every forward pass must see a cache exactly as long as its mask says: what the
-    # failed step wrote must be gone before the retry.
-    shapes = []
-    check = tiny_model.register_forward_pre_hook(lambda module, args, kwargs: shapes.append(
-        (cache_in(kwargs).get_seq_length() + kwargs["input_ids"].shape[1],
-         kwargs["attention_mask"].shape[1])), with_kwargs=True)
     try:
-        scheduler = make_scheduler()
         doomed = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [long],
                                             max_new_tokens=12))
         fine = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [short],
@@ -141,16 +136,28 @@ def test_a_decode_step_that_raises_for_one_request_is_retried_without_it(
         assert collect(fine)[0][0] == expected
     finally:
         hook.remove()
-        check.remove()
-    assert all(cached == masked for cached, masked in shapes), shapes
+        passes.remove()
+    assert False in passes.ok  # a pass failed
+    # Every pass must find each row's cache exactly as long as the passes that succeeded
+    # made it: what the failed step wrote is not counted before the retry.
+    fed: dict[int, int] = {}
+    for feeds, ok in zip(passes.seen, passes.ok):
+        for handle, tokens, cached, _ in feeds:
+            assert cached == fed.get(handle, 0), (handle, cached, fed)
+        if ok:
+            for handle, tokens, _, _ in feeds:
+                fed[handle] = fed.get(handle, 0) + tokens
 
 
 def test_every_request_fails_when_each_fails_alone(make_scheduler, tiny_model,
                                                    smollm2_tokenizer):
-    hook = Hook(tiny_model,
-                fails=lambda kwargs: kwargs["position_ids"].shape[1] == 1)  # every decode
+    # Every pass that carries a decode token fails (on the fast path a decode step and a
+    # prompt read beside it are one (1, T) pass: the pass's feeds tell them apart).
+    scheduler = make_scheduler()
+    passes = Passes(scheduler.runner)
+    hook = Hook(tiny_model, fails=lambda kwargs: any(
+        tokens == 1 and cached > 0 for _, tokens, cached, _ in passes.seen[-1]))
     try:
-        scheduler = make_scheduler()
         streams = [scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [p],
                                               max_new_tokens=8)) for p in PROMPTS[:3]]
         for stream in streams:
@@ -159,6 +166,9 @@ def test_every_request_fails_when_each_fails_alone(make_scheduler, tiny_model,
         assert scheduler.running_size == 0
     finally:
         hook.remove()
+        passes.remove()
+    assert all(not ok for feeds, ok in zip(passes.seen, passes.ok)
+               if any(tokens == 1 and cached > 0 for _, tokens, cached, _ in feeds))
 
 
 def test_a_shared_prefill_that_raises_is_retried_one_request_at_a_time(
@@ -167,16 +177,15 @@ def test_a_shared_prefill_that_raises_is_retried_one_request_at_a_time(
     expected = solo_texts(make_scheduler, tiny_model, smollm2_tokenizer, PROMPTS[2:4],
                           max_new_tokens=6)
     # The first forward (a blocker's prefill) is held until the others have queued, so
-    # that they are admitted together and prefilled as one batch.
+    # that they are admitted together and prefilled in one pass. The fast path feeds that
+    # pass's rows as one (1, T) sequence: the hook raises in any pass reading the
+    # poisoned prompt, the shared one, and the poisoned prompt's own.
+    scheduler = make_scheduler()
+    passes = Passes(scheduler.runner)
     hook = Hook(tiny_model, hold_first=True,
                 fails=lambda kwargs: kwargs["input_ids"].shape[1] > 1
                 and bool((kwargs["input_ids"] == poison).any()))
-    prefill_sizes = []
-    sizes = tiny_model.register_forward_pre_hook(
-        lambda module, args, kwargs: prefill_sizes.append(tuple(kwargs["input_ids"].shape)),
-        with_kwargs=True)
     try:
-        scheduler = make_scheduler()
         blocker = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[0]],
                                              max_new_tokens=1))
         assert hook.started.wait(60)
@@ -193,7 +202,10 @@ def test_a_shared_prefill_that_raises_is_retried_one_request_at_a_time(
             else:
                 texts.append(collect(stream)[0][0])
         assert texts == expected
-        assert any(shape[0] == 3 for shape in prefill_sizes)  # they were prefilled together
     finally:
         hook.remove()
-        sizes.remove()
+        passes.remove()
+    # they were prefilled together (three prompts in one pass), and that pass failed
+    shared = [i for i, feeds in enumerate(passes.seen)
+              if len(feeds) == 3 and all(cached == 0 for _, _, cached, _ in feeds)]
+    assert shared and not passes.ok[shared[0]]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 
@@ -12,6 +11,7 @@ from djl_stream.generation import batch as batch_module
 from djl_stream.generation.engines.accelerate import build_sequences, encode_prompts
 from djl_stream.generation.errors import GenerationFailed, QueueFullError
 from djl_stream.generation.scheduler import Scheduler
+from djl_stream.runtime.runner import ForwardRunner, RunnerSettings, load_runner
 
 PROMPTS = [
     "Hi",
@@ -20,16 +20,33 @@ PROMPTS = [
     "One two three four five",
 ]
 
+#: Positions a row may reach in these tests (the tiny model takes 1024).
+MAX_POSITIONS = 1024
+
+
+def tiny_runner(model, rows: int = 32):
+    """The tiny Llama's runner: the fast path (one forward pass over every feed)."""
+    runner = load_runner(model, RunnerSettings(max_rows=rows, max_positions=MAX_POSITIONS))
+    assert runner.path == "attention", getattr(runner, "reason", "")
+    return runner
+
 
 @pytest.fixture()
 def make_scheduler(tiny_model):
-    def make(**settings):
+    schedulers = []
+
+    def make(runner=None, **settings):
         # Pass widths sized by the token budget alone: the stall bound times passes on
         # the real clock, so widths would depend on this machine's speed (the bound's
         # own tests drive it with a simulated clock).
         settings.setdefault("prefill_stall_steps", 0)
-        return Scheduler(tiny_model, pad_token_id=2, device="cpu", **settings)
-    return make
+        if runner is None:
+            runner = tiny_runner(tiny_model, settings.get("max_batch_size", 32))
+        schedulers.append(Scheduler(runner, **settings))
+        return schedulers[-1]
+    yield make
+    for scheduler in schedulers:
+        scheduler.shutdown()
 
 
 def sequences(model, tokenizer, prompts, **parameters):
@@ -47,24 +64,66 @@ def collect(stream):
     return texts, steps
 
 
-class BatchSizes:
-    """Batch size of every forward pass, recorded by a real forward hook."""
+class Passes:
+    """Every pass a runner runs, recorded by wrapping its ``run``: ``seen`` holds one list
+    of ``(handle, tokens fed, positions cached before, logits wanted)`` per pass, ``ok``
+    whether each pass returned (a pass that raised did not).
 
-    def __init__(self, model, fail_when=None):
-        self.sizes: list[int] = []
-        self.widths: list[int] = []
+    ``fail_when(feeds)``, given a pass's record, says whether the model's forward fails
+    in that pass: a real forward pre-hook on the model raises then, inside the runner's
+    pass (as a device failure would)."""
+
+    def __init__(self, runner, fail_when=None):
+        self.seen: list[list[tuple]] = []
+        self.ok: list[bool] = []
+        self._runner = runner
+        real = runner.run
+
+        def run(feeds):
+            self.seen.append([(f.handle, len(f.tokens), runner.length(f.handle), f.logits)
+                              for f in feeds])
+            try:
+                logits = real(feeds)
+            except BaseException:
+                self.ok.append(False)
+                raise
+            self.ok.append(True)
+            return logits
+
+        runner.run = run
         self.fail_when = fail_when
-        self._handle = model.register_forward_pre_hook(self._record, with_kwargs=True)
+        self._hook = None
+        if fail_when is not None:
+            self._hook = runner.model.register_forward_pre_hook(self._maybe_fail)
 
-    def _record(self, module, args, kwargs):
-        ids = kwargs["input_ids"]
-        self.sizes.append(ids.shape[0])
-        self.widths.append(ids.shape[1])
-        if self.fail_when is not None and self.fail_when(ids):
+    def _maybe_fail(self, module, args):
+        if self.seen and self.fail_when(self.seen[-1]):
             raise RuntimeError("simulated device failure")
 
-    def remove(self):
-        self._handle.remove()
+    @property
+    def rows(self) -> list[int]:
+        """Feeds (rows) of each pass."""
+        return [len(feeds) for feeds in self.seen]
+
+    @property
+    def widths(self) -> list[int]:
+        """The most tokens one feed of each pass carried."""
+        return [max(n for _, n, _, _ in feeds) for feeds in self.seen]
+
+    def remove(self) -> None:
+        del self._runner.run  # (the instance attribute: the class's method again)
+        if self._hook is not None:
+            self._hook.remove()
+
+
+def is_decode_step(feeds) -> bool:
+    """Every feed is one token of a row whose cache holds its prompt: a decode step."""
+    return all(n == 1 and cached > 0 for _, n, cached, _ in feeds)
+
+
+def is_prefill(feeds) -> bool:
+    """Some feed reads a prompt (more than one token, or a row's first)."""
+    return any(n > 1 or cached == 0 for _, n, cached, _ in feeds)
 
 
 def solo_texts(make_scheduler, model, tokenizer, prompts, **parameters):
@@ -76,11 +135,11 @@ def test_staggered_arrivals_give_each_request_its_solo_text(make_scheduler, tiny
     expected = solo_texts(make_scheduler, tiny_model, smollm2_tokenizer, PROMPTS, max_new_tokens=20)
     scheduler = make_scheduler()
     results: dict[int, str] = {}
-    recorder = BatchSizes(tiny_model)
+    passes = Passes(scheduler.runner)
 
-    def client(index, delay_steps):
-        # wait until the batch has run `delay_steps` forward passes, then arrive
-        while len(recorder.sizes) < delay_steps:
+    def client(index, delay_passes):
+        # wait until the batch has run `delay_passes` forward passes, then arrive
+        while len(passes.seen) < delay_passes:
             time.sleep(0.001)
         stream = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[index]], max_new_tokens=20))
         results[index] = collect(stream)[0][0]
@@ -92,10 +151,10 @@ def test_staggered_arrivals_give_each_request_its_solo_text(make_scheduler, tiny
         for t in threads:
             t.join(timeout=60)
     finally:
-        recorder.remove()
+        passes.remove()
     assert [results[i] for i in range(len(PROMPTS))] == expected
-    # they really shared decode steps: some forward pass ran several requests at once
-    assert max(recorder.sizes) > 1
+    # they really shared decode steps: some pass fed several requests' rows at once
+    assert any(rows > 1 for rows, feeds in zip(passes.rows, passes.seen) if is_decode_step(feeds))
 
 
 def test_a_request_with_several_prompts_and_a_late_one_share_the_batch(make_scheduler, tiny_model, smollm2_tokenizer):
@@ -126,14 +185,15 @@ def test_seeded_sampling_is_the_same_alone_and_batched(make_scheduler, tiny_mode
 def test_the_running_batch_never_exceeds_max_batch_size(make_scheduler, tiny_model, smollm2_tokenizer):
     expected = solo_texts(make_scheduler, tiny_model, smollm2_tokenizer, PROMPTS, max_new_tokens=8)
     scheduler = make_scheduler(max_batch_size=2)
-    recorder = BatchSizes(tiny_model)
+    passes = Passes(scheduler.runner)
     try:
         streams = [scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [p], max_new_tokens=8)) for p in PROMPTS]
         texts = [collect(s)[0][0] for s in streams]
     finally:
-        recorder.remove()
+        passes.remove()
     assert texts == expected
-    assert max(recorder.sizes) <= 2
+    # a pass feeds the running rows and the rows being read: two at most, two at times
+    assert max(passes.rows) == 2
     with pytest.raises(ValueError, match="max_rolling_batch_size"):
         scheduler.submit(sequences(tiny_model, smollm2_tokenizer, PROMPTS[:3], max_new_tokens=2))
 
@@ -169,21 +229,34 @@ def test_closed_streams_leave_the_batch(make_scheduler, tiny_model, smollm2_toke
     while scheduler.running_size and time.monotonic() < deadline:
         time.sleep(0.01)
     assert scheduler.running_size == 0
+    # and their KV-cache rows are free again
+    while scheduler.runner.handles() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scheduler.runner.handles() == [] and scheduler.runner.tokens_held == 0
 
 
 def test_a_failing_prefill_fails_only_its_request(make_scheduler, tiny_model, smollm2_tokenizer):
+    # The fast path feeds every row's tokens as one (1, T) sequence: the hook raises in
+    # any pass that reads the poisoned prompt, whether alone or beside the running
+    # stream's decode step (a mixed pass, which the scheduler then runs apart).
     poison = smollm2_tokenizer("Poison")["input_ids"][-1]
     scheduler = make_scheduler()
     healthy = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[1]], max_new_tokens=30))
     next(healthy)
-    recorder = BatchSizes(tiny_model, fail_when=lambda ids: bool((ids == poison).any()) and ids.shape[1] > 1)
+
+    def fail_when(module, args, kwargs):
+        ids = kwargs["input_ids"]
+        if bool((ids == poison).any()) and ids.shape[1] > 1:
+            raise RuntimeError("simulated device failure")
+
+    hook = tiny_model.register_forward_pre_hook(fail_when, with_kwargs=True)
     try:
         doomed = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, ["Poison"], max_new_tokens=5))
         with pytest.raises(GenerationFailed, match="simulated device failure"):
             next(doomed)
         assert collect(healthy)[1] == 29
     finally:
-        recorder.remove()
+        hook.remove()
 
 
 def test_a_decode_step_that_fails_once_is_retried_apart_and_both_go_on(make_scheduler, tiny_model, smollm2_tokenizer):
@@ -193,25 +266,28 @@ def test_a_decode_step_that_fails_once_is_retried_apart_and_both_go_on(make_sche
     scheduler = make_scheduler()
     fail = {"armed": True}
 
-    def fail_once_in_decode(ids):
-        if fail["armed"] and ids.shape[0] == 2 and ids.shape[1] == 1:
+    def fail_once_in_decode(feeds):
+        if fail["armed"] and len(feeds) == 2 and is_decode_step(feeds):
             fail["armed"] = False
             return True
         return False
 
-    recorder = BatchSizes(tiny_model, fail_when=fail_once_in_decode)
+    passes = Passes(scheduler.runner, fail_when=fail_once_in_decode)
     try:
         both = [scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [p], max_new_tokens=10)) for p in PROMPTS[:2]]
         assert [collect(stream)[0][0] for stream in both] == expected
         assert not fail["armed"]  # the failure happened
-        failed = next(i for i, (size, width) in enumerate(zip(recorder.sizes, recorder.widths))
-                      if (size, width) == (2, 1))
-        assert recorder.sizes[failed + 1:failed + 3] == [1, 1]  # each alone
-        assert 2 in recorder.sizes[failed + 3:]  # then side by side again
+        failed = passes.ok.index(False)
+        assert passes.rows[failed] == 2 and is_decode_step(passes.seen[failed])
+        after_failure = passes.seen[failed + 1:failed + 3]
+        assert [len(feeds) for feeds in after_failure] == [1, 1]  # each alone
+        assert {feeds[0][0] for feeds in after_failure} == {h for h, *_ in passes.seen[failed]}
+        assert 2 in passes.rows[failed + 3:]  # then side by side again
+        assert all(passes.ok[failed + 1:])
         after = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[2]], max_new_tokens=4))
         assert collect(after)[1] == 4
     finally:
-        recorder.remove()
+        passes.remove()
     assert scheduler.running_size == 0
 
 
@@ -257,22 +333,26 @@ def beside_a_stream(scheduler, model, tokenizer, running_prompts, late_prompt):
 
 
 def join_passes(make_scheduler, tiny_model, tokenizer, running_prompt, late_prompt):
-    """(rows, columns) of every forward pass while ``late_prompt`` joins a stream of
-    ``running_prompt``, from the late prompt's last prefill pass on; and whether the late
-    request generated its solo text."""
-    scheduler = make_scheduler()
-    forwards = BatchSizes(tiny_model)
+    """The feeds of every pass while ``late_prompt`` joins a stream of ``running_prompt``,
+    from the late prompt's prefill pass on, as (tokens, cached before) per feed; and
+    whether the late request generated its solo text.
+
+    On a runner that runs no mixed passes (the model's own forward per sequence: a model
+    off the fast path), where a prompt is read in a pass of its own and then joins the
+    running batch."""
+    scheduler = make_scheduler(runner=ForwardRunner(tiny_model, "joins without mixed passes"))
+    passes = Passes(scheduler.runner)
     try:
         late_seqs = beside_a_stream(scheduler, tiny_model, tokenizer, [running_prompt],
                                     late_prompt)[1]
     finally:
-        forwards.remove()
-    passes = list(zip(forwards.sizes, forwards.widths))
-    prefill = max(i for i, (_, width) in enumerate(passes) if width > 1)
-    assert passes[prefill] == (1, len(late_seqs[0].prompt_ids))
+        passes.remove()
+    seen = [[(n, cached) for _, n, cached, _ in feeds] for feeds in passes.seen]
+    prefill = max(i for i, feeds in enumerate(passes.seen) if is_prefill(feeds))
+    assert seen[prefill] == [(len(late_seqs[0].prompt_ids), 0)]  # the late prompt alone
     solo = sequences(tiny_model, tokenizer, [late_prompt], max_new_tokens=6)
-    collect(make_scheduler().submit(solo))
-    return passes[prefill:], late_seqs[0].generated_ids == solo[0].generated_ids
+    collect(make_scheduler(runner=ForwardRunner(tiny_model, "solo")).submit(solo))
+    return seen[prefill:], late_seqs[0].generated_ids == solo[0].generated_ids
 
 
 def test_a_finished_prefill_longer_than_the_running_rows_joins_after_they_stepped_once(
@@ -282,8 +362,8 @@ def test_a_finished_prefill_longer_than_the_running_rows_joins_after_they_steppe
     # stream would wait for both; the join waits for the next cycle, which reads no chunk.
     passes, solo_text = join_passes(make_scheduler, tiny_model, smollm2_tokenizer,
                                     PROMPTS[0], PROMPTS[1])
-    assert passes[1] == (1, 1)  # the running stream's own step
-    assert passes[2] == (2, 1)  # then together
+    assert [n for n, _ in passes[1]] == [1]  # the running stream's own step
+    assert [n for n, _ in passes[2]] == [1, 1]  # then together
     assert solo_text
 
 
@@ -293,62 +373,41 @@ def test_a_finished_prefill_no_longer_than_the_running_rows_joins_at_once(
     # short prompt a whole decode step.
     passes, solo_text = join_passes(make_scheduler, tiny_model, smollm2_tokenizer,
                                     PROMPTS[1], PROMPTS[2])
-    assert passes[1] == (2, 1)
+    assert [n for n, _ in passes[1]] == [1, 1]
     assert solo_text
 
 
-def test_a_longer_prompt_joins_the_running_rows_in_their_own_cache(make_scheduler, tiny_model,
-                                                                   smollm2_tokenizer):
-    # On a CPU the running batch's cache reserves free rows and columns on the left: a
-    # newcomer longer than the running rows is prefilled into them, and the running rows
-    # stay in the cache they were decoding in (before slots, a longer newcomer's cache
-    # took them in: a copy of every running row's cache at every such join).
-    from djl_stream.runtime.forward_kwargs import cache_in
-
-    decode_caches = []
-
-    def record(module, args, kwargs):
-        if kwargs["input_ids"].shape[1] == 1:
-            decode_caches.append((kwargs["input_ids"].shape[0], id(cache_in(kwargs))))
-
-    handle = tiny_model.register_forward_pre_hook(record, with_kwargs=True)
-    scheduler = make_scheduler(max_batch_size=4)
-    long_prompt = PROMPTS[1] + " " + PROMPTS[1]
+def test_a_prompt_read_beside_a_stream_shares_its_step_and_joins_it_at_once(
+        make_scheduler, tiny_model, smollm2_tokenizer):
+    # On the fast path, a prompt arriving while a stream decodes is read in the pass of
+    # the stream's step (a mixed pass: the weights read once for both), and the next pass
+    # is their shared decode step, whatever the prompt's length.
+    scheduler = make_scheduler()
+    passes = Passes(scheduler.runner)
     try:
-        running, late = beside_a_stream(scheduler, tiny_model, smollm2_tokenizer, PROMPTS[1:],
-                                        long_prompt)
+        _, late = beside_a_stream(scheduler, tiny_model, smollm2_tokenizer, [PROMPTS[0]],
+                                  PROMPTS[1])
     finally:
-        handle.remove()
-    assert len(late[0].prompt_ids) > max(len(seq.prompt_ids) for seq in running.sequences) + 4
-    alone = {cache for rows, cache in decode_caches if rows == 3}
-    together = {cache for rows, cache in decode_caches if rows == 4}
-    assert together and together <= alone  # the running rows' own cache, throughout
-    solo = sequences(tiny_model, smollm2_tokenizer, [long_prompt], max_new_tokens=6)
-    collect(make_scheduler().submit(solo))
-    assert late[0].generated_ids == solo[0].generated_ids
+        passes.remove()
+    prefill = max(i for i, feeds in enumerate(passes.seen) if is_prefill(feeds))
+    seen = [[(n, cached > 0) for _, n, cached, _ in feeds] for feeds in passes.seen]
+    assert seen[prefill] == [(1, True), (len(late[0].prompt_ids), False)]
+    assert seen[prefill + 1] == [(1, True), (1, True)]
+    assert_solo_text(make_scheduler, tiny_model, smollm2_tokenizer, PROMPTS[1], late)
 
 
 LONG_PROMPT = " ".join(PROMPTS * 3)
 
 
-@contextlib.contextmanager
-def reading_in_mixed_passes(make_scheduler, model, tokenizer, monkeypatch, mixed_pass,
-                            **slab_methods):
-    """A scheduler whose model runs djl-stream's Llama step, with prefill chunks of 8
-    tokens (a long prompt beside a stream is read in mixed passes, each through
-    ``mixed_pass``) and ``slab_methods`` replacing the KV-cache slab's; all undone after."""
-    from djl_stream.generation import kv_cache, llama_decode
+def reading_in_mixed_passes(make_scheduler, monkeypatch, mixed_pass):
+    """A scheduler reading prefill chunks of 8 tokens (a long prompt beside a stream is
+    read in mixed passes, each through ``mixed_pass``, which must call the real one)."""
     from djl_stream.generation import scheduler as scheduler_module
 
-    assert llama_decode.attach(model, tokenizer) is not None
-    for name, method in slab_methods.items():
-        monkeypatch.setattr(kv_cache._Slab, name, method)
     monkeypatch.setattr(scheduler_module, "mixed_pass", mixed_pass)
-    try:
-        yield make_scheduler(max_batch_prefill_tokens=8, max_batch_size=4)
-    finally:
-        monkeypatch.undo()
-        llama_decode.detach(model)
+    scheduler = make_scheduler(max_batch_prefill_tokens=8, max_batch_size=4)
+    assert scheduler.runner.mixes_passes
+    return scheduler
 
 
 def assert_solo_text(make_scheduler, model, tokenizer, prompt, served):
@@ -357,42 +416,29 @@ def assert_solo_text(make_scheduler, model, tokenizer, prompt, served):
     assert served[0].generated_ids == solo[0].generated_ids
 
 
-def test_a_prompt_read_in_mixed_passes_takes_its_slot_on_admission(
+def test_a_long_prompt_beside_a_stream_is_read_in_mixed_passes(
         make_scheduler, tiny_model, smollm2_tokenizer, monkeypatch):
-    # With the Llama step, a long prompt is read in chunks that share passes with the
-    # running rows' decode steps; its chunks are written into the running cache's free
-    # rows, and its join copies nothing (any copy of rows at a join raises here).
+    # A long prompt is read in chunks that each share a pass with the running rows'
+    # decode step, and generates its solo text.
     mixed = []
-
-    def copying(*args):
-        raise AssertionError("a join copied rows")
 
     def counted_mixed_pass(*args):
         mixed.append(args[3])
         return batch_module.mixed_pass(*args)
 
-    with reading_in_mixed_passes(make_scheduler, tiny_model, smollm2_tokenizer, monkeypatch,
-                                 counted_mixed_pass, take=copying) as scheduler:
-        _, late = beside_a_stream(scheduler, tiny_model, smollm2_tokenizer, [PROMPTS[0]],
-                                  LONG_PROMPT)
+    scheduler = reading_in_mixed_passes(make_scheduler, monkeypatch, counted_mixed_pass)
+    _, late = beside_a_stream(scheduler, tiny_model, smollm2_tokenizer, [PROMPTS[0]],
+                              LONG_PROMPT)
+    monkeypatch.undo()
     assert len(mixed) >= 3 and sum(mixed) == len(late[0].prompt_ids)  # all in mixed passes
     assert_solo_text(make_scheduler, tiny_model, smollm2_tokenizer, LONG_PROMPT, late)
 
 
-def test_a_prompt_whose_lender_ends_during_its_prefill_moves_out_and_is_served(
+def test_a_prompt_whose_running_neighbour_ends_during_its_prefill_is_served(
         make_scheduler, tiny_model, smollm2_tokenizer, monkeypatch):
-    # The running request is cancelled after the first mixed pass of a long prompt
-    # written into its cache's lent rows: the prompt goes on alone, copying what it holds
-    # into buffers of its own (the gone cache's buffers are not kept), and generates its
-    # solo text.
-    from djl_stream.generation import kv_cache
-
-    moved, passes = [], []
-    copy_to_own_buffers = kv_cache._Slab.copy_to_own_buffers
-
-    def counted_copy(slab):
-        moved.append(slab)
-        copy_to_own_buffers(slab)
+    # The running request is cancelled after the first mixed pass of a long prompt: the
+    # prompt's other chunks are read alone, and it generates its solo text.
+    passes = []
 
     def mixed_pass_then_cancel(*args):
         result = batch_module.mixed_pass(*args)
@@ -401,15 +447,14 @@ def test_a_prompt_whose_lender_ends_during_its_prefill_moves_out_and_is_served(
             running.close()
         return result
 
-    with reading_in_mixed_passes(make_scheduler, tiny_model, smollm2_tokenizer, monkeypatch,
-                                 mixed_pass_then_cancel,
-                                 copy_to_own_buffers=counted_copy) as scheduler:
-        running = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[0]],
-                                             max_new_tokens=100_000, ignore_eos=True))
-        next(running)
-        late = sequences(tiny_model, smollm2_tokenizer, [LONG_PROMPT], max_new_tokens=6)
-        collect(scheduler.submit(late))
-    assert len(passes) == 1 and moved  # one mixed pass, then alone in its own buffers
+    scheduler = reading_in_mixed_passes(make_scheduler, monkeypatch, mixed_pass_then_cancel)
+    running = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[0]],
+                                         max_new_tokens=100_000, ignore_eos=True))
+    next(running)
+    late = sequences(tiny_model, smollm2_tokenizer, [LONG_PROMPT], max_new_tokens=6)
+    collect(scheduler.submit(late))
+    monkeypatch.undo()
+    assert len(passes) == 1 and passes[0] < len(late[0].prompt_ids)  # one mixed pass, then alone
     assert_solo_text(make_scheduler, tiny_model, smollm2_tokenizer, LONG_PROMPT, late)
 
 
@@ -429,7 +474,7 @@ def test_a_failure_while_a_prefill_joins_fails_its_request_instead_of_losing_it(
                                          max_new_tokens=100_000, ignore_eos=True))
     next(running)
     monkeypatch.setattr(scheduler_module.CausalLMBatch, "concatenate", broken_join)
-    # (shorter than the running row: it joins in the cycle of its prefill)
+    # (read beside the running row's step: it joins in the cycle of its prefill)
     late = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[2]],
                                       max_new_tokens=4))
     outcomes = {}
@@ -458,70 +503,38 @@ def test_a_failure_while_a_prefill_joins_fails_its_request_instead_of_losing_it(
 def test_a_prompt_arriving_as_the_only_running_request_is_cancelled_is_served(
         make_scheduler, tiny_model, smollm2_tokenizer):
     # The next cycle's prefill finds the running batch holding only a cancelled request:
-    # dropping it leaves no running batch, and the prefill must go on alone. With the
-    # Llama step (which may run a mixed pass) it failed with "'NoneType' object has no
-    # attribute 'past_key_values'": a 424 for the newcomer.
-    from djl_stream.generation import llama_decode
-
+    # dropping it leaves no running batch, and the prefill must go on alone (a mixed pass
+    # with no running batch failed once: a 424 for the newcomer).
     in_step, release = threading.Event(), threading.Event()
 
-    def hold_a_decode_step(module, args):
-        # the Llama step's LM head gets (rows, hidden); the model's forward (rows, 1, hidden)
-        if args[0].dim() == 2 and not release.is_set():
+    def hold_a_decode_step(module, args, kwargs):
+        # the running request's decode step: one token past its prompt
+        if int(kwargs["position_ids"].min()) > 0 and not release.is_set():
             in_step.set()
             assert release.wait(30)
 
-    assert llama_decode.attach(tiny_model, smollm2_tokenizer) is not None
     scheduler = make_scheduler()
-    handle = tiny_model.lm_head.register_forward_pre_hook(hold_a_decode_step)
+    handle = tiny_model.register_forward_pre_hook(hold_a_decode_step, with_kwargs=True)
     try:
         running = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[0]],
                                              max_new_tokens=100_000, ignore_eos=True))
         assert in_step.wait(30)  # the loop is inside the running request's decode step
         late = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [PROMPTS[2]],
-                                          max_new_tokens=4))
+                                          max_new_tokens=4, ignore_eos=True))
         running.close()
         release.set()
         texts, _ = collect(late)
     finally:
         release.set()
         handle.remove()
-        llama_decode.detach(tiny_model)
     assert texts is not None and late.sequences[0].finished
     assert len(late.sequences[0].generated_ids) == 4
 
 
-def test_what_a_prefill_reserves_on_a_cpu_and_elsewhere(tiny_model, smollm2_tokenizer):
-    # On a CPU, room costs address space only: every prefill reserves rows up to the
-    # batch size and columns on the left for the longest prompt allowed. Elsewhere
-    # (contract only: no GPU here; "cuda" names the device, nothing runs on it) a prompt
-    # reserves rows for the running ones only when it is longer than they are.
-    from djl_stream.generation.batch import CausalLMBatch, generate_token
-
-    from types import SimpleNamespace
-
-    short, longer = (sequences(tiny_model, smollm2_tokenizer, [p]) for p in PROMPTS[:2])
-
-    def room(device, prompt, running=None):  # the method, on a scheduler's settings alone
-        settings = SimpleNamespace(device=device, max_batch_size=8, max_input_length=300,
-                                   _running=running)
-        return Scheduler._room_to_reserve(settings, prompt)
-
-    assert room("cpu", short) == {"room_for_rows": 7, "room_on_left": 300}
-    assert room("cuda", longer) == {}  # nothing runs
-    _, running = generate_token(tiny_model, CausalLMBatch.from_sequences(
-        sequences(tiny_model, smollm2_tokenizer, PROMPTS[2:]), pad_token_id=2, device="cpu"))
-    assert len(longer[0].prompt_ids) > running.cache_length >= len(short[0].prompt_ids)
-    assert room("cuda", longer, running) == {"room_for_rows": 2}
-    assert room("cuda", short, running) == {}
-    assert room("cpu", longer, running) == {"room_for_rows": 7, "room_on_left": 300}
-
-
-def test_a_retired_scheduler_s_thread_ends_and_the_next_use_starts_another(smollm2_tokenizer):
-    # benchmarks.inprocess retires it between the ways it measures: its thread's OpenMP
-    # pool must be gone (see loading.in_passing_thread)
+def test_a_shut_down_scheduler_s_thread_ends_and_another_serves_the_model(smollm2_tokenizer):
+    # A scheduler's thread (and the OpenMP pool it holds) must be gone once it is shut
+    # down; a new scheduler on the same model serves it as before.
     from conftest import build_tiny_llama
-    from djl_stream.generation.scheduler import retire_scheduler, scheduler_for
     from djl_stream.generation.sequence import GenerationSequence
 
     model = build_tiny_llama(len(smollm2_tokenizer), seed=21)
@@ -533,11 +546,12 @@ def test_a_retired_scheduler_s_thread_ends_and_the_next_use_starts_another(smoll
             pass
         return seq.generated_ids
 
-    first = scheduler_for(model, pad_token_id=2, device="cpu")
+    first = Scheduler(tiny_runner(model, 4))
     expected = tokens(first)
-    retire_scheduler(model)
+    first.shutdown()
     assert not first._thread.is_alive()
-    second = scheduler_for(model, pad_token_id=2, device="cpu")
-    assert second is not first and tokens(second) == expected
-    retire_scheduler(model)
-    retire_scheduler(model)  # none left: nothing to do
+    second = Scheduler(tiny_runner(model, 4))
+    assert tokens(second) == expected
+    second.shutdown()
+    second.shutdown()  # already stopped: nothing to do
+    assert not second._thread.is_alive()

@@ -15,6 +15,11 @@ from djl_stream.generation.errors import GenerationFailed
 from djl_stream.generation.scheduler import (CANCELLED, FAILED, FINISHED, BatchState,
                                              RequestStats, Scheduler, SchedulerObserver,
                                              add_observer, remove_observer)
+from djl_stream.runtime.runner import RunnerSettings, load_runner
+
+
+def runner_of(model, rows: int = 32):
+    return load_runner(model, RunnerSettings(max_rows=rows, max_positions=512))
 
 
 class Recorder(SchedulerObserver):
@@ -65,7 +70,7 @@ def recorder():
 
 @pytest.fixture()
 def scheduler(tiny_model, recorder):
-    scheduler = Scheduler(tiny_model, pad_token_id=2, device="cpu", observers=[recorder])
+    scheduler = Scheduler(runner_of(tiny_model), observers=[recorder])
     yield scheduler
     scheduler.shutdown()
 
@@ -102,21 +107,21 @@ def test_a_request_is_submitted_admitted_advanced_and_ended_in_that_order(
 
 def test_the_load_follows_the_batch_and_returns_to_idle(scheduler, recorder, tiny_model, smollm2_tokenizer):
     prompts = ["Hi", "The quick brown fox"]
-    width = max(len(ids) for ids in encode_prompts(smollm2_tokenizer, prompts))
-    list(scheduler.submit(sequences(tiny_model, smollm2_tokenizer, prompts, max_new_tokens=6)))
+    prompt_tokens = sum(len(ids) for ids in encode_prompts(smollm2_tokenizer, prompts))
+    list(scheduler.submit(sequences(tiny_model, smollm2_tokenizer, prompts, max_new_tokens=6,
+                                    ignore_eos=True)))
     recorder.wait(lambda: recorder.states[-1] == BatchState())
 
     states = recorder.states
     assert BatchState(running_rows=0, waiting_requests=1, kv_cache_tokens=0) in states  # queued
     running = [s for s in states if s.running_rows]
     assert running and all(s.waiting_requests == 0 for s in running)
-    for state in running:
-        # rows x cached positions: every row holds the padded prompt width and more
-        assert state.kv_cache_tokens % state.running_rows == 0
-        assert state.kv_cache_tokens // state.running_rows > width
-    # one decode step adds one cached position per row
-    per_row = [s.kv_cache_tokens // s.running_rows for s in running if s.running_rows == 2]
-    assert per_row == list(range(per_row[0], per_row[0] + len(per_row)))
+    assert all(s.running_rows == 2 for s in running)
+    # each row's cache holds its own positions, no padding: the first cycle reads the two
+    # prompts and takes their first decode step, and each cycle after adds one position
+    # per row; the sixth token's step ends both rows (none running then)
+    assert [s.kv_cache_tokens for s in running] == [prompt_tokens + 2 * step
+                                                    for step in range(1, 5)]
 
 
 def test_a_stream_closed_while_running_ends_cancelled(scheduler, recorder, tiny_model, smollm2_tokenizer):
@@ -148,7 +153,7 @@ class Gate(SchedulerObserver):
 def test_a_stream_closed_while_waiting_ends_cancelled_without_being_admitted(
         tiny_model, smollm2_tokenizer, recorder):
     gate = Gate()
-    scheduler = Scheduler(tiny_model, pad_token_id=2, device="cpu", max_batch_size=1,
+    scheduler = Scheduler(runner_of(tiny_model, 1), max_batch_size=1,
                           observers=[gate, recorder])
     try:
         running = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, ["Hello"], max_new_tokens=200))
@@ -196,8 +201,8 @@ class Broken(SchedulerObserver):
 
 
 def test_an_observer_that_raises_changes_nothing(tiny_model, smollm2_tokenizer, recorder):
-    plain = Scheduler(tiny_model, pad_token_id=2, device="cpu", observers=[])
-    watched = Scheduler(tiny_model, pad_token_id=2, device="cpu", observers=[Broken(), recorder])
+    plain = Scheduler(runner_of(tiny_model), observers=[])
+    watched = Scheduler(runner_of(tiny_model), observers=[Broken(), recorder])
     try:
         def text(scheduler):
             stream = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, ["Colours"], max_new_tokens=8))
@@ -213,7 +218,7 @@ def test_an_observer_that_raises_changes_nothing(tiny_model, smollm2_tokenizer, 
 def test_process_wide_observers_watch_schedulers_without_their_own(tiny_model, smollm2_tokenizer, recorder):
     add_observer(recorder)
     add_observer(recorder)  # once only
-    scheduler = Scheduler(tiny_model, pad_token_id=2, device="cpu")
+    scheduler = Scheduler(runner_of(tiny_model))
     try:
         stream = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, ["Hi"], max_new_tokens=3))
         steps = list(stream)
@@ -223,7 +228,7 @@ def test_process_wide_observers_watch_schedulers_without_their_own(tiny_model, s
         remove_observer(recorder)
         scheduler.shutdown()
     count = len(recorder.events)
-    other = Scheduler(tiny_model, pad_token_id=2, device="cpu")
+    other = Scheduler(runner_of(tiny_model))
     try:
         list(other.submit(sequences(tiny_model, smollm2_tokenizer, ["Hi"], max_new_tokens=3)))
         assert len(recorder.events) == count  # a removed observer hears nothing
