@@ -2,24 +2,19 @@
 # What to run on a machine with a CUDA GPU, in the repository root, each step under its own
 # time limit so that one that hangs leaves the others their time; everything lands in OUT:
 #
-#   1. the tests that need a GPU (CUDA graphs, bitsandbytes and torchao configuration);
-#   2. a decode step three ways: the model's forward, djl-stream's step, and that step
-#      replayed from CUDA graphs (python -m benchmarks.decode_step --device cuda);
-#   3. make bench's run on the GPU (python -m benchmarks.run --device cuda), as served by
-#      default (option.decode_step=auto: CUDA graphs) and with option.decode_step=forward;
+#   1. the tests that need a GPU (bitsandbytes and torchao configuration);
+#   2. a decode step two ways: the model's forward over a DynamicCache and djl-stream's
+#      runtime (python -m benchmarks.decode_step --device cuda);
+#   3. make bench's run on the GPU (python -m benchmarks.run --device cuda);
 #   4. djl-stream beside transformers serve --continuous-batching on the GPU
 #      (python -m benchmarks.peers --device cuda --installed: both from this interpreter,
 #      whose packages must include transformers' serving extras: fastapi, openai);
 #   5. option.quantize's methods on the GPU (python -m benchmarks.quantization --device cuda);
 #   6. the tests of servers, isolation and concurrent clients, whose tiny model loads on
-#      the GPU where there is one (its decode steps replayed from CUDA graphs);
-#   7. the scheduler's passes timed one by one while bursts of clients arrive
-#      (python -m benchmarks.cycle_trace --device cuda): where first tokens go, after the
-#      server's warm-up (on a GPU, bursts of requests: djl_stream/generation/burst_warm_up.py)
-#      and, as cycle_trace_cold, without it.
+#      the GPU where there is one.
 #
 # STEPS picks some of them, by name (default: all, in this order): tests decode_step bench
-# bench_forward peers quantization server_tests cycle_trace cycle_trace_cold. BENCH_REPETITIONS sets make bench's
+# peers quantization server_tests. BENCH_REPETITIONS sets make bench's
 # repetitions (default 3), QUANT_METHODS the quantization step's methods (default: all). A lent GPU machine's minutes are few:
 #   STEPS="tests bench peers" benchmarks/on_a_gpu.sh OUT
 #
@@ -35,7 +30,7 @@ python=${PYTHON:-python3}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-steps=" random_weights ${STEPS:-tests decode_step bench bench_forward peers quantization server_tests cycle_trace cycle_trace_cold} "
+steps=" random_weights ${STEPS:-tests decode_step bench peers quantization server_tests} "
 
 step() {  # step NAME SECONDS COMMAND...: run it (if STEPS names it), its output into OUT/NAME.log
     local name=$1 seconds=$2; shift 2
@@ -62,27 +57,17 @@ fi
 # read it from the model directory served, which holds the same tokenizer.
 [ -f model/config.json ] || export DJL_STREAM_TEST_MODEL_DIR=$model
 
-step tests 180 $python -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py \
-    tests/test_quantization.py
+step tests 180 $python -m pytest -q -p no:cacheprovider tests/test_quantization.py
 step decode_step 150 $python -m benchmarks.decode_step --model-dir "$model" --device cuda \
     --rows 1,4,16,64 --steps 40 --repetitions 3
 step bench 300 $python -m benchmarks.run --model-dir "$model" --device cuda \
     --concurrency 1,4,16,64 --repetitions "${BENCH_REPETITIONS:-3}" --output "$out/BENCHMARKS.md" \
     --plot "$out/concurrency.png"
-forward=/tmp/djl-stream-forward
-rm -rf "$forward" && cp -r "$model" "$forward" && echo "option.decode_step=forward" >>"$forward/serving.properties"
-step bench_forward 240 $python -m benchmarks.run --model-dir "$forward" --device cuda \
-    --concurrency 1,4,16,64 --repetitions 2 --output "$out/BENCHMARKS-forward.md" \
-    --plot "$out/concurrency-forward.png"
 step peers 240 $python -m benchmarks.peers --model-dir "$model" --device cuda --installed \
-    --peers "djl-stream,djl-stream eager,djl-stream w8a8,transformers serve" \
+    --peers "djl-stream,djl-stream w8a8,transformers serve" \
     --clients 1,4,16 --repetitions 2 --output "$out/peers.md"
 step quantization 200 $python -m benchmarks.quantization --model-dir "$model" --device cuda \
     --methods "${QUANT_METHODS:-none,int8,w8a8,bitsandbytes8,bitsandbytes4}" --tokens 16 --steps 24 --repetitions 2 \
     --output "$out/quantization.md"
 step server_tests 300 $python -m pytest -q -p no:cacheprovider tests/test_isolation.py \
     tests/test_server_concurrency.py tests/test_server.py
-step cycle_trace 150 $python -m benchmarks.cycle_trace --model-dir "$model" --device cuda \
-    --clients 1,4,4,16,16,64,64 --tokens 32 --late 31 --late-rounds 2
-step cycle_trace_cold 150 $python -m benchmarks.cycle_trace --model-dir "$model" --device cuda \
-    --clients 1,4,4,16,16,64,64 --tokens 32 --late 31 --late-rounds 2 --no-warm-up

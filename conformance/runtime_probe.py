@@ -128,12 +128,13 @@ def service_answers(model_dir: Path) -> dict:
             payload = bytes(output.content.value_at(0)).decode()
         answers.append({"code": output.code, "payload": payload})
 
-    service = next(v for v in vars(module).values() if hasattr(v, "stream_generator"))
+    service = next(v for v in vars(module).values() if hasattr(v, "engine"))
     model = service.model
     rotary = getattr(model.model, "rotary_emb", None) or model.model.layers[0].self_attn.rotary_emb
     return {
         "answers": answers,
-        "engine": service.engine,
+        "engine": service.engine.name,
+        "runtime": getattr(getattr(service.engine, "runner", None), "path", None),
         "model_dtype": str(model.dtype).replace("torch.", ""),
         "inv_freq": [float(x) for x in rotary.inv_freq],
     }

@@ -62,6 +62,17 @@ def build_tiny_llama(vocab_size: int, seed: int = 0):
     return LlamaForCausalLM(config).eval()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _programs_compile_into_the_session_s_cache(tmp_path_factory):
+    """``DJL_STREAM_CACHE_DIR`` set to a folder of this test session's own for the whole
+    session, so that every load (in this process, and in the servers and workers tests
+    start) compiles its decode program into it and loads it from there: the machine's
+    cache is its users'."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DJL_STREAM_CACHE_DIR", str(tmp_path_factory.mktemp("djl-stream-cache")))
+        yield
+
+
 def resident_bytes() -> int:
     """This process's resident memory, in bytes (Linux's ``/proc/self/statm``)."""
     import os
@@ -107,5 +118,8 @@ def tiny_model_dir(tmp_path_factory, tiny_model, smollm2_tokenizer) -> Path:
         "option.max_input_length=64\n"
         # Raw completion: the random model has no use for a chat template.
         "option.apply_chat_template=false\n"
+        # The eager step: the compiled one has tests of its own (test_decode_program.py),
+        # and a compile for every server of the session would crowd the machine.
+        "option.compile=false\n"
     )
     return directory

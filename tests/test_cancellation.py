@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from test_service import body_json, init, load_entry_point, request, scheduler_of, variant_dir
+from test_service import body_json, init, load_entry_point, request, variant_dir
 
 from djl_stream.generation.errors import ShuttingDown
 from djl_stream.generation.scheduler import SchedulerObserver, add_observer, remove_observer
@@ -18,6 +18,11 @@ from djl_stream.serving.cancellation import (Cancellation, CancellableStream,
 from djl_stream.serving.inputs import Input
 
 DEADLINE = 60.0
+
+
+def scheduler_of(module):
+    """The continuous-batching scheduler of the engine that module's service loaded."""
+    return module._service.engine.scheduler
 
 
 def wait_until(condition, what: str) -> None:

@@ -115,3 +115,35 @@ def test_the_cache_key_comes_from_shapes_and_versions_never_from_weights():
     assert program_key(first, wider) != program_key(first, geometry)
     assert program_key(build("qwen2", dtype=torch.float64), geometry) != program_key(first,
                                                                                       geometry)
+
+
+def test_a_server_answers_at_once_and_switches_to_the_program_when_it_is_ready(
+        tmp_path, tiny_model_dir):
+    import shutil
+    import time
+
+    from server_process import ServerProcess
+
+    directory = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, directory)
+    properties = directory / "serving.properties"
+    properties.write_text(properties.read_text().replace("option.compile=false",
+                                                         "option.compile=true"))
+    body = {"inputs": "The quick brown fox", "parameters": {"max_new_tokens": 12,
+                                                              "min_new_tokens": 12}}
+    server = ServerProcess(directory)
+    try:
+        server.wait_ready()
+        eager = server.http.post("/invocations", json=body)
+        assert eager.status_code == 200
+        deadline = time.monotonic() + 600
+        while "decode steps now run the compiled program" not in server.logs():
+            assert time.monotonic() < deadline, server.logs()
+            assert "no compiled decode step" not in server.logs(), server.logs()
+            server.http.post("/invocations", json=body)  # (a decode step checks the program)
+            time.sleep(0.5)
+        compiled = server.http.post("/invocations", json=body)
+        assert compiled.text == eager.text
+        assert "compiling the decode step in the background" in server.logs()
+    finally:
+        server.stop()

@@ -18,9 +18,9 @@ PROMPT = "The quick brown fox"
 
 @pytest.fixture(scope="module")
 def handler(tiny_model_dir):
-    # the eager step: LogitBias tilts the logits through a hook on lm_head, which the
-    # compiled programs (option.decode_step=auto on a CPU) run without calling
-    return init(load_entry_point(tiny_model_dir), tiny_model_dir, decode_step="eager")
+    # the model's eager forward: LogitBias tilts the logits through a hook on lm_head,
+    # which a compiled decode step (option.compile) runs without calling
+    return init(load_entry_point(tiny_model_dir), tiny_model_dir, compile="false")
 
 
 @pytest.fixture(scope="module")

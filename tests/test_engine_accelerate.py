@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import torch
 
+from conftest import build_tiny_llama
 from djl_stream import StreamingUtils
-from djl_stream.generation import kv_cache
 from djl_stream.generation.batch import CausalLMBatch, generate_token
-from djl_stream.generation.engines.accelerate import build_sequences, encode_prompts, start_scheduler
+from djl_stream.generation.engines.accelerate import (AccelerateEngine, AccelerateSettings,
+                                                      build_sequences, encode_prompts)
+from djl_stream.runtime.runner import RunnerSettings, load_runner
 
 PROMPTS = [
     "Hello",
@@ -19,8 +22,9 @@ PROMPTS = [
 ]
 
 
-def scheduler_of(model):
-    return start_scheduler(model, None)
+@pytest.fixture(scope="module")
+def runner(tiny_model):
+    return load_runner(tiny_model, RunnerSettings(max_rows=8, max_positions=256))
 
 
 def stream_text(model, tokenizer, prompts, **parameters):
@@ -36,30 +40,36 @@ def stream_text(model, tokenizer, prompts, **parameters):
     return texts, steps
 
 
-def run_tokens(model, tokenizer, prompts, **parameters):
+def run_tokens(runner, tokenizer, prompts, **parameters):
     """Token ids each prompt generates, driving generate_token directly."""
-    sequences = build_sequences(model, tokenizer, encode_prompts(tokenizer, prompts), **parameters)
-    batch = CausalLMBatch.from_sequences(sequences, pad_token_id=2, device="cpu")
+    sequences = build_sequences(runner.model, tokenizer, encode_prompts(tokenizer, prompts),
+                                **parameters)
+    batch = CausalLMBatch.from_sequences(runner, sequences)
     while batch is not None:
-        _, batch = generate_token(model, batch)
+        _, batch = generate_token(runner, batch)
     return [seq.generated_ids for seq in sequences]
 
 
-class ForwardRecorder:
-    """Records the width of input_ids of each forward call, through a real forward hook."""
+class Passes:
+    """Records each pass a runner runs: one list of ``(handle, tokens fed, positions cached
+    before)`` per pass, one item per feed."""
 
-    def __init__(self, model):
-        self.widths: list[int] = []
-        self._handle = model.register_forward_pre_hook(self._record, with_kwargs=True)
+    def __init__(self, runner):
+        self.seen: list[list[tuple[int, int, int]]] = []
+        real = runner.run
 
-    def _record(self, module, args, kwargs):
-        self.widths.append(kwargs["input_ids"].shape[1])
+        def run(feeds):
+            self.seen.append([(f.handle, len(f.tokens), runner.length(f.handle)) for f in feeds])
+            return real(feeds)
 
-    def remove(self):
-        self._handle.remove()
+        runner.run = run
 
 
-def test_greedy_matches_transformers_generate(tiny_model, smollm2_tokenizer):
+def scheduler_threads() -> int:
+    return sum(t.name == "djl-stream-scheduler" and t.is_alive() for t in threading.enumerate())
+
+
+def test_greedy_matches_transformers_generate(tiny_model, runner, smollm2_tokenizer):
     prompt = PROMPTS[1]
     ids = smollm2_tokenizer(prompt, return_tensors="pt")
     reference = tiny_model.generate(
@@ -67,26 +77,38 @@ def test_greedy_matches_transformers_generate(tiny_model, smollm2_tokenizer):
     )[0, ids["input_ids"].shape[1]:].tolist()
     # eos can't end the reference early (eos_token_id=None), so make sure it isn't hit here
     assert 2 not in reference
-    assert run_tokens(tiny_model, smollm2_tokenizer, [prompt], max_new_tokens=20) == [reference]
+    assert run_tokens(runner, smollm2_tokenizer, [prompt], max_new_tokens=20) == [reference]
 
 
-def test_batched_prompts_of_different_lengths_match_each_prompt_alone(tiny_model, smollm2_tokenizer):
-    together = run_tokens(tiny_model, smollm2_tokenizer, PROMPTS, max_new_tokens=24)
-    alone = [run_tokens(tiny_model, smollm2_tokenizer, [p], max_new_tokens=24)[0] for p in PROMPTS]
+def test_batched_prompts_of_different_lengths_match_each_prompt_alone(tiny_model, runner,
+                                                                     smollm2_tokenizer):
+    together = run_tokens(runner, smollm2_tokenizer, PROMPTS, max_new_tokens=24)
+    alone = [run_tokens(runner, smollm2_tokenizer, [p], max_new_tokens=24)[0] for p in PROMPTS]
     assert together == alone
     texts, _ = stream_text(tiny_model, smollm2_tokenizer, PROMPTS, max_new_tokens=24)
     assert texts == [stream_text(tiny_model, smollm2_tokenizer, [p], max_new_tokens=24)[0][0] for p in PROMPTS]
 
 
 def test_the_prompt_runs_once_and_each_step_feeds_one_token(tiny_model, smollm2_tokenizer):
-    recorder = ForwardRecorder(tiny_model)
+    engine = AccelerateEngine(tiny_model, smollm2_tokenizer,
+                              AccelerateSettings(max_batch_size=4, max_input_length=64,
+                                                 max_new_tokens=16))
+    passes = Passes(engine.runner)
     try:
-        _, steps = stream_text(tiny_model, smollm2_tokenizer, PROMPTS[:2], max_new_tokens=10)
+        steps = len(list(engine.generate(PROMPTS[:2], max_new_tokens=10, ignore_eos=True)))
     finally:
-        recorder.remove()
-    longest = max(len(ids) for ids in encode_prompts(smollm2_tokenizer, PROMPTS[:2]))
+        engine.shutdown()
+    lengths = [len(ids) for ids in encode_prompts(smollm2_tokenizer, PROMPTS[:2])]
     assert steps == 10
-    assert recorder.widths == [longest] + [1] * 9
+    assert len(passes.seen) == 10
+    # one pass reads both prompts whole, from empty caches...
+    prefill, *decode = passes.seen
+    assert [(tokens, cached) for _, tokens, cached in prefill] == [(n, 0) for n in lengths]
+    handles = [handle for handle, _, _ in prefill]
+    # ...then each step feeds each row the one token it chose, after what it holds
+    for step, feeds in enumerate(decode):
+        assert [(h, tokens) for h, tokens, _ in feeds] == [(h, 1) for h in handles]
+        assert [cached for _, _, cached in feeds] == [n + step for n in lengths]
 
 
 def test_each_prompt_stops_at_max_new_tokens_and_the_list_keeps_its_shape(tiny_model, smollm2_tokenizer):
@@ -96,23 +118,24 @@ def test_each_prompt_stops_at_max_new_tokens_and_the_list_keeps_its_shape(tiny_m
     assert all(len(item) == len(PROMPTS) for item in items)
 
 
-def test_generation_stops_at_any_eos_id_and_emits_no_eos_text(tiny_model, smollm2_tokenizer):
-    free_run = run_tokens(tiny_model, smollm2_tokenizer, [PROMPTS[0]], max_new_tokens=12)[0]
+def test_generation_stops_at_any_eos_id_and_emits_no_eos_text(runner, smollm2_tokenizer):
+    free_run = run_tokens(runner, smollm2_tokenizer, [PROMPTS[0]], max_new_tokens=12)[0]
     # Make the 4th greedy token an end-of-sequence id: generation must end right there.
     eos = free_run[3]
-    sequences = build_sequences(tiny_model, smollm2_tokenizer, encode_prompts(smollm2_tokenizer, [PROMPTS[0]]),
-                                max_new_tokens=12)
+    sequences = build_sequences(runner.model, smollm2_tokenizer,
+                                encode_prompts(smollm2_tokenizer, [PROMPTS[0]]), max_new_tokens=12)
     sequences[0].eos_token_ids = frozenset({2, eos})
-    batch = CausalLMBatch.from_sequences(sequences, pad_token_id=2, device="cpu")
+    batch = CausalLMBatch.from_sequences(runner, sequences)
     steps = 0
     while batch is not None:
-        generations, batch = generate_token(tiny_model, batch)
+        generations, batch = generate_token(runner, batch)
         steps += 1
     seq = sequences[0]
     assert steps == free_run.index(eos) + 1
     assert seq.finish_reason == "eos"
     assert seq.generated_ids == free_run[: free_run.index(eos)]
     assert seq.text == smollm2_tokenizer.decode(seq.generated_ids, skip_special_tokens=True)
+    assert runner.handles() == []  # the finished row's cache was freed
 
 
 def test_stop_string_ends_generation_without_emitting_it(tiny_model, smollm2_tokenizer):
@@ -130,20 +153,23 @@ def test_stop_string_ends_generation_without_emitting_it(tiny_model, smollm2_tok
     assert emitted == expected
 
 
-def test_manual_seed_makes_sampling_reproducible_alone_or_batched(tiny_model, smollm2_tokenizer):
+def test_manual_seed_makes_sampling_reproducible_alone_or_batched(runner, smollm2_tokenizer):
     sampling = dict(max_new_tokens=16, do_sample=True, temperature=1.5, top_k=200, top_p=0.95)
-    first = run_tokens(tiny_model, smollm2_tokenizer, [PROMPTS[1]], manual_seed=7, **sampling)
-    again = run_tokens(tiny_model, smollm2_tokenizer, [PROMPTS[1]], manual_seed=7, **sampling)
-    other = run_tokens(tiny_model, smollm2_tokenizer, [PROMPTS[1]], manual_seed=8, **sampling)
+    first = run_tokens(runner, smollm2_tokenizer, [PROMPTS[1]], manual_seed=7, **sampling)
+    again = run_tokens(runner, smollm2_tokenizer, [PROMPTS[1]], manual_seed=7, **sampling)
+    other = run_tokens(runner, smollm2_tokenizer, [PROMPTS[1]], manual_seed=8, **sampling)
     assert first == again
     assert first != other
-    greedy = run_tokens(tiny_model, smollm2_tokenizer, [PROMPTS[1]], max_new_tokens=16)
+    greedy = run_tokens(runner, smollm2_tokenizer, [PROMPTS[1]], max_new_tokens=16)
     assert first != greedy
+    # batched with other prompts, the seeded row samples what it sampled alone
+    batched = run_tokens(runner, smollm2_tokenizer, PROMPTS, manual_seed=7, **sampling)
+    assert batched[1] == first[0]
 
 
-def test_repetition_penalty_changes_greedy_output(tiny_model, smollm2_tokenizer):
-    plain = run_tokens(tiny_model, smollm2_tokenizer, [PROMPTS[0]], max_new_tokens=20)[0]
-    penalised = run_tokens(tiny_model, smollm2_tokenizer, [PROMPTS[0]], max_new_tokens=20,
+def test_repetition_penalty_changes_greedy_output(runner, smollm2_tokenizer):
+    plain = run_tokens(runner, smollm2_tokenizer, [PROMPTS[0]], max_new_tokens=20)[0]
+    penalised = run_tokens(runner, smollm2_tokenizer, [PROMPTS[0]], max_new_tokens=20,
                            repetition_penalty=5.0)[0]
     # a random tiny model repeats itself; a strong penalty must reduce repeats
     assert len(set(penalised)) > len(set(plain))
@@ -156,11 +182,12 @@ def test_unknown_parameter_is_refused(tiny_model, smollm2_tokenizer):
 
 
 def test_closing_the_stream_stops_generation(tiny_model, smollm2_tokenizer):
-    recorder = ForwardRecorder(tiny_model)
+    engine = AccelerateEngine(tiny_model, smollm2_tokenizer,
+                              AccelerateSettings(max_batch_size=4, max_input_length=64,
+                                                 max_new_tokens=1000))
+    passes = Passes(engine.runner)
     try:
-        stream = StreamingUtils.get_stream_generator("Accelerate")(
-            tiny_model, smollm2_tokenizer, [PROMPTS[0]], max_new_tokens=1000
-        )
+        stream = engine.generate([PROMPTS[0]], max_new_tokens=1000, ignore_eos=True)
         next(stream)
         next(stream)
         stream.close()
@@ -169,20 +196,55 @@ def test_closing_the_stream_stops_generation(tiny_model, smollm2_tokenizer):
         # The decode loop runs ahead of its readers; it notices the cancellation at
         # its next step, after which no forward pass runs for this request.
         deadline = time.monotonic() + 10
-        while scheduler_of(tiny_model).running_size and time.monotonic() < deadline:
+        while engine.scheduler.running_size and time.monotonic() < deadline:
             time.sleep(0.01)
-        calls = len(recorder.widths)
+        calls = len(passes.seen)
         time.sleep(0.3)
-        assert len(recorder.widths) == calls
+        assert len(passes.seen) == calls
+        assert engine.scheduler.running_size == 0
+        # and the request's cache is freed
+        assert engine.runner.handles() == [] and engine.runner.tokens_held == 0
     finally:
-        recorder.remove()
-    assert scheduler_of(tiny_model).running_size == 0
+        engine.shutdown()
     assert calls < 1000
 
 
-def test_dtype_of_cache_matches_model(tiny_model, smollm2_tokenizer):
-    sequences = build_sequences(tiny_model, smollm2_tokenizer, encode_prompts(smollm2_tokenizer, ["hi"]),
-                                max_new_tokens=3)
-    batch = CausalLMBatch.from_sequences(sequences, pad_token_id=2, device="cpu")
-    _, batch = generate_token(tiny_model, batch)
-    assert kv_cache.layers(batch.past_key_values)[0].keys.dtype == torch.float32
+def test_a_one_call_stream_shuts_its_engine_down_when_it_ends_or_is_closed(
+        tiny_model, smollm2_tokenizer):
+    generator = StreamingUtils.get_stream_generator("Accelerate")
+    before = scheduler_threads()
+    stream = generator(tiny_model, smollm2_tokenizer, [PROMPTS[0]], max_new_tokens=1000,
+                       ignore_eos=True)
+    next(stream)
+    assert scheduler_threads() == before + 1
+    stream.close()
+    assert scheduler_threads() == before
+    stream = generator(tiny_model, smollm2_tokenizer, PROMPTS, max_new_tokens=3)
+    assert len(list(stream)) <= 3
+    assert scheduler_threads() == before
+
+
+def test_separate_calls_of_the_stream_generator_each_give_what_one_call_alone_gives(
+        tiny_model, smollm2_tokenizer):
+    generator = StreamingUtils.get_stream_generator("Accelerate")
+    alone = [stream_text(tiny_model, smollm2_tokenizer, [p], max_new_tokens=8)[0][0]
+             for p in PROMPTS[:2]]
+    first = generator(tiny_model, smollm2_tokenizer, [PROMPTS[0]], max_new_tokens=8)
+    second = generator(tiny_model, smollm2_tokenizer, [PROMPTS[1]], max_new_tokens=8)
+    try:
+        texts = ["".join(p[0] for p in first), "".join(p[0] for p in second)]
+    finally:
+        first.close()
+        second.close()
+    assert texts == alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kv_cache_holds_the_model_s_dtype(smollm2_tokenizer, dtype):
+    model = build_tiny_llama(len(smollm2_tokenizer)).to(dtype)
+    runner = load_runner(model, RunnerSettings(max_rows=2, max_positions=64))
+    assert runner.path == "attention", getattr(runner, "reason", "")
+    assert {keys.dtype for keys in runner.cache.keys} == {dtype}
+    assert {values.dtype for values in runner.cache.values} == {dtype}
+    tokens = run_tokens(runner, smollm2_tokenizer, ["hi"], max_new_tokens=3)
+    assert len(tokens[0]) <= 3 and runner.tokens_held == 0

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from djl_stream import StreamingUtils
-from djl_stream.generation.engines.accelerate import encode_prompts
+from djl_stream.generation.engines.accelerate import AccelerateEngine, encode_prompts
 from djl_stream.generation.engines.neuronx import (
     NeuronUnavailableError,
     import_transformers_neuronx,
@@ -572,9 +572,15 @@ def test_ignore_eos_goes_on_after_eos_as_the_accelerate_engine_does(neuronx, tin
     with LogitBias(tiny_model, token_id=eos, bias=5.0, calls=1):
         neuron, neuron_steps = neuron_texts(model, smollm2_tokenizer, PROMPTS, max_new_tokens=8,
                                             ignore_eos=True)
-    with LogitBias(tiny_model, token_id=eos, bias=5.0, calls=1):  # the prompts' one prefill
-        accelerate, accelerate_steps = accelerate_texts(tiny_model, smollm2_tokenizer, PROMPTS,
-                                                        max_new_tokens=8, ignore_eos=True)
+    # (the engine is made first: its load runs the model on a probe, which would take the
+    # bias meant for the prompts)
+    engine = AccelerateEngine(tiny_model, smollm2_tokenizer)
+    try:
+        with LogitBias(tiny_model, token_id=eos, bias=5.0, calls=1):  # the prompts' one prefill
+            accelerate, accelerate_steps = collect(engine.generate(PROMPTS, max_new_tokens=8,
+                                                                   ignore_eos=True))
+    finally:
+        engine.shutdown()
     assert all(neuron) and neuron == accelerate
     assert ([[g.token_id for g in gens] for gens in generations_of(neuron_steps)]
             == [[g.token_id for g in gens] for gens in generations_of(accelerate_steps)])
@@ -733,7 +739,7 @@ def test_the_service_serves_with_transformers_neuronx_when_asked(neuronx, tmp_pa
                             "option.compiled_graph_path=compiled\n")
     module = init(load_entry_point(directory), directory)
     service = module._service
-    assert service.engine == "transformers-neuronx"
+    assert service.engine.name == "transformers-neuronx"
     assert isinstance(service.model, neuronx.StandInForSampling)
     assert [call[0] for call in service.model.calls] == ["to_neuron", "save"]
     assert [p.name for p in (directory / "compiled").iterdir()] == ["standin-graph.neff"]

@@ -16,7 +16,7 @@ from typing import List, Tuple
 
 import pytest
 
-from benchmarks import cycle_trace, decode_step, quantization, random_weights
+from benchmarks import decode_step, quantization, random_weights
 from benchmarks import run as bench_run
 from benchmarks.peers import run as peers_run
 from benchmarks.peers.servers import PEERS
@@ -30,10 +30,9 @@ PARSERS = {
     "benchmarks.run": bench_run.build_parser,
     "benchmarks.peers": peers_run.build_parser,
     "benchmarks.quantization": quantization.build_parser,
-    "benchmarks.cycle_trace": cycle_trace.build_parser,
 }
 # What the script's variables hold when it runs (any path will do for parsing).
-VARIABLES = {"$python": "python", '"$model"': "/tmp/model", '"$forward"': "/tmp/forward",
+VARIABLES = {"$python": "python", '"$model"': "/tmp/model",
              '"$out/': '"/tmp/out/', '"${BENCH_REPETITIONS:-3}"': "3",
              '"${QUANT_METHODS:-none,int8,w8a8,bitsandbytes8,bitsandbytes4}"':
              "none,int8,w8a8,bitsandbytes8,bitsandbytes4"}
@@ -84,7 +83,7 @@ def test_each_step_s_command_is_accepted_by_what_it_runs(name, command):
         assert not unknown, f"{name}: unknown peers {unknown}"
     if module == "benchmarks.quantization":
         known = set(QUANTIZE_METHODS) | {"none"} | set(quantization.DTYPES)
-        methods = [m.strip().removesuffix(quantization.COMPILED) for m in args.methods.split(",")]
+        methods = [m.strip() for m in args.methods.split(",")]
         assert set(methods) <= known, f"{name}: unknown methods {set(methods) - known}"
 
 

@@ -58,20 +58,20 @@ def test_an_unreachable_hub_id_fails_with_a_clear_message(tmp_path):
 
 def test_the_model_loads_in_a_thread_that_ends_with_the_load(tiny_model_dir, monkeypatch):
     # The OpenMP thread pool loading gives its thread must not outlive the load: beside
-    # the scheduler's, it throttles the decode steps' OpenMP workers
+    # the scheduler's, it throttles the forward passes' OpenMP workers
     # (loading.in_passing_thread says how much).
     import threading
 
     from djl_stream.runtime import loading
 
     seen = []
-    prepare = loading.prepare_for_decoding
+    load = loading._load_model_and_tokenizer
 
     def recording(*args, **kwargs):
         seen.append(threading.current_thread())
-        return prepare(*args, **kwargs)
+        return load(*args, **kwargs)
 
-    monkeypatch.setattr(loading, "prepare_for_decoding", recording)
+    monkeypatch.setattr(loading, "_load_model_and_tokenizer", recording)
     model, _ = loading.load_model_and_tokenizer(
         ModelProperties.from_init_properties({"model_dir": str(tiny_model_dir)}))
     (thread,) = seen

@@ -110,11 +110,13 @@ def test_option_quantize_and_djl_s_load_in_flags(values, method):
     assert ModelProperties.from_init_properties(values).quantize == method
 
 
-@pytest.mark.parametrize("value, packs", [(None, None), ("auto", None), ("true", True),
-                                          ("false", False)])
-def test_option_prepack_weights_is_auto_unless_set(value, packs):
-    values = {} if value is None else {"prepack_weights": value}
-    assert ModelProperties.from_init_properties(values).prepack_weights is packs
+@pytest.mark.parametrize("key", ["decode_step", "compiled_weights", "prepack_weights"])
+def test_the_removed_decode_step_options_are_unknown_properties(key):
+    # ignored (kept in extra) by a server, refused by `djl-stream check`
+    assert ModelProperties.from_init_properties({key: "auto"}).extra == {key: "auto"}
+    with pytest.raises(PropertyError) as info:
+        ModelProperties.from_init_properties({key: "auto"}, strict=True)
+    assert info.value.key == f"option.{key}" and "unknown property" in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -122,7 +124,7 @@ def test_option_prepack_weights_is_auto_unless_set(value, packs):
     [
         ({"quantize": "int4"}, "quantize",
          "expected one of int8, w8a8, bitsandbytes8, bitsandbytes4, got 'int4'"),
-        ({"prepack_weights": "maybe"}, "prepack_weights", "expected true or false"),
+        ({"apply_chat_template": "maybe"}, "apply_chat_template", "expected true or false"),
         ({"prefill_stall_steps": "-1"}, "prefill_stall_steps", "at least 0, got '-1'"),
         ({"prefill_stall_steps": "nan"}, "prefill_stall_steps", "finite number"),
         ({"prefill_stall_steps": "inf"}, "prefill_stall_steps", "finite number"),

@@ -10,8 +10,7 @@ import sys
 import pytest
 import torch
 
-from djl_stream.runtime.int8 import int8_matmul_unavailable
-from djl_stream.generation.int8_weights import Int8WeightOnlyLinear
+from djl_stream.runtime.int8 import Int8WeightOnlyLinear, int8_matmul_unavailable
 from djl_stream.runtime.loading import ModelLoadError, load_model_and_tokenizer
 from djl_stream.runtime.quantization import QuantizationUnavailable, quantization_kwargs
 from djl_stream.serving.properties import ModelProperties
@@ -31,13 +30,12 @@ def last_logits(model):
 
 @pytest.fixture(scope="module")
 def float32_logits(tiny_model_dir):
-    return last_logits(load(tiny_model_dir, prepack_weights="false"))
+    return last_logits(load(tiny_model_dir))
 
 
 def test_int8_stores_every_decoder_weight_as_int8_and_computes_nearly_the_same(
         tiny_model_dir, float32_logits):
-    # (the compiled programs over these layers: test_compiled_decode)
-    model = load(tiny_model_dir, quantize="int8", decode_step="eager")
+    model = load(tiny_model_dir, quantize="int8")
     projections = [m for name, m in model.named_modules() if name.endswith(("_proj"))]
     assert len(projections) == 2 * 7
     if model.device.type == "cpu":
@@ -82,12 +80,12 @@ def test_a_missing_library_is_a_load_error_that_says_what_to_install(monkeypatch
         quantization_kwargs("int8", on_gpu=True)
     # a CPU's load, on a machine with a GPU too
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    model = load(tiny_model_dir, quantize="int8", decode_step="eager")
+    model = load(tiny_model_dir, quantize="int8")
     assert type(model.lm_head) is Int8WeightOnlyLinear
 
 
 def test_on_cuda_w8a8_serves_torchao_s_int8_weight_only_config_and_says_so(caplog):
-    # Contract only: no GPU here. On a CPU w8a8 is djl-stream's own layers (test_int8_linear).
+    # Contract only: no GPU here. On a CPU w8a8 is djl-stream's own layers (test_int8).
     # On an H100 torchao's dynamic-activation config decoded at 0.03x bfloat16 (eagerly, a
     # host sync per input feature), weight-only int8 at 0.84x: a GPU gets the latter.
     pytest.importorskip("torchao")
@@ -117,7 +115,7 @@ def test_w8a8_on_a_cpu_without_int8_dot_products_says_float32_is_faster(
     monkeypatch.setattr(quantization, "lacks_int8_dot_products", lambda: reads(str(cpuinfo)))
     # a CPU's load, on a machine with a GPU too
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    model = load(tiny_model_dir, quantize="w8a8", decode_step="eager")
+    model = load(tiny_model_dir, quantize="w8a8")
     assert type(model.model.layers[0].mlp.down_proj).__name__ == "Int8Linear"
     assert ("without int8 dot-product instructions" in caplog.text) == warned
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from djl_stream.generation import llama_decode
 from djl_stream.generation.scheduler import IDLE_PREFILL_FACTOR
 from djl_stream.serving.inputs import Input
 from djl_stream.serving.properties import djl_init_properties
@@ -51,10 +50,27 @@ def request(module, body, protocol=None):
 
 
 def scheduler_of(module):
-    """The continuous-batching scheduler of the model that module's service loaded."""
-    from djl_stream.generation.scheduler import _SCHEDULERS
+    """The continuous-batching scheduler of the engine that module's service loaded."""
+    return module._service.engine.scheduler
 
-    return _SCHEDULERS[module._service.model]
+
+class Passes:
+    """Records the passes the runner of ``module``'s engine runs: one list of the tokens
+    each feed brings per pass."""
+
+    def __init__(self, module):
+        self.runner = runner = module._service.engine.runner
+        self.seen: list[list[int]] = []
+        self._real = real = runner.run
+
+        def run(feeds):
+            self.seen.append([len(f.tokens) for f in feeds])
+            return real(feeds)
+
+        runner.run = run
+
+    def remove(self):
+        self.runner.run = self._real
 
 
 def body_json(output):
@@ -337,11 +353,9 @@ def test_option_max_request_input_length_counts_each_prompt_at_the_longest(tmp_p
     directory = variant_dir(tmp_path, tiny_model_dir, "",
                             "option.max_request_input_length=100\n")
     module = init(load_entry_point(directory), directory)
-    forwards = []
-    hook = module._service.model.register_forward_pre_hook(
-        lambda model, args, kwargs: forwards.append(kwargs["input_ids"].shape), with_kwargs=True)
+    passes = Passes(module)
     try:
-        # 40 tokens and two of 1: padded to the longest, 120 tokens of prefill and cache
+        # 40 tokens and two of 1: counted at the longest, 120 tokens of prefill and cache
         out = request(module, {"inputs": [" ".join(["word"] * 40), "hi", "hi"],
                                "parameters": {"max_new_tokens": 2}})
         assert out.code == 400
@@ -349,11 +363,12 @@ def test_option_max_request_input_length_counts_each_prompt_at_the_longest(tmp_p
         assert body_json(out)["message"] == (
             "inputs: 3 prompts of up to 40 tokens take 120 tokens (each is padded to the "
             "longest); the limit (option.max_request_input_length) is 100")
-        assert forwards == []  # refused before any model work
+        assert passes.seen == []  # refused before any model work
         assert request(module, {"inputs": [" ".join(["word"] * 40), "hi"],
                                 "parameters": {"max_new_tokens": 2}}).code == 200
+        assert passes.seen
     finally:
-        hook.remove()
+        passes.remove()
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_of_option_max_batch_prefill_tokens(
@@ -367,22 +382,17 @@ def test_a_long_prompt_is_prefilled_in_chunks_of_option_max_batch_prefill_tokens
     assert scheduler._pacer.stall_steps == 2.5
     # alone (nothing decoding), it is read in passes of the idle budget the property sets
     assert scheduler.max_idle_prefill_tokens == IDLE_PREFILL_FACTOR * 32 == 256
-    widths = []
-    hook = module._service.model.model.register_forward_pre_hook(
-        lambda decoder, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
-        with_kwargs=True)
+    passes = Passes(module)
     body = {"inputs": "word " * 300, "parameters": {"max_new_tokens": 8}, "stream": False}
     try:
         chunked = body_json(request(module, body))
     finally:
-        hook.remove()
+        passes.remove()
     length = len(module._service.tokenizer(body["inputs"])["input_ids"])
     assert 256 < length <= 512
-    assert widths[:2] == [256, length - 256]  # 2 chunks
-    # then the decode steps: not through the model's forward where djl-stream's Llama
-    # decode step runs them (the tiny model is a Llama), one column each where it does
-    own_step = llama_decode.step_of(module._service.model) is not None
-    assert own_step and widths[2:] == [] or not own_step and set(widths[2:]) == {1}
+    assert passes.seen[:2] == [[256], [length - 256]]  # 2 chunks
+    # then the decode steps, one token each
+    assert passes.seen[2:] == [[1]] * 7
     # a budget beyond the prompt reads it in one pass, and the text is the same
     one_pass = variant_dir(tmp_path / "one-pass", tiny_model_dir, "",
                            "option.max_batch_prefill_tokens=4096\noption.max_input_length=512\n")
@@ -399,9 +409,7 @@ def test_option_max_request_kv_tokens_bounds_prompts_times_their_whole_length(
     assert module._service.props.max_request_kv_tokens == 400
     words = " ".join(["word"] * 9)
     length = len(module._service.tokenizer(words)["input_ids"])
-    forwards = []
-    hook = module._service.model.register_forward_pre_hook(
-        lambda model, args, kwargs: forwards.append(kwargs["input_ids"].shape), with_kwargs=True)
+    passes = Passes(module)
     try:
         out = request(module, {"inputs": [words, "hi"], "parameters": {"max_new_tokens": 200}})
         assert out.code == 400
@@ -419,19 +427,20 @@ def test_option_max_request_kv_tokens_bounds_prompts_times_their_whole_length(
             error["message"]
         # (TGI's /generate brings one prompt, which the bound always admits: it is at
         # least max_input_length + max_new_tokens_limit, see test_properties)
-        assert forwards == []  # every refusal came before any model work
+        assert passes.seen == []  # every refusal came before any model work
         # one prompt of the same length fits: 1 x (length + 200) <= 400
         fits = request(module, {"inputs": words, "parameters": {"max_new_tokens": 200},
                                 "stream": False})
         assert fits.code == 200
+        assert passes.seen
     finally:
-        hook.remove()
+        passes.remove()
 
 
 def test_max_request_kv_tokens_defaults_to_what_fits_in_the_weights_size(handler):
     service = handler._service
-    # a tied LM head prepacked for the CPU is a second copy of the embedding, not a
-    # weight of its own: packing marks it, and the bound counts the model's weights once
+    # a tied LM head quantized on a CPU is a second copy of the embedding, not a weight
+    # of its own: quantizing marks it, and the bound counts the model's weights once
     weights = sum(p.numel() * p.element_size() for p in service.model.parameters()
                   if not getattr(p, "duplicates_a_weight", False))
     assert weights > 0

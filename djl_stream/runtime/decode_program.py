@@ -34,6 +34,7 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import json
@@ -247,6 +248,7 @@ class ProgramBuilder:
 
     def start(self) -> None:
         """Load the cached program, or start compiling it; returns at once."""
+        _LIVE_BUILDERS.add(self)
         self._thread = threading.Thread(target=self._build, name="djl-stream-compile",
                                         daemon=True)
         self._thread.start()
@@ -282,6 +284,7 @@ class ProgramBuilder:
                            self._error)
         finally:
             self._done.set()
+            _LIVE_BUILDERS.discard(self)
 
     def _compile(self) -> None:
         lock = self.folder.with_suffix(".lock")
@@ -330,6 +333,16 @@ class ProgramBuilder:
             os.replace(work_dir / "program.pt2", self.path)
 
 
+#: Builders at work: their compiling processes end with this one (:func:`_stop_builders`).
+_LIVE_BUILDERS: "set[ProgramBuilder]" = set()
+
+
+@atexit.register
+def _stop_builders() -> None:
+    for builder in list(_LIVE_BUILDERS):
+        builder.stop()
+
+
 def structural_twin(config_dict: Dict[str, Any], dtype: str, quantize: Optional[str],
                     buffers: Dict[str, torch.Tensor]) -> torch.nn.Module:
     """The served model's structure from its config, its weights allocated but never
@@ -359,10 +372,24 @@ def structural_twin(config_dict: Dict[str, Any], dtype: str, quantize: Optional[
     return model.eval()
 
 
+def _end_with_the_parent() -> None:
+    """Exit when the process that started this one is gone: a server that was killed
+    leaves no compiler behind."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """The compiling process: ``python -m djl_stream.runtime.decode_program WORK_DIR``."""
     from djl_stream.runtime.attention import use_attention
 
+    _end_with_the_parent()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     work = Path((argv or sys.argv[1:])[0])
     spec = json.loads((work / "spec.json").read_text())
