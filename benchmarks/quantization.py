@@ -3,8 +3,8 @@ closely its greedy text follows float32's, in-process, side by side; bfloat16 we
 (``option.dtype=bf16``) too, the other way to read fewer bytes a step.
 
 Every method loads the model directory the way the server does
-(:func:`~djl_stream.runtime.loading.load_model_and_tokenizer`, so float32 is prepacked
-on a CPU where packing pays), then:
+(:func:`~djl_stream.runtime.loading.load_model_and_tokenizer`) onto a runner of its own,
+then:
 
 * **decode step**: the median time of a one-row decode step through
   :func:`~djl_stream.generation.batch.generate_token`, over ``--steps`` steps
@@ -34,8 +34,9 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from djl_stream.generation.batch import CausalLMBatch, generate_token
-from djl_stream.runtime.loading import load_model_and_tokenizer
 from djl_stream.generation.sequence import GenerationSequence
+from djl_stream.runtime.loading import load_model_and_tokenizer
+from djl_stream.runtime.runner import ModelRunner, RunnerSettings, load_runner
 from djl_stream.serving.properties import ModelProperties, djl_init_properties
 
 from .decode_step import decode_steps
@@ -47,28 +48,33 @@ from .settings import PROMPTS
 
 #: Methods that are a dtype (``option.dtype``) rather than an ``option.quantize`` value.
 DTYPES = ("bf16",)
-#: A method's suffix that adds ``option.decode_step=compiled`` (``w8a8+compiled``).
+#: A method's suffix whose decode steps run the compiled program (``option.compile``,
+#: ``w8a8+compiled``); the others run the eager forward.
 COMPILED = "+compiled"
 
 
-def _load(model_dir: str, method: str):
+def _load(model_dir: str, method: str) -> ModelRunner:
     init = djl_init_properties(model_dir)
-    # (the eager step unless asked: on a CPU the defaults compile where they can)
-    init["decode_step"] = "eager"
-    if method.endswith(COMPILED):
-        init["decode_step"] = "compiled"
-        method = method[:-len(COMPILED)]
+    compiled = method.endswith(COMPILED)
+    method = method[:-len(COMPILED)] if compiled else method
     if method in DTYPES:
         init["dtype"] = method
     elif method != "none":
         init["quantize"] = method
-    return load_model_and_tokenizer(ModelProperties.from_init_properties(init))[0]
+    model = load_model_and_tokenizer(ModelProperties.from_init_properties(init))[0]
+    runner = load_runner(model, RunnerSettings(max_rows=2))
+    if compiled:
+        builder = runner.compile_decode_step()
+        if builder is None or builder.result() is None:
+            raise SystemExit(f"{method}: no compiled decode step "
+                             f"({builder.error if builder else 'not on this device or path'})")
+    return runner
 
 
 def _row_name(method: str, unset: str = "float32", on_gpu: bool = False) -> str:
     """
     >>> _row_name("w8a8", "bfloat16", on_gpu=True)
-    '`w8a8` (a GPU serves `int8` for it), `option.decode_step=eager`'
+    '`w8a8` (a GPU serves `int8` for it), eager decode step'
     """
     compiled = method.endswith(COMPILED)
     method = method[:-len(COMPILED)] if compiled else method
@@ -76,8 +82,7 @@ def _row_name(method: str, unset: str = "float32", on_gpu: bool = False) -> str:
             else f"unset, `option.dtype={method}`" if method in DTYPES else f"`{method}`")
     if method == "w8a8" and on_gpu:  # (djl_stream.runtime.quantization says why)
         name += " (a GPU serves `int8` for it)"
-    return name + (", `option.decode_step=compiled`" if compiled
-                   else ", `option.decode_step=eager`")
+    return name + (", compiled decode step" if compiled else ", eager decode step")
 
 
 def _sequence(ids: Sequence[int], tokenizer, tokens: int) -> GenerationSequence:
@@ -85,11 +90,11 @@ def _sequence(ids: Sequence[int], tokenizer, tokens: int) -> GenerationSequence:
                               eos_token_ids=set(), ignore_eos=True)
 
 
-def greedy_ids(model, tokenizer, ids: Sequence[int], tokens: int) -> List[int]:
+def greedy_ids(runner: ModelRunner, tokenizer, ids: Sequence[int], tokens: int) -> List[int]:
     seq = _sequence(ids, tokenizer, tokens)
-    batch = CausalLMBatch.from_sequences([seq], pad_token_id=0, device=model.device)
+    batch = CausalLMBatch.from_sequences(runner, [seq])
     while batch is not None:
-        _, batch = generate_token(model, batch)
+        _, batch = generate_token(runner, batch)
     return seq.generated_ids
 
 
@@ -110,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--methods", default="none,bf16,int8,w8a8,bitsandbytes4,bitsandbytes8,"
                                               "none+compiled,int8+compiled,w8a8+compiled",
                         help="option.quantize values, 'none' (float32) and 'bf16' "
-                             "(option.dtype=bf16); '+compiled' adds "
-                             "option.decode_step=compiled")
+                             "(option.dtype=bf16); '+compiled': decode steps through the "
+                             "compiled program")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repetitions", type=int, default=3)
@@ -130,27 +135,27 @@ def main(argv: Optional[List[str]] = None) -> None:
     prompts = [list(lm.prompt(p).ids) for p in PROMPTS]
     tokenizer = lm.tokenizer
     del lm
-    models: Dict[str, object] = {m: _load(args.model_dir, m) for m in methods}
-    reference = [greedy_ids(models["none"], tokenizer, p, args.tokens) for p in prompts]
+    runners: Dict[str, ModelRunner] = {m: _load(args.model_dir, m) for m in methods}
+    reference = [greedy_ids(runners["none"], tokenizer, p, args.tokens) for p in prompts]
     steps: Dict[str, List[float]] = {m: [] for m in methods}
     for _ in range(args.repetitions):
-        for method, model in models.items():
-            steps[method].append(decode_steps(model, tokenizer, [prompts[0]], args.steps)[0])
+        for method, runner in runners.items():
+            steps[method].append(decode_steps(runner, tokenizer, [prompts[0]], args.steps)[0])
     base = statistics.median(steps["none"])
-    unset = str(next(models["none"].parameters()).dtype).replace("torch.", "")
+    unset = str(next(runners["none"].model.parameters()).dtype).replace("torch.", "")
     lines = [f"{torch.get_num_threads()} threads; {args.tokens} greedy tokens on each of "
              f"{len(prompts)} prompts; decode step: median of {args.steps} one-row steps, "
              f"median of {args.repetitions} rounds taken in turns", "",
              f"| weights | decode step | × {unset}'s speed | tokens before the first "
              f"difference | top token = {unset}'s (teacher-forced) |",
              "|---|---|---|---|---|"]
-    for method, model in models.items():
+    for method, runner in runners.items():
         step = statistics.median(steps[method])
         firsts, shares = [], []
         for prompt, ref in zip(prompts, reference):
-            ids = greedy_ids(model, tokenizer, prompt, args.tokens)
+            ids = greedy_ids(runner, tokenizer, prompt, args.tokens)
             firsts.append(next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), len(ref)))
-            shares.append(teacher_forced_agreement(model, prompt, ref))
+            shares.append(teacher_forced_agreement(runner.model, prompt, ref))
         lines.append(f"| {_row_name(method, unset, args.device == 'cuda')} | {step * 1e3:.1f} ms | {base / step:.2f}x | "
                      f"{', '.join(map(str, firsts))} of {args.tokens} | "
                      f"{statistics.mean(shares) * 100:.1f} % |")
@@ -167,8 +172,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             "method's tokens with float32's: how many agree before the first difference, "
             "and with float32's tokens fed back (teacher forcing) how often the top token "
             "is float32's. The teacher-forced column runs the model's forward (a prefill), "
-            "so it is the same with and without `option.decode_step=compiled`, whose "
-            "program runs decode steps only; the first column decodes through it. "
+            "so it is the same with and without the compiled decode step, which runs "
+            "decode steps only; the first column decodes through it. "
             "bitsandbytes is made for CUDA: on a CPU it runs its CPU "
             "kernels." + ("" if args.device == "cpu" else
                           f" Run on the GPU ({args.device}): unset means {unset} there."),

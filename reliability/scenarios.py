@@ -288,7 +288,7 @@ def long_prompt_arrival(server: ServerProcess, max_input_tokens: int, step_s: fl
                    speed_dependent=True)
 
 
-KV_LIMIT = re.compile(r"(\d+) prompts? of up to (\d+) tokens .* the limit "
+KV_LIMIT = re.compile(r"(\d+) prompts? of (\d+) tokens in all .* the limit "
                       r"\(option\.max_request_kv_tokens\) is (\d+)")
 
 
@@ -313,16 +313,17 @@ def largest_request(server: ServerProcess, rows: int, prompt_words: int,
             return Finding("largest request the limits allow", "peak RSS < 2 × RSS once loaded",
                            False, {"over the bound": f"{refused.status_code} (not a 400 naming "
                                                      "option.max_request_kv_tokens)"})
-        longest, limit = int(found.group(2)), int(found.group(3))
-        tokens = min(max_new_tokens_limit, limit // rows - longest)
+        prompt_tokens, limit = int(found.group(2)), int(found.group(3))
+        tokens = min(max_new_tokens_limit, (limit - prompt_tokens) // rows)
         answer = client.post(server.url, json=body(tokens))
     time.sleep(0.5)
     after = server.memory()
-    positions = rows * (longest + tokens)
+    positions = prompt_tokens + rows * tokens
     ratio = after.peak / loaded.rss if loaded and after else float("nan")
     return Finding("largest request the limits allow", "peak RSS < 2 × RSS once loaded",
                    answer.status_code == 200 and ratio < 2,
-                   {"request": f"{rows} × ({longest} prompt + {tokens} new tokens) = {positions} "
+                   {"request": f"{prompt_tokens} prompt tokens + {rows} × {tokens} new tokens = "
+                               f"{positions} "
                                f"KV-cache positions of {limit} allowed; answered "
                                f"{answer.status_code}",
                     "over the bound": "400 naming option.max_request_kv_tokens",

@@ -162,7 +162,7 @@ def test_a_null_stop_is_no_stop(handler):
     [
         ({"inputs": "hi", "parameters": {"max_new_tokens": 257}}, "parameters.max_new_tokens", "256"),
         ({"inputs": "hi", "parameters": {"temperature": 0}}, "parameters.temperature", "at least 0.0001"),
-        # Issue 9: each of these was a 424 (the handler failed) where a 400 belongs.
+        # Each of these was a 424 (the handler failed) where a 400 belongs.
         ({"inputs": "hi", "parameters": {"do_sample": True, "temperature": 1e-37}},
          "parameters.temperature", "at least 0.0001"),
         ({"inputs": "hi", "parameters": {"repetition_penalty": 1e-300}},
@@ -180,10 +180,10 @@ def test_a_null_stop_is_no_stop(handler):
         # 64 tokens of SmolLM2's are at most 64 * 81 characters: refused by length alone
         ({"inputs": "a" * 6000}, "inputs", "the limit is 5184 characters"),
         ({"inputs": ["hi", "a" * 6000]}, "inputs[1]", "(option.max_input_length, 64 tokens"),
-        # Issue 9: each prompt within max_input_length, together more than a request may
+        # Each prompt within max_input_length, together more than a request may
         # bring (twice max_input_length by default), before any model work.
         ({"inputs": [" ".join(["word"] * 50)] * 3}, "inputs",
-         "3 prompts of up to 50 tokens take 150 tokens (each is padded to the longest); "
+         "3 prompts of up to 50 tokens take 150 tokens in all; "
          "the limit (option.max_request_input_length) is 128"),
         (b"{not json", "body", "JSON"),
     ],
@@ -214,7 +214,7 @@ class CountingTokenizer:
 
 
 def test_a_prompt_too_long_in_characters_is_refused_without_tokenizing_it(handler, monkeypatch):
-    # Issue 9, item 3: a 50 MB prompt was tokenized (a minute of CPU, 7 GB) before its
+    # A 50 MB prompt was tokenized (a minute of CPU, 7 GB) before its
     # length was checked. Whatever the tokenizer, a token stands for at most as many
     # characters as its longest vocabulary entry: SmolLM2's is 81 (a newline, 80 spaces).
     service = handler._service
@@ -348,23 +348,23 @@ def test_more_prompts_than_the_batch_holds_is_a_400(tmp_path, tiny_model_dir):
     assert "(option.max_rolling_batch_size) is 2" in error["message"]
 
 
-def test_option_max_request_input_length_counts_each_prompt_at_the_longest(tmp_path,
-                                                                         tiny_model_dir):
+def test_option_max_request_input_length_counts_every_prompt_token(tmp_path, tiny_model_dir):
     directory = variant_dir(tmp_path, tiny_model_dir, "",
                             "option.max_request_input_length=100\n")
     module = init(load_entry_point(directory), directory)
     passes = Passes(module)
     try:
-        # 40 tokens and two of 1: counted at the longest, 120 tokens of prefill and cache
-        out = request(module, {"inputs": [" ".join(["word"] * 40), "hi", "hi"],
+        # 40 + 40 + 30 tokens: 110, more than the request may bring
+        out = request(module, {"inputs": [" ".join(["word"] * 40)] * 2 + [" ".join(["word"] * 30)],
                                "parameters": {"max_new_tokens": 2}})
         assert out.code == 400
         assert body_json(out)["field"] == "inputs"
         assert body_json(out)["message"] == (
-            "inputs: 3 prompts of up to 40 tokens take 120 tokens (each is padded to the "
-            "longest); the limit (option.max_request_input_length) is 100")
+            "inputs: 3 prompts of up to 40 tokens take 110 tokens in all; the limit "
+            "(option.max_request_input_length) is 100")
         assert passes.seen == []  # refused before any model work
-        assert request(module, {"inputs": [" ".join(["word"] * 40), "hi"],
+        # 40 tokens and two of 1: each counted as it is, 42 (no padding to the longest)
+        assert request(module, {"inputs": [" ".join(["word"] * 40), "hi", "hi"],
                                 "parameters": {"max_new_tokens": 2}}).code == 200
         assert passes.seen
     finally:
@@ -401,22 +401,23 @@ def test_a_long_prompt_is_prefilled_in_chunks_of_option_max_batch_prefill_tokens
 
 def test_option_max_request_kv_tokens_bounds_prompts_times_their_whole_length(
         tmp_path, tiny_model_dir):
-    # Issue 9: a request's KV cache holds rows x (longest prompt + max_new_tokens) by its
-    # last step; 32 prompts x 2,048 new tokens would be ~9 GB for SmolLM2, so a bound
+    # A request's KV cache holds its prompts plus max_new_tokens per prompt by its last
+    # step; 32 prompts x 2,048 new tokens would be ~9 GB for SmolLM2, so a bound
     # refuses it, on every protocol, before any model work.
     directory = variant_dir(tmp_path, tiny_model_dir, "", "option.max_request_kv_tokens=400\n")
     module = init(load_entry_point(directory), directory)
     assert module._service.props.max_request_kv_tokens == 400
     words = " ".join(["word"] * 9)
     length = len(module._service.tokenizer(words)["input_ids"])
+    prompts = length + len(module._service.tokenizer("hi")["input_ids"])
     passes = Passes(module)
     try:
         out = request(module, {"inputs": [words, "hi"], "parameters": {"max_new_tokens": 200}})
         assert out.code == 400
         assert body_json(out) == {
             "code": 400, "type": "RequestError", "field": "parameters.max_new_tokens",
-            "message": f"parameters.max_new_tokens: 2 prompts of up to {length} tokens with 200 "
-                       f"new tokens each would hold 2 × ({length} + 200) = {2 * (length + 200)} "
+            "message": f"parameters.max_new_tokens: 2 prompts of {prompts} tokens in all with "
+                       f"200 new tokens each would hold {prompts} + 2 × 200 = {prompts + 400} "
                        "KV-cache positions; the limit (option.max_request_kv_tokens) is 400: ask "
                        "for fewer new tokens or send fewer prompts"}
         openai = request(module, {"prompt": words, "n": 2, "max_tokens": 200,

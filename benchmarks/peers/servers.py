@@ -4,13 +4,10 @@ Every server gets the same prompt text (SmolLM2's chat template already applied,
 server renders a template of its own), greedy decoding, and a fixed number of new tokens:
 
 * **djl-stream**: ``djl-stream serve model``, OpenAI ``/v1/completions`` with
-  ``ignore_eos`` (vLLM's name for it), in float32 (with the defaults, which on a CPU
-  compile the decode programs over the model's own weights, or the one-row program and
-  oneDNN's packed layers beside it where those multiply batches much faster; with the eager step,
-  ``option.decode_step=eager``; and with a program holding its own copy of the weights,
-  ``option.compiled_weights=copy``), with ``option.quantize=int8`` (weight-only), with
-  ``option.quantize=w8a8`` (its programs over the int8 weights, and with a copy) and
-  with ``option.dtype=bf16``;
+  ``ignore_eos`` (vLLM's name for it), in float32 (with the defaults, which on a CPU run
+  decode steps through the compiled program once it is ready, and with the eager forward,
+  ``option.compile=false``), with ``option.quantize=int8`` (weight-only), with
+  ``option.quantize=w8a8`` and with ``option.dtype=bf16``;
 * **llama.cpp**: ``python -m llama_cpp.server`` (llama-cpp-python) on a GGUF file,
   ``/v1/completions`` with ``min_tokens`` equal to ``max_tokens``; it serves one request
   at a time (its server has no parallel slots);
@@ -216,26 +213,16 @@ def _djl_stream_peer(name: str, **how) -> Peer:
 
 PEERS: Dict[str, Peer] = {peer.name: peer for peer in (
     _djl_stream_peer("djl-stream",
-                     weights="float32, from model/ (the defaults: on a CPU the compiled "
-                             "programs over the model's weights, or the one-row program "
-                             "and oneDNN's packed layers beside it where those multiply "
-                             "batches much faster)",
+                     weights="float32, from model/ (the defaults: on a CPU decode steps run "
+                             "the compiled program)",
                      weights_on_gpu="bfloat16, from model/ (the defaults: on a GPU bfloat16, "
-                                    "float16 where it has none; decode steps replayed "
-                                    "from CUDA graphs)"),
+                                    "float16 where it has none)"),
     _djl_stream_peer("djl-stream eager",
-                     weights="float32, from model/ (option.decode_step=eager)",
-                     weights_on_gpu="bfloat16, from model/ (option.decode_step=eager: "
-                                    "no CUDA graphs)",
-                     options=(("decode_step", "eager"),)),
-    _djl_stream_peer("djl-stream compiled copy",
-                     weights="float32, from model/ (option.compiled_weights=copy)",
-                     weights_on_gpu="bfloat16, from model/ (option.compiled_weights is a CPU "
-                                    "option: CUDA graphs, as the defaults)",
-                     options=(("compiled_weights", "copy"),)),
+                     weights="float32, from model/ (option.compile=false: the eager forward)",
+                     weights_on_gpu="bfloat16, from model/ (option.compile=false)",
+                     options=(("compile", "false"),)),
     _djl_stream_peer("djl-stream int8",
-                     weights="int8 weight-only (djl-stream's layers and their programs), "
-                             "from model/",
+                     weights="int8 weight-only (djl-stream's layers), from model/",
                      weights_on_gpu="int8 weight-only (torchao), from model/",
                      options=(("quantize", "int8"),)),
     _djl_stream_peer("djl-stream w8a8",
@@ -243,10 +230,6 @@ PEERS: Dict[str, Peer] = {peer.name: peer for peer in (
                      weights_on_gpu="int8 weight-only (torchao), from model/ "
                                     "(option.quantize=w8a8 serves int8 on a GPU)",
                      options=(("quantize", "w8a8"),)),
-    _djl_stream_peer("djl-stream w8a8 copy",
-                     weights="int8 weights and per-token int8 activations, from model/ "
-                             "(option.compiled_weights=copy)",
-                     options=(("quantize", "w8a8"), ("compiled_weights", "copy"))),
     _djl_stream_peer("djl-stream bf16", weights="bfloat16, from model/ (option.dtype=bf16)",
                      options=(("dtype", "bf16"),)),
     Peer("llama.cpp F32", "llama-cpp", _llama_cpp("f32"), "/v1/models", "/v1/completions",

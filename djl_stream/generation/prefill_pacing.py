@@ -15,19 +15,17 @@ pass, and the narrower wins:
   cannot know what a pass costs on this machine: a pass streams all the weights once, like
   a decode step, whatever its width, and attention over thousands of cached columns has
   costs of its own: deep into a 4,000-token prompt, the 13 columns the budget of 32 affords
-  there took two to three decode steps of SmolLM2 on a 2-core CPU, and a single column
-  one.
+  there can take several decode steps, and a single column one.
 
 The pacer keeps the median of the last few decode steps' seconds, and fits what a pass
 costs as a fixed part plus a part per budget token (rows × columns × the depth factor):
-a pass streams all the weights once whatever its width, so on a CPU a one-column pass of
-SmolLM2 cost 37 ms and a 32-column one 70 ms. The fit is a least-squares line over the
+a pass streams all the weights once whatever its width, so on a CPU a one-column pass can
+cost half of what a 32-column one does. The fit is a least-squares line over the
 passes timed so far, recent ones weighing most (:class:`PassCostModel`), and the next pass
 gets as many budget tokens as fit in ``stall_steps`` decode steps after the fixed part.
-A cost per token alone (each pass's seconds over its tokens, which is what the pacer used
-at first) overstates what a wider pass costs after a narrow one: after a single deep
-column, the next short prompt was read two columns at a time, then five, ..., and 16
-clients arriving together waited 3 s for their first tokens instead of 1.2 s. Until passes
+A cost per token alone (each pass's seconds over its tokens) overstates what a wider pass
+costs after a narrow one: after a single deep column, the next short prompt would be read
+two columns at a time, then five, and so on. Until passes
 of two widths have been seen, the fit is that cost per token. Widths are rounded, not
 floored: floored, a single column that costs more than half the bound would never become
 two.
@@ -73,10 +71,9 @@ STEP_WINDOW = 9
 #: A running batch this many times the rows of the last step timed alone has outgrown that
 #: step's time (:meth:`PrefillPacer.step_outdated`): the next step runs alone, to be timed.
 #: While prompts keep arriving every step is a mixed pass, never timed alone, and the step
-#: time stayed that of the first stream's one-row steps: 15 streams decoding unpacked
-#: SmolLM2 on an Intel Xeon took 80 ms a step against the 31 ms still on record, so each
-#: chunk beside a step read as costing the difference, and a prompt arriving then was read
-#: 1 to 7 columns a pass (its first token after 1.4 s instead of 0.3).
+#: time on record would stay that of a batch of far fewer rows: each chunk beside a step
+#: would read as costing the difference, and a prompt arriving then would be read a few
+#: columns a pass.
 STEP_GROWTH = 1.5
 #: How much each older pass counts in the cost fit, against 1 for the newest: a pass's
 #: cost changes with the prompt's depth, so the last few count most.
@@ -85,32 +82,26 @@ FORGETTING = 0.7
 #: A pass whose fixed part alone is this many times what the bound allows it cannot be
 #: kept near the bound by any width, and one column a pass pays that fixed part once per
 #: prompt column: its chunk gets the bound's worth of columns on top of the fixed part
-#: instead. With ``option.quantize=int8`` on a CPU every eager pass turns each weight
-#: into a float (some 80 ms beside a compiled step of 13): one column a pass, a prompt
-#: arriving beside one stream waited 3.6-6.4 s for its first token over HTTP, and
-#: 1.1-2.2 s with this (2-core AMD EPYC). Twice, not once: the float32 defaults' fixed
-#: part (an eager chunk beside a compiled step) sits about the bound, and with the bound
-#: on top of it a running stream's worst gap beside a 4,000-token prompt was 5.5-9.2
-#: decode steps in four runs (median 7.7), against 2.6-10.8 in nine without it (median
-#: 4.3; the reliability target is 4, RELIABILITY.md).
+#: instead. That is the case where an eager pass costs several compiled steps (int8
+#: weights turned into floats in every eager pass, say): one column a pass would keep a
+#: prompt waiting for seconds. Twice the bound, not once: an eager chunk beside a compiled
+#: step can cost about the bound by itself, and the bound on top of it would double a
+#: running stream's worst gap beside a long prompt (the reliability target,
+#: RELIABILITY.md).
 OUT_OF_REACH = 2.0
 #: A short prompt read beside running streams (:data:`SHORT_PROMPT_PASSES`) may have
 #: passes this many times their fixed part, where that is more than the bound allows
 #: (and at most the fixed part plus the bound): at least a third of each pass then reads
-#: its columns. A mixed pass runs the eager step, whose fixed part beside a compiled step
-#: is about the bound (on the 2-core AMD EPYC, float32 SmolLM2: 35-60 ms beside a 24-28
-#: ms step, the bound 36-42 ms), so within the bound it fed one column a pass: a chat
-#: prompt arriving beside one stream was read in 30-40 passes, its first token after
-#: 0.4-3.2 s (median 2.5 s, six rounds over HTTP), against 0.26-0.86 s (median 0.45 s)
-#: with its passes stretched, in 3 or 4; the running stream's worst gap meanwhile 3.4-5.5
-#: of its steps against 1.9-4.0.
+#: its columns. A mixed pass runs the eager forward, whose fixed part beside a compiled
+#: step can be about the bound, so within the bound it would feed one column a pass, and a
+#: chat prompt arriving beside one stream would be read in dozens of passes rather than a
+#: few, for about the same worst gap of the running stream.
 STRETCHED_PASS = 1.5
 #: A prompt is short, for :data:`STRETCHED_PASS`, when stretched passes read all of it
 #: in at most this many: a running stream meets at most that many longer gaps for it. A
 #: long prompt keeps the bound from its first column to its last: with every prompt's
-#: passes stretched (to the fixed part plus half the bound, a first version), a running
-#: stream's worst gap beside a 4,000-token prompt was 6.2-9.2 decode steps (six runs)
-#: against 3.4-5.7 (the reliability target is 4, RELIABILITY.md).
+#: passes stretched, a running stream's worst gap beside a prompt of thousands of tokens
+#: would pass the reliability target (RELIABILITY.md).
 SHORT_PROMPT_PASSES = 8
 
 
@@ -374,12 +365,10 @@ class PrefillPacer:
         the code inside sets the yielded :class:`StepTiming`'s ``counted`` to false.
 
         A step is not counted where it ran a way that a pass beside a prompt cannot come
-        near: a step replayed from a CUDA graph took 3.3 ms of SmolLM2's shapes on an H200
-        where the eager step that every mixed pass runs took 18 (measured with random
-        weights of its shapes, ``benchmarks/on_a_gpu.sh``), so counted, the bound would
-        split every prompt read beside a stream into chunks each costing a whole eager
-        pass. With no step counted, the bound is off. (The CPU's compiled programs are
-        counted: see :func:`~djl_stream.generation.llama_decode.last_step_ran_apart`.)"""
+        near (a step replayed from a CUDA graph, several times quicker than the eager
+        forward every mixed pass runs): counted, the bound would split every prompt read
+        beside a stream into chunks each costing a whole eager pass. With no step
+        counted, the bound is off."""
         timing = StepTiming()
         start = self.clock()
         yield timing

@@ -75,12 +75,10 @@ DEFAULT_MAX_INPUT_LENGTH = 4096
 #: CPU, prefill is compute-bound: the number keeps one chunk within a few decode steps of
 #: a small model, so that a running stream barely slows while a long prompt is read; the
 #: stall bound (:mod:`~djl_stream.generation.prefill_pacing`) narrows passes further where
-#: this machine is slower. 64 rather than 32: a chat prompt of 40-60 tokens arriving
-#: beside 15 decoding streams is read in one pass where the stall bound allows it (their
-#: steps take 70 ms, so a pass may take about 100), not in two with a decode step between,
-#: and its first token came 3.2 decode steps after a solo one's instead of 7.1 (make bench's
-#: late arrival). An accelerator reads a few thousand tokens in the time of a few decode
-#: steps.
+#: the machine is slower. 64 rather than 32: a chat prompt of 40-60 tokens arriving beside
+#: decoding streams is read in one pass where the stall bound allows it, not in two with a
+#: decode step between. An accelerator reads a few thousand tokens in the time of a few
+#: decode steps.
 DEFAULT_MAX_BATCH_PREFILL_TOKENS = {"cpu": 64}
 DEFAULT_ACCELERATOR_PREFILL_TOKENS = 2048
 #: While no request is decoding, a prefill pass may feed this many times the budget: no
@@ -91,17 +89,14 @@ IDLE_PREFILL_FACTOR = 8
 #: ``waiting_served_ratio`` has the same meaning and value): the waiting requests are then
 #: admitted and read with the idle budget, as if nothing were decoding, because the few
 #: running streams waiting longer between two tokens costs less than the many waiting
-#: ones' first tokens coming one prompt per pass. 16 clients released together on SmolLM2
-#: (2-core Xeon, 44-token chat prompts): the first request was read alone, and the 15
-#: others one per pass beside the running batch, about 110 ms each, the last first token
-#: after 1.9-2.1 s; the 16 prompts read in one pass take 0.6 s.
+#: ones' first tokens coming one prompt per pass (16 clients released together would
+#: otherwise see the first read alone and the 15 others one per pass beside it).
 BURST_RATIO = 1.2
 #: A burst takes the waiting requests whose prompts fit in this many passes of the idle
 #: budget (rows × the longest prompt), read in as many passes; a burst whose first prompt
 #: alone does not fit is paced as any other prefill. The running streams wait for that
-#: many passes at most, a decode step in each. With one pass, 11 of the 15 44-token
-#: prompts above fitted (512 tokens on a CPU) and the 4 others were read one per pass
-#: after them, their first tokens 0.2-0.6 s after the 11 others'.
+#: many passes at most, a decode step in each. With one pass, a burst of chat prompts a
+#: little larger than one idle pass would leave its last few to be read one per pass.
 BURST_PASSES = 2
 
 _END = object()
@@ -535,7 +530,7 @@ class Scheduler:
         Arrival order, no overtaking: a big request at the head waits for room rather
         than being starved by small ones behind it. The head is taken however long its
         prompts (it is prefilled in chunks); requests behind it join it while all of
-        them fit in one forward pass of ``budget`` tokens, left padding included.
+        them fit in one forward pass of ``budget`` tokens (rows × the longest prompt).
         """
         admitted: List[_Job] = []
         rows = longest = 0

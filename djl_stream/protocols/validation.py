@@ -8,7 +8,7 @@ it (``parameters.top_p``, ``inputs[1]``, ``messages[0].role``).
     >>> parse_json_body(b'[1, 2')
     Traceback (most recent call last):
     ...
-    djl_stream.protocols.validation.RequestError: the request body is not valid JSON: Expecting ',' delimiter: line 1 column 6 (char 5)
+    djl_stream.generation.errors.RequestError: the request body is not valid JSON: Expecting ',' delimiter: line 1 column 6 (char 5)
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def check_json_values(value: Any) -> None:
     >>> check_json_values({"inputs": ["ok", "x\\ud800y"]})
     Traceback (most recent call last):
     ...
-    djl_stream.protocols.validation.RequestError: inputs[1] must be valid Unicode text: it holds a lone surrogate (U+D800) at character 1
+    djl_stream.generation.errors.RequestError: inputs[1] must be valid Unicode text: it holds a lone surrogate (U+D800) at character 1
     """
     stack = [("", value, 0)]
     while stack:
@@ -221,7 +221,7 @@ def check_input_length(field: str, n_tokens: int, limit: int) -> None:
     >>> check_input_length("inputs[0]", 5000, 4096)
     Traceback (most recent call last):
     ...
-    djl_stream.protocols.validation.RequestError: inputs[0] is 5000 tokens long; the limit (option.max_input_length) is 4096
+    djl_stream.generation.errors.RequestError: inputs[0] is 5000 tokens long; the limit (option.max_input_length) is 4096
     """
     if n_tokens > limit:
         raise RequestError(field, f"{field} is {n_tokens} tokens long; "
@@ -241,7 +241,7 @@ def check_input_characters(field: str, n_chars: int, max_input_length: int,
     >>> check_input_characters("inputs", 400_000, 4096, 81)
     Traceback (most recent call last):
     ...
-    djl_stream.protocols.validation.RequestError: inputs is 400000 characters long; the limit is 331776 characters (option.max_input_length, 4096 tokens, of at most 81 characters each)
+    djl_stream.generation.errors.RequestError: inputs is 400000 characters long; the limit is 331776 characters (option.max_input_length, 4096 tokens, of at most 81 characters each)
     """
     limit = max_input_length * chars_per_token
     if n_chars > limit:
@@ -253,22 +253,18 @@ def check_input_characters(field: str, n_chars: int, max_input_length: int,
 def check_request_input_length(field: str, lengths: Sequence[int], limit: int) -> None:
     """Refuse a request whose prompts together exceed ``option.max_request_input_length``.
 
-    A request's prompts are prefilled as one block and cached side by side, each padded
-    to the longest, so each counts at that length.
-
-    >>> check_request_input_length("inputs", [3000, 20, 20], 8192)
+    >>> check_request_input_length("inputs", [3000, 3000, 2500], 8192)
     Traceback (most recent call last):
     ...
-    djl_stream.protocols.validation.RequestError: inputs: 3 prompts of up to 3000 tokens take 9000 tokens (each is padded to the longest); the limit (option.max_request_input_length) is 8192
+    djl_stream.generation.errors.RequestError: inputs: 3 prompts of up to 3000 tokens take 8500 tokens in all; the limit (option.max_request_input_length) is 8192
     """
     if not lengths:
         return
-    longest = max(lengths)
-    total = len(lengths) * longest
+    total = sum(lengths)
     if total > limit:
-        raise RequestError(field, f"{field}: {len(lengths)} prompts of up to {longest} tokens "
-                                  f"take {total} tokens (each is padded to the longest); the "
-                                  f"limit (option.max_request_input_length) is {limit}")
+        raise RequestError(field, f"{field}: {len(lengths)} prompts of up to {max(lengths)} "
+                                  f"tokens take {total} tokens in all; the limit "
+                                  f"(option.max_request_input_length) is {limit}")
 
 
 def check_request_kv_positions(field: str, lengths: Sequence[int], max_new_tokens: int,
@@ -280,20 +276,20 @@ def check_request_kv_positions(field: str, lengths: Sequence[int], max_new_token
     >>> check_request_kv_positions("parameters.max_new_tokens", [500] * 8, 2048, 11676)
     Traceback (most recent call last):
     ...
-    djl_stream.protocols.validation.RequestError: parameters.max_new_tokens: 8 prompts of up to 500 tokens with 2048 new tokens each would hold 8 × (500 + 2048) = 20384 KV-cache positions; the limit (option.max_request_kv_tokens) is 11676: ask for fewer new tokens or send fewer prompts
+    djl_stream.generation.errors.RequestError: parameters.max_new_tokens: 8 prompts of 4000 tokens in all with 2048 new tokens each would hold 4000 + 8 × 2048 = 20384 KV-cache positions; the limit (option.max_request_kv_tokens) is 11676: ask for fewer new tokens or send fewer prompts
     >>> check_request_kv_positions("max_tokens", [500] * 8, 900, 11676)   # 11200 fits
     """
     if limit is None or not lengths:
         return
-    longest = max(lengths)
-    positions = kv_positions(len(lengths), longest, max_new_tokens)
+    positions = kv_positions(lengths, max_new_tokens)
     if positions > limit:
         raise RequestError(
             field,
-            f"{field}: {_prompts(len(lengths))} of up to {longest} tokens with {max_new_tokens} "
-            f"new tokens each would hold {len(lengths)} × ({longest} + {max_new_tokens}) = "
-            f"{positions} KV-cache positions; the limit (option.max_request_kv_tokens) is "
-            f"{limit}: ask for fewer new tokens or send fewer prompts")
+            f"{field}: {_prompts(len(lengths))} of {sum(lengths)} tokens in all with "
+            f"{max_new_tokens} new tokens each would hold {sum(lengths)} + {len(lengths)} × "
+            f"{max_new_tokens} = {positions} KV-cache positions; the limit "
+            f"(option.max_request_kv_tokens) is {limit}: ask for fewer new tokens or send "
+            "fewer prompts")
 
 
 def _prompts(count: int) -> str:

@@ -1,7 +1,7 @@
-"""What ``/proc/cpuinfo`` says of this CPU, read in one place: the compiled programs' cache
-keys name the CPU model and its instruction-set flags
-(:mod:`~djl_stream.generation.compiled_decode`), and ``option.quantize=w8a8`` looks for
-int8 dot-product instructions among the flags (:mod:`~djl_stream.runtime.quantization`).
+"""What ``/proc/cpuinfo`` says of this CPU, read in one place: the compiled decode step's
+cache key names the instruction-set flags (:mod:`~djl_stream.runtime.decode_program`), and
+``option.quantize=w8a8`` looks for int8 dot-product instructions among them
+(:mod:`~djl_stream.runtime.quantization`).
 
 Example::
 

@@ -1,11 +1,10 @@
 """How much memory a request's KV cache takes, and how many cache positions one request
 may hold by default.
 
-A request's prompts are decoded side by side in one batch, each left-padded to the
-longest, and each row's cache grows by one position per new token: a request holds
-``rows × (longest prompt + max_new_tokens)`` KV-cache positions by its last step, whatever
-its prompts' own lengths. Each position costs, per layer, one key and one value vector per
-key/value head.
+Each prompt of a request holds a row of the KV cache, one position per token: its prompt's,
+then one per new token, so a request holds the sum of its prompts' lengths plus
+``max_new_tokens`` per prompt by its last step. Each position costs, per layer, one key and
+one value vector per key/value head.
 
     >>> from transformers import LlamaConfig
     >>> config = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
@@ -17,18 +16,18 @@ key/value head.
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
 
-def kv_positions(rows: int, longest_prompt: int, max_new_tokens: int) -> int:
-    """KV-cache positions a request of ``rows`` prompts holds by its last step.
+def kv_positions(prompt_lengths: Sequence[int], max_new_tokens: int) -> int:
+    """KV-cache positions a request of prompts of ``prompt_lengths`` holds by its last step.
 
-    >>> kv_positions(2, 4096, 2048)
-    12288
+    >>> kv_positions([4096, 100], 2048)
+    8292
     """
-    return rows * (longest_prompt + max_new_tokens)
+    return sum(prompt_lengths) + len(prompt_lengths) * max_new_tokens
 
 
 class AttentionShape(NamedTuple):
@@ -68,12 +67,9 @@ def kv_bytes_per_position(config, element_size: int) -> Optional[int]:
     return shape.layers * 2 * shape.kv_heads * shape.head_dim * element_size
 
 
-#: The share of the weights' size one request's KV cache may take by default. Chosen when
-#: transformers' DynamicCache copied the whole cache into a new tensor at every step: a
-#: request filling the weights' whole size then peaked at 1.98 times the loaded resident
-#: size (SmolLM2-135M, `make reliability`), three quarters at 1.72. The cache is now
-#: written in place (`kv_cache.PreallocatedCache`) and the same request peaks at 1.46;
-#: the share is kept until a full run measures the whole size with it.
+#: The share of the weights' size one request's KV cache may take by default: one request
+#: alone never grows the process to twice its loaded size (the KV cache is written in
+#: place, so a request's peak is its positions, with no copy beside them).
 KV_SHARE_OF_WEIGHTS = 0.75
 
 
@@ -109,8 +105,8 @@ def default_max_request_kv_tokens(model, max_input_length: int,
     per_position = kv_bytes_per_position(getattr(model, "config", None), element_size)
     if not per_position:
         return None
-    # parameters() yields tied embeddings once; a prepacked copy of a tied weight
-    # (packed_linear) is not a weight of the model's
+    # parameters() yields tied embeddings once; an int8 copy of a tied weight is not a
+    # weight of the model's
     weight_bytes = sum(parameter.numel() * parameter.element_size() for parameter in parameters
                        if not getattr(parameter, "duplicates_a_weight", False))
     return max(max_input_length + max_new_tokens_limit,

@@ -122,16 +122,14 @@ def bound_onednn_caches(environ: Optional[MutableMapping[str, str]] = None) -> D
     """On a CPU, keep at most :data:`ONEDNN_CACHE_ENTRIES` oneDNN operators ready, in both
     caches that hold them, unless the environment already sets a size; returns the sizes.
 
-    A prepacked linear layer (or an int8 one) runs a oneDNN operator made for its weight's
-    shape *and the number of rows*, with its own JIT-compiled code and buffers, and keeps
-    it for the next call of that size: about 0.45 MB each, 1,024 by default in each cache.
-    A server sees ever new row counts (every prefill chunk, every mixed pass of a chunk
-    beside the running rows), so its resident memory grew for as long as new ones came:
-    the 4 layer shapes of a SmolLM2 layer run at 100 row counts added 248 MB that stayed
-    (``malloc_trim`` gives none of it back), at 300 row counts 478 MB; with 128 entries in
-    each cache, 300 row counts added 57 MB. Making an operator again costs about 1 ms a
-    shape (a decode step keeps its few operators in use, so they stay). Both variables are
-    read when the first oneDNN operator runs, so this is called before the model loads.
+    An int8 linear layer runs a oneDNN operator made for its weight's shape *and the
+    number of rows*, with its own JIT-compiled code and buffers, and keeps it for the next
+    call of that size: about half a megabyte each, 1,024 by default in each cache. A server
+    sees ever new row counts (every prefill chunk, every mixed pass), so without a bound
+    its resident memory grows for as long as new ones come (``malloc_trim`` gives none of
+    it back). Making an operator again costs about a millisecond a shape (a decode step
+    keeps its few operators in use, so they stay). Both variables are read when the first
+    oneDNN operator runs, so this is called before the model loads.
 
     >>> environment = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}
     >>> bound_onednn_caches(environment)
@@ -159,15 +157,13 @@ def in_passing_thread(function: Callable[..., T], *args: Any) -> T:
 
     Why: the first parallel region a thread runs gives it a GNU OpenMP thread pool (the
     OpenMP of PyTorch's CPU wheels), which lives as long as the thread. Loading runs
-    PyTorch's CPU kernels (prepacking, the decode step's probes, compiling), and decode
-    steps run later in the scheduler's thread, with a pool of its own. While two pools are
-    alive, GNU OpenMP manages more threads than there are cores and cuts the time its idle
-    workers spin before they sleep (its throttled spin count), so every one of a step's
-    hundreds of parallel regions waits for a worker to wake. Measured on the 2-core CPU
-    this project is measured on: the linear layers of a 16-row step took 61-68 ms in a
-    second thread while the loading thread's pool was alive, against 49-52 ms once it was
-    gone. djl-serving's Python worker loads in its main thread (or its async executor's),
-    which lives on: so the load's pool must go with a thread of its own.
+    PyTorch's CPU kernels (quantizing, the runtime's probe), and decode steps run later in
+    the scheduler's thread, with a pool of its own. While two pools are alive, GNU OpenMP
+    manages more threads than there are cores and cuts the time its idle workers spin
+    before they sleep (its throttled spin count), so every one of a step's hundreds of
+    parallel regions waits for a worker to wake: a step's products can take a fifth longer.
+    djl-serving's Python worker loads in its main thread (or its async executor's), which
+    lives on: so the load's pool must go with a thread of its own.
 
     >>> import threading
     >>> in_passing_thread(lambda: threading.current_thread()) is threading.current_thread()

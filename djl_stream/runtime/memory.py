@@ -8,14 +8,9 @@ serves blocks above its *mmap threshold* with mappings of their own, unmapped wh
 either way, the next allocation maps pages again, and every page is a fault and is zeroed
 by the kernel. A forward pass over prompts allocates and frees its activations layer after
 layer, tens to hundreds of megabytes a pass, and whether those pages are faulted in again
-at every pass depends on how the heap happens to be laid out in that process: measured on
-this project's 2-core Xeon, SmolLM2-135M in float32 loaded in one process as
-``benchmarks.inprocess`` loads it (the server's way), a prefill pass of 16 prompts of 44
-tokens took 572-608 ms with 90,000-116,000 page faults in some processes and 492-531 ms
-with 8,600-44,000 in others; with freed memory kept, 484-517 ms with 8,600-20,000 in
-every one (8,640 of them are the KV cache's own pages, written for the first time). In
-servers (four starts each way, 16 clients of 8 tokens released together on an idle
-server) a burst took 22,000-40,000 page faults before and 14,600-28,800 after.
+at every pass depends on how the heap happens to be laid out in that process: the same
+prefill pass can cost a sixth more in one process than in another, all of it in page
+faults.
 
 :func:`keep_freed_memory` raises glibc's trim threshold so that freed memory stays in the
 process for the next pass, and fixes its mmap threshold at glibc's largest (32 MB), which

@@ -15,15 +15,12 @@ same under ``djl-stream serve`` and inside djl-serving:
   (a request with several prompts advances all of them in one step);
 - **end-to-end time**: submitted → its last token, for requests that finished (eos,
   ``max_new_tokens`` or a stop string); cancelled and failed ones are counted apart;
-- **KV-cache tokens**: rows × cached positions of the running batch, left padding
-  included: the token slots the cache holds in memory, not the real tokens (padding is
-  what a mixed batch pays for sharing one cache).
+- **KV-cache tokens**: the positions the KV cache holds, over every running row and every
+  prompt part-way through its prefill.
 
 The figures are per process, like the scheduler: two apps in one process show the same
 numbers, from one registry of our own (never prometheus_client's global one, so repeated
-app creation registers nothing twice). The start-up warm-up generation counts too (on a
-GPU with the default ``option.max_rolling_batch_size``, its bursts make 15 requests of 63
-prompts in all: :mod:`djl_stream.generation.burst_warm_up`).
+app creation registers nothing twice). The start-up warm-up generation counts too.
 
 ``djl-stream serve`` also counts HTTP requests by route and status, and its access-log line
 carries the request's figures (:class:`RequestRecord`). Inside djl-serving the handler
@@ -196,8 +193,8 @@ class PrometheusMetrics(SchedulerObserver):
             "djl_stream_requests_waiting", "Requests queued for room in the running batch.",
             registry=registry)
         self.kv_cache_tokens = Gauge(
-            "djl_stream_kv_cache_tokens", "Token positions the running batch's KV cache "
-            "holds: rows x cached positions, left padding included.", registry=registry)
+            "djl_stream_kv_cache_tokens", "Token positions the KV cache holds, over every "
+            "running row and prompt being read.", registry=registry)
 
     # -- fed by the server --
 

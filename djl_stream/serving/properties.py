@@ -129,18 +129,17 @@ class ModelProperties:
         max_new_tokens_limit: the largest ``max_new_tokens`` a request may ask for.
         max_input_length: the longest prompt, in tokens, a request may send.
         max_request_input_length: the most prompt tokens one request may bring, all its
-            prompts together, each counted at the length of its longest prompt (a
-            request's prompts are padded to it, in the prefill and in the KV cache);
-            ``None`` means twice ``max_input_length``: two prompts of the longest length
-            (OpenAI's ``n=2``, say), and never the 32 of them a full batch would hold.
+            prompts together; ``None`` means twice ``max_input_length``: two prompts of the
+            longest length (OpenAI's ``n=2``, say), and never the 32 of them a full batch
+            would hold.
         max_request_kv_tokens: the most KV-cache positions one request may hold by its
-            last step: its prompts × (the longest prompt + ``max_new_tokens``), padding
-            included; more is a 400 before any model work. ``None`` means as many as fit
+            last step: its prompts' tokens plus ``max_new_tokens`` for each prompt; more
+            is a 400 before any model work. ``None`` means as many as fit
             in three quarters of the size of the model's weights, and at least one prompt of
             ``max_input_length`` with ``max_new_tokens_limit`` new tokens (see
             :func:`djl_stream.runtime.kv_memory.default_max_request_kv_tokens`).
-        max_batch_prefill_tokens: the most prompt tokens (rows × columns, padding
-            included) one prefill forward pass feeds; a longer prompt is read in chunks,
+        max_batch_prefill_tokens: the most prompt tokens (rows × columns) one prefill
+            forward pass feeds; a longer prompt is read in chunks,
             with a decode step of the running batch between them (chunked prefill, as
             TGI's ``max_batch_prefill_tokens``). ``None`` picks one for the device (64 on
             CPU, 2048 on an accelerator); at least ``max_rolling_batch_size``.

@@ -22,7 +22,7 @@ Past this module nothing checks types again.
     ...               default_max_new_tokens=50, max_new_tokens_limit=2048)
     Traceback (most recent call last):
     ...
-    djl_stream.protocols.validation.RequestError: parameters.max_new_tokens must be at most 2048, got 5000
+    djl_stream.generation.errors.RequestError: parameters.max_new_tokens must be at most 2048, got 5000
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ about the answer (``model``, ``user``, ``metadata``, ``store``...) is accepted.
     >>> parse_completion({"prompt": "Once", "presence_penalty": 0.5}, context)
     Traceback (most recent call last):
     ...
-    djl_stream.protocols.validation.RequestError: presence_penalty is not supported by this server: leave it out or set it to 0, got 0.5
+    djl_stream.generation.errors.RequestError: presence_penalty is not supported by this server: leave it out or set it to 0, got 0.5
 """
 
 from __future__ import annotations
@@ -386,7 +386,7 @@ def parse_completion(body: Any, context: ParseContext) -> GenerationRequest:
     >>> parse_completion({"prompt": "Hi", "max_tokens": 4096}, context)
     Traceback (most recent call last):
     ...
-    djl_stream.protocols.validation.RequestError: max_tokens must be at most 2048, got 4096
+    djl_stream.generation.errors.RequestError: max_tokens must be at most 2048, got 4096
     """
     if isinstance(body, dict) and isinstance(body.get("prompt"), list) and any(
             isinstance(item, (int, list)) and not isinstance(item, bool) for item in body["prompt"]):

@@ -27,7 +27,7 @@ As in TGI, setting a sampling warper (``temperature`` other than 1, ``top_k``, `
     >>> parse_request({"inputs": "Hi", "parameters": {"best_of": 2}}, context, route_stream=False)
     Traceback (most recent call last):
     ...
-    djl_stream.protocols.validation.RequestError: parameters.best_of is not supported by djl-stream (it generates one sequence per request); leave it null or 1, got 2
+    djl_stream.generation.errors.RequestError: parameters.best_of is not supported by djl-stream (it generates one sequence per request); leave it null or 1, got 2
 """
 
 from __future__ import annotations
