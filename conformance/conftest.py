@@ -13,19 +13,21 @@ from pathlib import Path
 
 import pytest
 
-from djl_stream.runtime.loading import read_grouped_heads_in_place
-
-# The server reads grouped key/value heads in place on a CPU (see the function): the
-# references these tests compute in this process with transformers' own generate() use the
-# same attention kernels, whatever test loads a model first.
-read_grouped_heads_in_place()
-
 REPO = Path(__file__).resolve().parents[1]
 #: The release branches djl-stream ships on: 0.33 is the LMI (GPU) image's, 0.30 the Neuron one's.
 BRANCHES = ("0.33.0-dlc", "0.30.0-dlc")
 
 # The unit suite's helpers (tiny model, server process) are shared rather than copied.
 sys.path.insert(0, str(REPO / "tests"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _programs_compile_into_the_session_s_cache(tmp_path_factory):
+    """The workers and servers this suite starts compile their decode programs into a
+    folder of the session's own, not the machine's cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DJL_STREAM_CACHE_DIR", str(tmp_path_factory.mktemp("djl-stream-cache")))
+        yield
 
 
 def djl_serving_src() -> Path:

@@ -14,6 +14,8 @@ from djl_stream.runtime.quantization import quantize_after_load
 from generality import (PROMPTS, chunked_beside_a_stream, concurrent_streams, engine_for,
                         late_joiner, runner_for, solo_references)
 
+pytestmark = pytest.mark.fast_path
+
 #: Mixture-of-experts layers in transformers multiply with grouped products that take
 #: float32 at most.
 FLOAT32_ONLY = {"mixtral", "qwen2_moe"}

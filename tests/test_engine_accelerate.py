@@ -239,6 +239,7 @@ def test_separate_calls_of_the_stream_generator_each_give_what_one_call_alone_gi
     assert texts == alone
 
 
+@pytest.mark.fast_path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kv_cache_holds_the_model_s_dtype(smollm2_tokenizer, dtype):
     model = build_tiny_llama(len(smollm2_tokenizer)).to(dtype)

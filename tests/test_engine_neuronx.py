@@ -575,8 +575,10 @@ def test_ignore_eos_goes_on_after_eos_as_the_accelerate_engine_does(neuronx, tin
     # (the engine is made first: its load runs the model on a probe, which would take the
     # bias meant for the prompts)
     engine = AccelerateEngine(tiny_model, smollm2_tokenizer)
+    # the prompts' prefill: one pass on the fast path, one per prompt on the model's forward
+    prefill_calls = 1 if engine.runner.mixes_passes else len(PROMPTS)
     try:
-        with LogitBias(tiny_model, token_id=eos, bias=5.0, calls=1):  # the prompts' one prefill
+        with LogitBias(tiny_model, token_id=eos, bias=5.0, calls=prefill_calls):
             accelerate, accelerate_steps = collect(engine.generate(PROMPTS, max_new_tokens=8,
                                                                    ignore_eos=True))
     finally:
