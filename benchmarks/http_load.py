@@ -156,6 +156,27 @@ class ServerProcess:
         raise RuntimeError(f"the {self.name} server was not ready after {READY_TIMEOUT_S:.0f} s:\n"
                            f"{self.log_tail()}")
 
+    def wait_compiled(self, body: dict, timeout: float = READY_TIMEOUT_S) -> str:
+        """Where the server gets a compiled decode step (its log says so), send ``body``
+        until its decode steps run it, or it says the eager forward goes on serving;
+        returns which (``compiled``, ``eager``), ``eager`` at once where it compiles
+        nothing (``option.compile=false``, a GPU)."""
+        from djl_stream.runtime.decode_program import NOT_USED, SWITCHED
+
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=_timeout()) as client:
+            while True:
+                text = self.log_path.read_text(errors="replace")
+                if SWITCHED in text:
+                    return "compiled"
+                if NOT_USED in text or "getting the compiled decode step" not in text:
+                    return "eager"
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the {self.name} server's decode step was not compiled "
+                                       f"after {timeout:.0f} s:\n{self.log_tail()}")
+                client.post(self.url, json={**body, "stream": False})
+                time.sleep(1.0)
+
     def log_tail(self, lines: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

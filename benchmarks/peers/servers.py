@@ -8,6 +8,12 @@ server renders a template of its own), greedy decoding, and a fixed number of ne
   decode steps through the compiled program once it is ready, and with the eager forward,
   ``option.compile=false``), with ``option.quantize=int8`` (weight-only), with
   ``option.quantize=w8a8`` and with ``option.dtype=bf16``;
+* **llama-server**: llama.cpp's own C++ server, built from the sources llama-cpp-python's
+  sdist vendors (:mod:`.llama_server`), on the F32 and Q8_0 GGUF files, decoding up to 16
+  requests together (``--parallel 16``), ``/v1/completions`` with ``min_tokens``;
+* **djl-stream's previous runtime**: djl-stream at its last commit before the runtime that
+  serves every architecture (a Llama-only decode step compiled per row count), kept until
+  the new one matches it;
 * **llama.cpp**: ``python -m llama_cpp.server`` (llama-cpp-python) on a GGUF file,
   ``/v1/completions`` with ``min_tokens`` equal to ``max_tokens``; it serves one request
   at a time (its server has no parallel slots);
@@ -37,6 +43,7 @@ import httpx
 from ..http_load import PieceReader, ServerProcess, StreamError, configure_model_dir
 from ..measure import ProcessMemory
 from .environments import ENVIRONMENTS
+from .llama_server import server_binary
 
 #: KV-cache blocks for transformers serve (32 tokens of every layer each): 16 clients of a
 #: ~60-token prompt and 128 new tokens need ~95. Unset, it sizes the cache (and attention
@@ -48,6 +55,8 @@ CB_NUM_BLOCKS = 128
 CB_MAX_BATCH_TOKENS = 256
 #: llama.cpp's context: the longest prompt plus new tokens the benchmark asks for.
 LLAMA_CPP_CONTEXT = 2048
+#: Requests llama-server decodes together (``--parallel``): the most clients measured.
+LLAMA_SERVER_SLOTS = 16
 
 
 def openai_completion_pieces(response: httpx.Response) -> Iterator[str]:
@@ -121,6 +130,8 @@ class Peer:
     weights_on_gpu: str = ""
     model_file: Optional[str] = None      # a key of the files dict the command reads
     options: Tuple[Tuple[str, str], ...] = ()  # djl-stream's model properties (OPTION_*)
+    #: a program to run instead of an interpreter (llama-server), from the peers' root
+    executable: Optional[Callable[[Path], Path]] = None
 
     def weights_on(self, device: str) -> str:
         """The weights and decoding of this peer's rows on ``device`` (``cpu`` or ``cuda``)."""
@@ -137,8 +148,8 @@ class Peer:
 
     def server(self, model_dir: Path, root: Path, files: Dict[str, Path],
                workdir: Path, device: str = "cpu", installed: bool = False) -> PeerProcess:
-        python = self.python(root, installed)
-        name = self.name.replace(" ", "-")
+        python = str(self.executable(root)) if self.executable else self.python(root, installed)
+        name = self.name.replace(" ", "-").replace("(", "").replace(")", "")
         # options go in the environment, as SageMaker passes them; one that the model
         # directory's serving.properties sets (which wins) goes in a copy of that file
         model_dir, options = configure_model_dir(model_dir, dict(self.options),
@@ -173,6 +184,17 @@ def _llama_cpp(key: str, repack: bool = True) -> Callable[[Path, Dict[str, Path]
         return [*server, "--model", str(files[key]), "--host", "127.0.0.1",
                 "--port", str(port), "--n_ctx", str(LLAMA_CPP_CONTEXT),
                 "--n_threads", str(os.cpu_count() or 1), "--model_alias", "model"]
+    return command
+
+
+def _llama_server(key: str) -> Callable[[Path, Dict[str, Path], int, str], List[str]]:
+    """llama.cpp's C++ server on the GGUF file ``key``, decoding up to
+    :data:`LLAMA_SERVER_SLOTS` requests together (each slot its own context)."""
+    def command(model_dir: Path, files: Dict[str, Path], port: int, device: str) -> List[str]:
+        return ["--model", str(files[key]), "--host", "127.0.0.1", "--port", str(port),
+                "--parallel", str(LLAMA_SERVER_SLOTS),
+                "--ctx-size", str(LLAMA_CPP_CONTEXT * LLAMA_SERVER_SLOTS),
+                "--threads", str(os.cpu_count() or 1), "--alias", "model"]
     return command
 
 
@@ -221,6 +243,11 @@ PEERS: Dict[str, Peer] = {peer.name: peer for peer in (
                      weights="float32, from model/ (option.compile=false: the eager forward)",
                      weights_on_gpu="bfloat16, from model/ (option.compile=false)",
                      options=(("compile", "false"),)),
+    Peer("djl-stream (previous runtime)", "previous-runtime", _djl_stream, "/ping",
+         "/v1/completions",
+         lambda prompt, n, model: _greedy_openai(prompt, n, model, ignore_eos=True),
+         weights="float32, from model/ (djl-stream at its previous runtime's last commit: a "
+                 "Llama-only decode step compiled per row count, its defaults)"),
     _djl_stream_peer("djl-stream int8",
                      weights="int8 weight-only (djl-stream's layers), from model/",
                      weights_on_gpu="int8 weight-only (torchao), from model/",
@@ -232,6 +259,16 @@ PEERS: Dict[str, Peer] = {peer.name: peer for peer in (
                      options=(("quantize", "w8a8"),)),
     _djl_stream_peer("djl-stream bf16", weights="bfloat16, from model/ (option.dtype=bf16)",
                      options=(("dtype", "bf16"),)),
+    Peer("llama-server F32", None, _llama_server("f32"), "/health", "/v1/completions",
+         lambda prompt, n, model: _greedy_openai(prompt, n, "model", min_tokens=n),
+         weights="float32, converted from model/ to GGUF (llama.cpp's C++ server, "
+                 f"--parallel {LLAMA_SERVER_SLOTS})", model_file="f32",
+         executable=lambda root: server_binary(root)),
+    Peer("llama-server Q8_0", None, _llama_server("q8_0"), "/health", "/v1/completions",
+         lambda prompt, n, model: _greedy_openai(prompt, n, "model", min_tokens=n),
+         weights="Q8_0, converted from model/ to GGUF (llama.cpp's C++ server, "
+                 f"--parallel {LLAMA_SERVER_SLOTS})", model_file="q8_0",
+         executable=lambda root: server_binary(root)),
     Peer("llama.cpp F32", "llama-cpp", _llama_cpp("f32"), "/v1/models", "/v1/completions",
          lambda prompt, n, model: _greedy_openai(prompt, n, "model", min_tokens=n),
          one_at_a_time=True, weights="float32, converted from model/ to GGUF", model_file="f32"),

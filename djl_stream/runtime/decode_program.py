@@ -58,6 +58,10 @@ logger = logging.getLogger(__name__)
 #: Where programs are kept: ``$DJL_STREAM_CACHE_DIR``, else ``$DJL_CACHE_DIR/djl-stream``
 #: (djl-serving's cache), else ``~/.cache/djl-stream``.
 CACHE_VARIABLE = "DJL_STREAM_CACHE_DIR"
+#: What the load log says when decode steps start running the compiled program, and when
+#: the eager forward goes on serving instead: lines a harness may wait for.
+SWITCHED = "decode steps now run the compiled program"
+NOT_USED = "the eager forward goes on serving"
 #: x86 flags that decide which vector code the compiler writes.
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
              "avx512_fp16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
@@ -207,7 +211,7 @@ def example_inputs(geometry: CacheGeometry, device="cpu"):
 def export_and_compile(model: torch.nn.Module, geometry: CacheGeometry, target: Path) -> Path:
     """Export :class:`DecodeStep` over ``model`` (rows 2 to the cache's rows, columns 2 to
     one less than its columns: dynamic) and compile it into the package ``target``."""
-    rows = torch.export.Dim("rows", min=2, max=geometry.rows - 1)
+    rows = torch.export.Dim("rows", min=2, max=geometry.rows)
     span = torch.export.Dim("span", min=2, max=geometry.columns - 1)
     shapes = ({1: rows}, {1: rows}, {0: rows}, tuple({0: rows, 3: span} for _ in geometry.windows),
               tuple(None for _ in geometry.layers), tuple(None for _ in geometry.layers))
@@ -249,6 +253,8 @@ class ProgramBuilder:
     def start(self) -> None:
         """Load the cached program, or start compiling it; returns at once."""
         _LIVE_BUILDERS.add(self)
+        logger.info("getting the compiled decode step (%s)", "from the cache"
+                    if self.path.is_file() else "compiling it in the background")
         self._thread = threading.Thread(target=self._build, name="djl-stream-compile",
                                         daemon=True)
         self._thread.start()
@@ -280,8 +286,7 @@ class ProgramBuilder:
             self._result = DecodeProgram(self.path, self.model)
         except Exception as error:  # noqa: BLE001 - the eager step goes on serving
             self._error = f"{type(error).__name__}: {error}"
-            logger.warning("no compiled decode step (%s): the eager forward goes on serving",
-                           self._error)
+            logger.warning("no compiled decode step (%s): %s", self._error, NOT_USED)
         finally:
             self._done.set()
             _LIVE_BUILDERS.discard(self)

@@ -48,6 +48,7 @@ import torch
 
 from djl_stream.runtime import attention
 from djl_stream.runtime.attention import LAYOUT_KWARG, AttentionLayout, block_mask
+from djl_stream.runtime.decode_program import NOT_USED, SWITCHED
 from djl_stream.runtime.kv_cache import KVCache, LayerShape
 
 logger = logging.getLogger(__name__)
@@ -169,11 +170,12 @@ class AttentionRunner(ModelRunner):
     def compile_decode_step(self, root=None):
         """Get the compiled decode step in the background (from the cache, or compiled by a
         process of its own); decode steps run it once it gives the eager step's logits.
-        Only on a CPU, whose cache's columns never grow (the program's shapes are fixed)."""
+        Only on a CPU, whose cache's columns never grow (the program's shapes are fixed).
+        Returns what is getting it (the same on a second call), ``None`` where nothing is."""
         from djl_stream.runtime.decode_program import ProgramBuilder
 
-        if self.device.type != "cpu" or self._builder is not None or self.program is not None:
-            return None
+        if self._builder is not None or self.device.type != "cpu" or self.program is not None:
+            return self._builder
         self._builder = ProgramBuilder(self.model, self.geometry(), root=root)
         self._builder.start()
         return self._builder
@@ -230,8 +232,8 @@ class AttentionRunner(ModelRunner):
                 compiled = self._run_program(program, block, positions)
             except Exception as error:  # noqa: BLE001 - the eager step goes on serving
                 self._candidate = None
-                logger.warning("the compiled decode step failed (%s: %s); the eager forward "
-                               "goes on serving", type(error).__name__, error)
+                logger.warning("the compiled decode step failed (%s: %s); %s",
+                               type(error).__name__, error, NOT_USED)
                 return eager
             order = [block.index(f) for f in feeds]
             difference = float((compiled[order].float() - eager.float()).abs().max())
@@ -240,11 +242,11 @@ class AttentionRunner(ModelRunner):
             self._candidate = None
             if difference <= tolerance:
                 self.program = program
-                logger.info("decode steps now run the compiled program (its logits within "
-                            "%.2g of the eager step's)", difference)
+                logger.info("%s (its logits within %.2g of the eager step's)", SWITCHED,
+                            difference)
             else:
                 logger.warning("the compiled decode step's logits differ from the eager "
-                               "step's by %.3g: the eager forward goes on serving", difference)
+                               "step's by %.3g: %s", difference, NOT_USED)
             return eager
         logits = self._run_program(program, block, positions)
         for feed in feeds:
