@@ -209,9 +209,9 @@ def example_inputs(geometry: CacheGeometry, device="cpu"):
 
 
 def export_and_compile(model: torch.nn.Module, geometry: CacheGeometry, target: Path) -> Path:
-    """Export :class:`DecodeStep` over ``model`` (rows 2 to the cache's rows, columns 2 to
+    """Export :class:`DecodeStep` over ``model`` (rows 1 to the cache's rows, columns 2 to
     one less than its columns: dynamic) and compile it into the package ``target``."""
-    rows = torch.export.Dim("rows", min=2, max=geometry.rows)
+    rows = torch.export.Dim("rows", min=1, max=geometry.rows)
     span = torch.export.Dim("span", min=2, max=geometry.columns - 1)
     shapes = ({1: rows}, {1: rows}, {0: rows}, tuple({0: rows, 3: span} for _ in geometry.windows),
               tuple(None for _ in geometry.layers), tuple(None for _ in geometry.layers))

@@ -103,9 +103,8 @@ def reserving_is_free(device) -> bool:
 class KVCache:
     """Every layer's keys and values, one row per sequence; see the module docstring.
 
-    ``rows`` is the most sequences held at once. Two more rows are kept: one free, so that
-    :meth:`place` can always move a row out of the way, and one no sequence ever holds
-    (:attr:`spare_row`), which the padding rows of a compiled step write into. ``columns`` is the most positions
+    ``rows`` is the most sequences held at once. One more row is kept free, so that
+    :meth:`place` can always move a row out of the way. ``columns`` is the most positions
     a row may hold; where reserving is not free the buffers start with fewer and grow.
     """
 
@@ -134,9 +133,9 @@ class KVCache:
         keys, values = [], []
         for shape in self.layer_shapes:
             device = shape.device or self.device
-            keys.append(zeroed_buffer((self.rows + 2, shape.heads, columns, shape.key_dim),
+            keys.append(zeroed_buffer((self.rows + 1, shape.heads, columns, shape.key_dim),
                                       self.dtype, device))
-            values.append(zeroed_buffer((self.rows + 2, shape.heads, columns, shape.value_dim),
+            values.append(zeroed_buffer((self.rows + 1, shape.heads, columns, shape.value_dim),
                                         self.dtype, device))
         if self.keys:  # growing: the columns written so far come along
             used = max(self._length.values(), default=0)
@@ -177,11 +176,6 @@ class KVCache:
     def handles(self) -> List[int]:
         """Every handle held."""
         return list(self._row_of)
-
-    @property
-    def spare_row(self) -> int:
-        """A row no handle ever holds: where a padding row of a step may write."""
-        return self.rows + 1
 
     @property
     def held(self) -> int:

@@ -163,7 +163,7 @@ class AttentionRunner(ModelRunner):
 
         cache = self.cache
         return CacheGeometry(
-            rows=cache.rows + 2, columns=cache.columns,
+            rows=cache.rows + 1, columns=cache.columns,
             layers=tuple((s.heads, s.key_dim, s.value_dim) for s in cache.layer_shapes),
             windows=tuple(self.windows), dtype=str(cache.dtype).replace("torch.", ""))
 
@@ -194,14 +194,11 @@ class AttentionRunner(ModelRunner):
 
     def _run_program(self, program, block: List[Feed], positions: List[int]) -> torch.Tensor:
         """The block's logits (in block order) from the compiled step, its rows ``[0, n)``
-        at ``positions``; a single row is padded to two with a row that writes into the
-        spare row."""
+        at ``positions``."""
         cache = self.cache
         count = len(block)
         ids = [int(f.tokens[0]) for f in block]
         rows = list(range(count))
-        if count == 1:
-            ids, positions, rows = ids * 2, positions + [0], rows + [cache.spare_row]
         device = self.device
         position_tensor = torch.tensor([positions], dtype=torch.long, device=device)
         span = max(positions) + 1
@@ -210,7 +207,7 @@ class AttentionRunner(ModelRunner):
             logits = program(torch.tensor([ids], dtype=torch.long, device=device),
                              position_tensor, torch.tensor(rows, dtype=torch.long, device=device),
                              masks, cache.keys, cache.values)
-        return logits[:count]
+        return logits
 
     def _decode_with_program(self, feeds: Sequence[Feed]) -> Optional[torch.Tensor]:
         """Run a decode step of single-token ``feeds`` through the compiled step where there
