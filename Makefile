@@ -10,14 +10,15 @@ STAMP  := $(VENV)/.installed
 # `make conformance` runs and reads; see ../shared/djl-serving/README.md.
 DJL_SERVING_SRC ?= ../shared/djl-serving
 
-.PHONY: install model serve test conformance bench bench-peers bench-quantization bench-gpu reliability clean help
+.PHONY: install model serve test conformance bench bench-peers bench-architectures bench-quantization bench-gpu reliability clean help
 
 help:
 	@echo "make serve   - set up .venv, prepare the embedded model, serve $(MODEL_DIR)/ on $(HOST):$(PORT)"
 	@echo "make test    - run the whole test suite"
 	@echo "make conformance - run model/ in djl-serving's real Python worker (DJL_SERVING_SRC=$(DJL_SERVING_SRC))"
 	@echo "make bench   - run the benchmarks and write BENCHMARKS.md"
-	@echo "make bench-peers - djl-stream beside llama.cpp, transformers serve and Ray Serve (sets them up in .peers/); writes BENCHMARKS.md's peers section"
+	@echo "make bench-peers - djl-stream beside llama.cpp (its C++ server and llama-cpp-python), its previous runtime, transformers serve and Ray Serve (sets them up in .peers/); writes BENCHMARKS.md's peers section"
+	@echo "make bench-architectures - the embedded model's shapes as Llama, Qwen2 and Mistral (random weights) served side by side; writes BENCHMARKS.md's architectures section"
 	@echo "make bench-quantization - option.quantize's methods against float32 (speed, greedy agreement); writes BENCHMARKS.md's quantization section"
 	@echo "make bench-gpu - on a CUDA machine, with GPU_PYTHON's CUDA torch: GPU tests and benchmarks into GPU_OUT (benchmarks/on_a_gpu.sh)"
 	@echo "make reliability - hostile clients against a real server; writes RELIABILITY.md"
@@ -60,6 +61,10 @@ bench: $(STAMP) model
 # Each peer in its own venv under .peers/ (git-ignored), set up on first use.
 bench-peers: $(STAMP) model
 	$(BIN)/python -m benchmarks.peers --model-dir $(MODEL_DIR)
+
+# The embedded model's shapes in three architectures, into BENCHMARKS.md's architectures section.
+bench-architectures: $(STAMP) model
+	$(BIN)/python -m benchmarks.architectures --model-dir $(MODEL_DIR)
 
 # option.quantize's methods against float32, into BENCHMARKS.md's quantization section.
 bench-quantization: $(STAMP) model
