@@ -33,10 +33,6 @@ TORCH = "torch==2.13.0"
 #: Versions of the peers measured; the BENCHMARKS.md section names them.
 LLAMA_CPP_PYTHON = "0.3.36"
 RAY = "2.60.0"
-#: The last commit of djl-stream's previous runtime (a Llama-only decode step compiled per
-#: row count), measured beside the runtime that replaced it until this one matches it.
-PREVIOUS_RUNTIME = "7e5d1d5"
-REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,39 +85,7 @@ class Environment:
         return True
 
 
-@dataclasses.dataclass(frozen=True)
-class CommitEnvironment(Environment):
-    """djl-stream as it was at ``commit`` (read from this repository's history with ``git
-    archive``), installed with its serving extras into an environment of its own."""
-
-    commit: str = ""
-
-    @property
-    def spec(self) -> str:
-        return f"{TORCH} djl-stream[serve]@{self.commit}"
-
-    def ensure(self, root: Path, log: Callable[[str], None]) -> bool:
-        if self.ready(root):
-            return False
-        started = time.perf_counter()
-        folder = self.folder(root)
-        log(f"setting up {folder} (djl-stream at {self.commit}, from this repository's history)")
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(folder)], check=True)
-        source = folder / "source"
-        source.mkdir()
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", self.commit],
-                                 check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
-        pip = [str(self.python(root)), "-m", "pip", "install", "-q"]
-        subprocess.run(pip + ["--upgrade", "pip"], check=True)
-        subprocess.run(pip + [TORCH], check=True)
-        subprocess.run(pip + [f"{source}[serve]"], check=True)
-        (folder / ".installed").write_text(f"{self.spec}\n{time.perf_counter() - started:.0f}\n")
-        return True
-
-
 ENVIRONMENTS: Dict[str, Environment] = {
-    "previous-runtime": CommitEnvironment("previous-runtime", (), commit=PREVIOUS_RUNTIME),
     "llama-cpp": Environment("llama-cpp", (f"llama-cpp-python[server]=={LLAMA_CPP_PYTHON}",),
                              needs_torch=False,
                              note=": pip compiles llama.cpp, about 5 minutes on 2 cores"),

@@ -61,13 +61,11 @@ SECTION = "peers"
 ROOT = Path(".peers")
 #: The djl-stream rows the targets are computed from: the defaults' (on a CPU, decode steps
 #: through the compiled program) and the eager forward's (the throughput and single-stream
-#: targets are computed for each), its int8 rows (weight-only, W8A8), each held against
-#: the defaults' float32 row, and the previous runtime's row, which the defaults must
-#: match.
+#: targets are computed for each), and its int8 rows (weight-only, W8A8), each held against
+#: the defaults' float32 row.
 OURS, OURS_EAGER = "djl-stream", "djl-stream eager"
 OURS_FLOAT32 = (OURS, OURS_EAGER)
 OURS_INT8 = (("djl-stream int8", OURS), ("djl-stream w8a8", OURS))
-PREVIOUS = "djl-stream (previous runtime)"
 
 
 def log(message: str) -> None:
@@ -365,14 +363,6 @@ def targets(by_name: Dict[str, PeerResult], args) -> List[str]:
     check("djl-stream int8 single-stream ITL p50 <= 1.0x llama-server Q8_0's",
           ratio(int8_itl, q8_itl), 1.0, True,
           f"{_fmt(int8_itl, 1e3, 1, ' ms')} vs {_fmt(q8_itl, 1e3, 1, ' ms')}")
-    previous_itl, ours_itl = figure(PREVIOUS, 1, "itl_p50"), figure(OURS, 1, "itl_p50")
-    check(f"{OURS} single-stream ITL p50 <= 1.05x the previous runtime's",
-          ratio(ours_itl, previous_itl), 1.05, True,
-          f"{_fmt(ours_itl, 1e3, 1, ' ms')} vs {_fmt(previous_itl, 1e3, 1, ' ms')}")
-    previous_many = figure(PREVIOUS, most, "aggregate")
-    check(f"{OURS} aggregate tokens/s at {most} clients >= 0.95x the previous runtime's",
-          ratio(ours_many, previous_many), 0.95, False,
-          f"{_fmt(ours_many, digits=1)} vs {_fmt(previous_many, digits=1)} tokens/s")
     llama_itl = figure("llama.cpp F32", 1, "itl_p50")
     for name in OURS_FLOAT32:
         itl = figure(name, 1, "itl_p50")

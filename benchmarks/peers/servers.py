@@ -11,9 +11,6 @@ server renders a template of its own), greedy decoding, and a fixed number of ne
 * **llama-server**: llama.cpp's own C++ server, built from the sources llama-cpp-python's
   sdist vendors (:mod:`.llama_server`), on the F32 and Q8_0 GGUF files, decoding up to 16
   requests together (``--parallel 16``), ``/v1/completions`` with ``min_tokens``;
-* **djl-stream's previous runtime**: djl-stream at its last commit before the runtime that
-  serves every architecture (a Llama-only decode step compiled per row count), kept until
-  the new one matches it;
 * **llama.cpp**: ``python -m llama_cpp.server`` (llama-cpp-python) on a GGUF file,
   ``/v1/completions`` with ``min_tokens`` equal to ``max_tokens``; it serves one request
   at a time (its server has no parallel slots);
@@ -187,14 +184,17 @@ def _llama_cpp(key: str, repack: bool = True) -> Callable[[Path, Dict[str, Path]
     return command
 
 
-def _llama_server(key: str) -> Callable[[Path, Dict[str, Path], int, str], List[str]]:
+def _llama_server(key: str, repack: bool = True
+                  ) -> Callable[[Path, Dict[str, Path], int, str], List[str]]:
     """llama.cpp's C++ server on the GGUF file ``key``, decoding up to
-    :data:`LLAMA_SERVER_SLOTS` requests together (each slot its own context)."""
+    :data:`LLAMA_SERVER_SLOTS` requests together (each slot its own context); without
+    ``repack``, its weights served as the file holds them (``--no-repack``)."""
     def command(model_dir: Path, files: Dict[str, Path], port: int, device: str) -> List[str]:
         return ["--model", str(files[key]), "--host", "127.0.0.1", "--port", str(port),
                 "--parallel", str(LLAMA_SERVER_SLOTS),
                 "--ctx-size", str(LLAMA_CPP_CONTEXT * LLAMA_SERVER_SLOTS),
-                "--threads", str(os.cpu_count() or 1), "--alias", "model"]
+                "--threads", str(os.cpu_count() or 1), "--alias", "model",
+                *(() if repack else ("--no-repack",))]
     return command
 
 
@@ -243,11 +243,6 @@ PEERS: Dict[str, Peer] = {peer.name: peer for peer in (
                      weights="float32, from model/ (option.compile=false: the eager forward)",
                      weights_on_gpu="bfloat16, from model/ (option.compile=false)",
                      options=(("compile", "false"),)),
-    Peer("djl-stream (previous runtime)", "previous-runtime", _djl_stream, "/ping",
-         "/v1/completions",
-         lambda prompt, n, model: _greedy_openai(prompt, n, model, ignore_eos=True),
-         weights="float32, from model/ (djl-stream at its previous runtime's last commit: a "
-                 "Llama-only decode step compiled per row count, its defaults)"),
     _djl_stream_peer("djl-stream int8",
                      weights="int8 weight-only (djl-stream's layers), from model/",
                      weights_on_gpu="int8 weight-only (torchao), from model/",
@@ -264,10 +259,15 @@ PEERS: Dict[str, Peer] = {peer.name: peer for peer in (
          weights="float32, converted from model/ to GGUF (llama.cpp's C++ server, "
                  f"--parallel {LLAMA_SERVER_SLOTS})", model_file="f32",
          executable=lambda root: server_binary(root)),
-    Peer("llama-server Q8_0", None, _llama_server("q8_0"), "/health", "/v1/completions",
+    # Repacked into the layout of llama.cpp's fastest int8 kernels, the Q8_0 weights stopped
+    # the server with an illegal instruction at load on a CPU that lists AMX among its
+    # flags (the same crash as llama-cpp-python's repacked Q4_1, llama_cpp_server.py);
+    # not repacked, llama.cpp's own Q8_0 kernels serve them.
+    Peer("llama-server Q8_0", None, _llama_server("q8_0", repack=False), "/health",
+         "/v1/completions",
          lambda prompt, n, model: _greedy_openai(prompt, n, "model", min_tokens=n),
          weights="Q8_0, converted from model/ to GGUF (llama.cpp's C++ server, "
-                 f"--parallel {LLAMA_SERVER_SLOTS})", model_file="q8_0",
+                 f"--parallel {LLAMA_SERVER_SLOTS}, --no-repack)", model_file="q8_0",
          executable=lambda root: server_binary(root)),
     Peer("llama.cpp F32", "llama-cpp", _llama_cpp("f32"), "/v1/models", "/v1/completions",
          lambda prompt, n, model: _greedy_openai(prompt, n, "model", min_tokens=n),
