@@ -111,7 +111,7 @@ def test_the_cache_key_comes_from_shapes_and_versions_never_from_weights():
     geometry = load_runner(first, SETTINGS).geometry()
     assert program_key(first, geometry) == program_key(second, geometry)
     wider = CacheGeometry(geometry.rows, geometry.columns * 2, geometry.layers,
-                          geometry.windows, geometry.dtype)
+                          geometry.layer_windows, geometry.dtype)
     assert program_key(first, wider) != program_key(first, geometry)
     assert program_key(build("qwen2", dtype=torch.float64), geometry) != program_key(first,
                                                                                       geometry)

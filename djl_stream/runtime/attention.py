@@ -60,13 +60,17 @@ class AttentionLayout:
     each, attending to ``block_span`` columns at most, through ``block_masks`` (one
     ``(block_rows, 1, 1, block_span)`` boolean mask per sliding window the model uses,
     ``None`` for full attention). ``chunks`` are ``(first token, end token, row, first
-    position)``. ``keys`` and ``values`` are the cache's buffers, one per layer.
+    position)``. ``keys`` and ``values`` are the cache's buffers, one per layer, and
+    ``layer_windows`` each layer's sliding window (``None``: full attention), as the model
+    applies it: the window its code passes its attention, or the one its config sets for
+    the masks of a model that applies it there.
     """
 
     rows: torch.Tensor
     positions: torch.Tensor
     keys: List[torch.Tensor]
     values: List[torch.Tensor]
+    layer_windows: Sequence[Optional[int]] = ()
     block_start: int = 0
     block_rows: int = 0
     block_masks: Dict[Optional[int], torch.Tensor] = dataclasses.field(default_factory=dict)
@@ -145,6 +149,8 @@ def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     ``(1, T, heads, value_dim)``, the shape transformers' attention functions return."""
     layer = module.layer_idx
     keys, values = layout.keys[layer], layout.values[layer]
+    if layout.layer_windows:
+        sliding_window = layout.layer_windows[layer]
     _, heads, tokens, dim = query.shape
     kv_heads, key_dim, value_dim = key.shape[1], key.shape[3], value.shape[3]
     groups = heads // kv_heads

@@ -72,14 +72,19 @@ FORMAT = 1
 @dataclasses.dataclass(frozen=True)
 class CacheGeometry:
     """The shapes of the KV cache a program reads: ``rows`` (the spare row included),
-    ``columns``, and per layer ``(heads, key_dim, value_dim)``; ``windows`` in the order the
+    ``columns``, and per layer ``(heads, key_dim, value_dim)`` and its sliding window
+    (``layer_windows``); ``windows`` are the distinct ones, in the order the
     program takes their masks; ``dtype`` of the cache."""
 
     rows: int
     columns: int
     layers: Tuple[Tuple[int, int, int], ...]
-    windows: Tuple[Optional[int], ...]
+    layer_windows: Tuple[Optional[int], ...]
     dtype: str
+
+    @property
+    def windows(self) -> Tuple[Optional[int], ...]:
+        return distinct_windows(self.layer_windows)
 
     def as_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -87,7 +92,7 @@ class CacheGeometry:
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "CacheGeometry":
         return cls(data["rows"], data["columns"], tuple(tuple(x) for x in data["layers"]),
-                   tuple(data["windows"]), data["dtype"])
+                   tuple(data["layer_windows"]), data["dtype"])
 
 
 class DecodeStep(torch.nn.Module):
@@ -95,17 +100,18 @@ class DecodeStep(torch.nn.Module):
     model: ``(input_ids (1, n), position_ids (1, n), rows (n,), masks, keys, values) ->
     logits (n, vocab)``. ``rows`` says where each token's keys and values are written (a
     padding row writes into the spare row); ``masks`` holds one block mask per window of
-    :attr:`windows`."""
+    :attr:`windows` (the distinct ones of ``layer_windows``, each layer's)."""
 
-    def __init__(self, model: torch.nn.Module, windows: Sequence[Optional[int]]) -> None:
+    def __init__(self, model: torch.nn.Module, layer_windows: Sequence[Optional[int]]) -> None:
         super().__init__()
         self.model = model
-        self.windows = tuple(windows)
+        self.layer_windows = tuple(layer_windows)
+        self.windows = distinct_windows(self.layer_windows)
 
     def forward(self, input_ids, position_ids, rows, masks, keys, values):
         layout = AttentionLayout(
             rows=rows, positions=position_ids[0], keys=list(keys), values=list(values),
-            block_start=0, block_rows=input_ids.shape[1],
+            layer_windows=self.layer_windows, block_start=0, block_rows=input_ids.shape[1],
             block_masks=dict(zip(self.windows, masks)))
         no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=input_ids.device)
         outputs = self.model(input_ids=input_ids, position_ids=position_ids,
@@ -133,6 +139,15 @@ class DecodeProgram:
     def __call__(self, input_ids, position_ids, rows, masks, keys, values) -> torch.Tensor:
         return self._program(input_ids, position_ids, rows, tuple(masks), tuple(keys),
                              tuple(values))
+
+
+def distinct_windows(layer_windows: Sequence[Optional[int]]) -> Tuple[Optional[int], ...]:
+    """The sliding windows of ``layer_windows``, each once, full attention (``None``) first.
+
+    >>> distinct_windows([4096, None, 4096, None])
+    (None, 4096)
+    """
+    return tuple(sorted(set(layer_windows), key=lambda window: (window is not None, window or 0)))
 
 
 def cache_root(environ: Optional[Dict[str, str]] = None) -> Path:
@@ -215,7 +230,7 @@ def export_and_compile(model: torch.nn.Module, geometry: CacheGeometry, target: 
     span = torch.export.Dim("span", min=2, max=geometry.columns - 1)
     shapes = ({1: rows}, {1: rows}, {0: rows}, tuple({0: rows, 3: span} for _ in geometry.windows),
               tuple(None for _ in geometry.layers), tuple(None for _ in geometry.layers))
-    step = DecodeStep(model, geometry.windows)
+    step = DecodeStep(model, geometry.layer_windows)
     started = time.perf_counter()
     inputs = example_inputs(geometry)  # (not inference tensors: the compiler writes them)
     with torch.inference_mode():

@@ -48,7 +48,7 @@ import torch
 
 from djl_stream.runtime import attention
 from djl_stream.runtime.attention import LAYOUT_KWARG, AttentionLayout, block_mask
-from djl_stream.runtime.decode_program import NOT_USED, SWITCHED
+from djl_stream.runtime.decode_program import NOT_USED, SWITCHED, distinct_windows
 from djl_stream.runtime.kv_cache import KVCache, LayerShape
 
 logger = logging.getLogger(__name__)
@@ -144,9 +144,11 @@ class AttentionRunner(ModelRunner):
 
     def __init__(self, model, settings: RunnerSettings, layers: Sequence[LayerShape],
                  windows: Sequence[Optional[int]], dtype: torch.dtype) -> None:
+        """``windows``: each layer's sliding window (``None``: full attention)."""
         super().__init__(model)
         self.settings = settings
-        self.windows = sorted(set(windows), key=lambda w: (w is not None, w or 0))
+        self.layer_windows = tuple(windows)
+        self.windows = distinct_windows(self.layer_windows)
         self.cache = KVCache(layers, rows=settings.max_rows, columns=settings.max_positions,
                              dtype=dtype, device=self.device, initial_columns=1024)
         self._keep_logits = _logits_keyword(model)
@@ -165,7 +167,7 @@ class AttentionRunner(ModelRunner):
         return CacheGeometry(
             rows=cache.rows + 1, columns=cache.columns,
             layers=tuple((s.heads, s.key_dim, s.value_dim) for s in cache.layer_shapes),
-            windows=tuple(self.windows), dtype=str(cache.dtype).replace("torch.", ""))
+            layer_windows=self.layer_windows, dtype=str(cache.dtype).replace("torch.", ""))
 
     def compile_decode_step(self, root=None):
         """Get the compiled decode step in the background (from the cache, or compiled by a
@@ -310,7 +312,7 @@ class AttentionRunner(ModelRunner):
         layout = AttentionLayout(
             rows=torch.tensor(rows, dtype=torch.long, device=device),
             positions=position_tensor, keys=cache.keys, values=cache.values,
-            block_start=start if block else 0, block_rows=len(block), chunks=chunk_tuples)
+            layer_windows=self.layer_windows, block_start=start if block else 0, block_rows=len(block), chunks=chunk_tuples)
         if block:
             block_positions = position_tensor[:len(block)]
             span = max(spans[:len(block)])
