@@ -15,13 +15,27 @@ from djl_stream.runtime.decode_program import CacheGeometry, ProgramBuilder, pro
 from djl_stream.runtime.file_lock import exclusive_lock
 from djl_stream.runtime.runner import Feed, RunnerSettings, load_runner
 
+from conftest import build_tiny_llama
+
 SETTINGS = RunnerSettings(max_rows=6, max_positions=96)
+#: The geometry the tiny model directory's server has (its default row cap, its longest
+#: prompt plus its most new tokens): the Llama programs here are the one its server test
+#: loads, compiled once for the session.
+SERVER_SETTINGS = RunnerSettings(max_rows=32, max_positions=64 + 256)
 
 
 @pytest.fixture(scope="module")
-def programs(tmp_path_factory):
-    """A cache of this module's own."""
-    return tmp_path_factory.mktemp("decode-programs")
+def programs():
+    """The session's cache (conftest points DJL_STREAM_CACHE_DIR at it)."""
+    return decode_program.cache_root()
+
+
+def tiny(name, seed=0):
+    """``name``'s tiny model, and the settings of its runner: for Llama, the tiny model
+    directory's model and its server's geometry."""
+    if name == "llama":
+        return build_tiny_llama(49152, seed=seed), SERVER_SETTINGS
+    return build(name, dtype=torch.float32, seed=seed), SETTINGS
 
 
 def logits_alone(model, tokens):
@@ -52,9 +66,9 @@ def decode_and_compare(runner, reference, prompts, steps):
 
 @pytest.mark.parametrize("name", ["llama", "gemma2", "gpt2", "mixtral"])
 def test_the_compiled_step_takes_over_and_computes_the_model_s_logits(name, programs, caplog):
-    model = build(name, dtype=torch.float32)
-    reference = build(name, dtype=torch.float32)  # the same weights, never adopted
-    runner = load_runner(model, SETTINGS)
+    model, settings = tiny(name)
+    reference, _ = tiny(name)  # the same weights, never adopted
+    runner = load_runner(model, settings)
     with caplog.at_level(logging.INFO, logger="djl_stream.runtime"):
         builder = runner.compile_decode_step(root=programs)
         before, compiled_before = decode_and_compare(runner, reference, [[3, 4, 5]], 2)
@@ -67,12 +81,12 @@ def test_the_compiled_step_takes_over_and_computes_the_model_s_logits(name, prog
 
 
 def test_a_second_start_loads_the_cached_program_without_compiling(programs, caplog):
-    model = build("llama", dtype=torch.float32, seed=5)  # other weights, the same shapes
-    runner = load_runner(model, SETTINGS)
+    model, settings = tiny("llama", seed=5)  # other weights, the same shapes
+    runner = load_runner(model, settings)
     with caplog.at_level(logging.INFO, logger="djl_stream.runtime"):
         builder = runner.compile_decode_step(root=programs)
         assert builder.result(timeout=600) is not None, builder.error
-        worst, compiled = decode_and_compare(runner, build("llama", dtype=torch.float32, seed=5),
+        worst, compiled = decode_and_compare(runner, tiny("llama", seed=5)[0],
                                              [[3, 4, 5, 6], [7, 8]], 4)
     assert compiled and worst < 1e-4
     assert "compiling the decode step" not in caplog.text
@@ -83,12 +97,11 @@ def test_a_program_that_disagrees_with_the_eager_step_is_never_used(programs, mo
     real_call = decode_program.DecodeProgram.__call__
     monkeypatch.setattr(decode_program.DecodeProgram, "__call__",
                         lambda self, *args: real_call(self, *args) + 1.0)
-    model = build("llama", dtype=torch.float32)
-    runner = load_runner(model, SETTINGS)
+    model, settings = tiny("llama")
+    runner = load_runner(model, settings)
     with caplog.at_level(logging.INFO, logger="djl_stream.runtime"):
         runner.compile_decode_step(root=programs).result(timeout=600)
-        worst, compiled = decode_and_compare(runner, build("llama", dtype=torch.float32),
-                                             [[3, 4, 5], [6, 7]], 4)
+        worst, compiled = decode_and_compare(runner, tiny("llama")[0], [[3, 4, 5], [6, 7]], 4)
     assert not compiled and worst < 1e-6
     assert "differ from the eager step's" in caplog.text
 
@@ -106,10 +119,15 @@ def test_a_start_that_finds_another_process_compiling_says_it_waits(tmp_path, ca
         builder.result(timeout=600)
 
 
-def test_the_cache_key_comes_from_shapes_and_versions_never_from_weights():
+def test_the_cache_key_comes_from_shapes_and_versions_never_from_weights(tmp_path):
+    from transformers import AutoModelForCausalLM
+
     first, second = build("qwen2", dtype=torch.float32), build("qwen2", dtype=torch.float32, seed=9)
     geometry = load_runner(first, SETTINGS).geometry()
     assert program_key(first, geometry) == program_key(second, geometry)
+    second.save_pretrained(tmp_path)  # (loaded from a folder, its config says more)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert program_key(loaded, geometry) == program_key(first, geometry)
     wider = CacheGeometry(geometry.rows, geometry.columns * 2, geometry.layers,
                           geometry.layer_windows, geometry.dtype)
     assert program_key(first, wider) != program_key(first, geometry)
@@ -144,6 +162,6 @@ def test_a_server_answers_at_once_and_switches_to_the_program_when_it_is_ready(
             time.sleep(0.5)
         compiled = server.http.post("/invocations", json=body)
         assert compiled.text == eager.text
-        assert "compiling the decode step in the background" in server.logs()
+        assert "getting the compiled decode step" in server.logs()
     finally:
         server.stop()

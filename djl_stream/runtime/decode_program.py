@@ -65,6 +65,10 @@ NOT_USED = "the eager forward goes on serving"
 #: x86 flags that decide which vector code the compiler writes.
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
              "avx512_fp16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+#: Config keys the program key leaves out: the class, the parameters and the versions in
+#: the key say them (a config saved and loaded again may add them).
+CONFIG_KEYS_SAID_ELSEWHERE = frozenset({"architectures", "dtype", "torch_dtype",
+                                        "transformers_version"})
 #: Bumped when the exported step changes in a way the versions do not show.
 FORMAT = 1
 
@@ -184,9 +188,13 @@ def program_key(model: torch.nn.Module, geometry: CacheGeometry) -> str:
     layers = sorted({f"{type(m).__module__}.{type(m).__name__}" for m in model.modules()})
     parameters = sorted((name, str(p.dtype), tuple(p.shape))
                         for name, p in model.named_parameters(remove_duplicate=False))
+    # (not where the model was loaded from, nor what the class, the parameters' dtypes and
+    # the versions below say already, which a config may or may not repeat)
+    config = {key: value for key, value in model.config.to_dict().items()
+              if not key.startswith("_") and key not in CONFIG_KEYS_SAID_ELSEWHERE}
     described = {
         "format": FORMAT,
-        "config": model.config.to_dict(),
+        "config": config,
         "class": f"{type(model).__module__}.{type(model).__name__}",
         "modules": layers,
         "parameters": parameters,

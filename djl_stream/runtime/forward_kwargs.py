@@ -8,7 +8,7 @@ newest, and the names of two arguments changed on the way:
 * asking for the last position's logits only is ``num_logits_to_keep`` before 4.50 and
   ``logits_to_keep`` after (models that predate it take neither).
 
-Each model's signature is read once.
+Each model class's signature is read once.
 
 Example::
 
@@ -23,8 +23,8 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import inspect
-import weakref
 from typing import Any, Dict, FrozenSet, Mapping, Optional
 
 #: The KV cache's argument name, newest first.
@@ -32,20 +32,15 @@ CACHE_NAMES = ("cache", "past_key_values")
 #: The "logits of the last positions only" argument's name, newest first.
 LOGITS_TO_KEEP_NAMES = ("logits_to_keep", "num_logits_to_keep")
 
-_PARAMETERS: "weakref.WeakKeyDictionary[object, FrozenSet[str]]" = weakref.WeakKeyDictionary()
-
-
 def _parameters(model) -> FrozenSet[str]:
-    try:
-        return _PARAMETERS[model]
-    except (KeyError, TypeError):
-        pass
-    names = frozenset(inspect.signature(model.forward).parameters)
-    try:
-        _PARAMETERS[model] = names
-    except TypeError:  # not weak-referenceable: read it every time
-        pass
-    return names
+    """The names ``model.forward`` takes: its class's, read once per class."""
+    return _forward_parameters(type(model)) if hasattr(type(model), "forward") else frozenset(
+        inspect.signature(model.forward).parameters)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_parameters(cls) -> FrozenSet[str]:
+    return frozenset(inspect.signature(cls.forward).parameters) - {"self"}
 
 
 def cache_kwarg(model, cache) -> Dict[str, Any]:
