@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from djl_stream.generation.batch import CausalLMBatch, generate_token, prefill_chunk
-from djl_stream.generation.engines.accelerate import build_sequences, encode_prompts
 from djl_stream.generation.errors import GenerationFailed
 from djl_stream.generation.prefill_pacing import PrefillPacer
 from djl_stream.generation.scheduler import (BURST_PASSES, BURST_RATIO, CANCELLED, BatchState, Scheduler,
@@ -28,6 +27,7 @@ from djl_stream.generation.scheduler import (BURST_PASSES, BURST_RATIO, CANCELLE
                                              prefill_columns,
                                              SchedulerObserver)
 from djl_stream.runtime.runner import RunnerSettings, load_runner
+from test_scheduler import collect, sequences
 
 #: 169 tokens with the SmolLM2 tokenizer: many chunks of the budgets below.
 LONG = "The history of the city begins with a small settlement by the river, " * 12
@@ -35,22 +35,6 @@ SHORT = "Colours of the rainbow"
 BUDGET = 16
 #: Rows and positions of the runners the tests make (the longest prompt here is 338 tokens).
 RUNNER_SETTINGS = RunnerSettings(max_rows=16, max_positions=1024)
-
-
-def sequences(model, tokenizer, prompts, **parameters):
-    return build_sequences(model, tokenizer, encode_prompts(tokenizer, prompts), **parameters)
-
-
-def collect(stream):
-    """Every prompt's text, and the steps that gave the request any."""
-    texts = None
-    steps = 0
-    for pieces in stream:
-        texts = [""] * len(pieces) if texts is None else texts
-        for i, piece in enumerate(pieces):
-            texts[i] += piece
-        steps += 1
-    return texts, steps
 
 
 class Fed(NamedTuple):
