@@ -81,8 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="time a connection may stay idle, new or between requests, "
                              "before it is closed (default: 5)")
     limits.add_argument("--limit-concurrency", type=_positive(int), metavar="N",
-                        help="most connections and requests in progress; uvicorn answers "
-                             "503 (text/plain) beyond it (default: 1000)")
+                        help="most requests in progress (idle connections do not count); "
+                             "503 beyond it, /ping always answered (default: 1000)")
+    limits.add_argument("--max-head-size", type=_positive(int), metavar="BYTES",
+                        help="largest request head (request line and headers); 431 beyond "
+                             "it, 414 for a longer target (default: 16384: 16 KiB)")
     serve.set_defaults(run=_serve)
 
     generate = commands.add_parser(
@@ -194,7 +197,7 @@ def shutdown_grace(args: argparse.Namespace, environ: Mapping[str, str]) -> floa
 #: The flags of ``serve`` that set a field of the same name of ``HttpLimits``, and the type
 #: of their values.
 LIMIT_FLAGS = {"max_request_size": int, "timeout_header": float, "timeout_body": float,
-               "timeout_keep_alive": float, "limit_concurrency": int}
+               "timeout_keep_alive": float, "limit_concurrency": int, "max_head_size": int}
 
 
 def http_limits(args: argparse.Namespace, environ: Mapping[str, str]) -> Any:
@@ -203,7 +206,7 @@ def http_limits(args: argparse.Namespace, environ: Mapping[str, str]) -> Any:
 
     >>> args = build_parser().parse_args(["serve", "m/", "--timeout-body", "5"])
     >>> http_limits(args, {"DJL_STREAM_TIMEOUT_BODY": "9", "DJL_STREAM_TIMEOUT_HEADER": "2"})
-    HttpLimits(max_request_size=8388608, timeout_header=2.0, timeout_body=5.0, timeout_keep_alive=5.0, limit_concurrency=1000)
+    HttpLimits(max_request_size=8388608, timeout_header=2.0, timeout_body=5.0, timeout_keep_alive=5.0, limit_concurrency=1000, max_head_size=16384)
     """
     from djl_stream.serving.http_limits import HttpLimits
 

@@ -1,5 +1,6 @@
 """``djl-stream serve`` against clients that send too much, too slowly, or not at all
-(issue 9, items 3, 5 and 8), on raw sockets to a real uvicorn process.
+on raw sockets to a real uvicorn process: bodies too large or too slow, heads too large,
+requests framed twice, and connections held idle.
 
 The server runs the word-streaming fixture handler of ``test_server`` with small limits
 (a 1000-byte body, one second for a head, for a body and for an idle connection). Each test
@@ -82,7 +83,7 @@ def assert_still_serving(server: ServerProcess) -> None:
             {"output_tokens": ["still"]}, {"output_tokens": ["here"]}]
 
 
-# -- item 3: the request body's size --
+# -- the request body's size --
 
 def test_a_content_length_over_the_limit_is_refused_before_the_body_is_read(server):
     with connect(server) as sock:
@@ -127,7 +128,7 @@ def test_a_body_within_the_limit_is_served(server):
     assert json.loads(answer.text) == {"output_tokens": words}
 
 
-# -- item 5: time --
+# -- time --
 
 def test_a_body_shorter_than_its_content_length_is_answered_408(server):
     with connect(server) as sock:
@@ -246,7 +247,7 @@ def test_a_malformed_request_gets_a_json_400(server):
     assert_still_serving(server)
 
 
-# -- item 8: a client that leaves while uploading --
+# -- a client that leaves while uploading --
 
 def test_an_upload_cut_off_midway_logs_one_line_and_no_traceback(server):
     since = len(server.logs())
@@ -264,30 +265,108 @@ def test_an_upload_cut_off_midway_logs_one_line_and_no_traceback(server):
     assert " 499 " in cut_off[0] and "client-disconnected" in cut_off[0]
 
 
-# -- the connection limit: uvicorn's own answer --
+# -- requests smuggled inside a body, heads too large --
 
-def test_requests_beyond_the_connection_limit_get_uvicorns_503(tmp_path: Path):
+def test_a_request_framed_twice_is_refused_and_what_its_body_hides_never_runs(server):
+    # Content-Length says 60 bytes of body; chunked says the body ends at "0\r\n\r\n",
+    # after which a second request waits. RFC 9112 6.3: refuse (or answer) and close.
+    hidden = head("GET", "/v1/models", connection="close")
+    with connect(server) as sock:
+        sock.sendall(head(content_length=str(5 + len(hidden)), transfer_encoding="chunked")
+                     + b"0\r\n\r\n" + hidden)
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    assert raw.count(b"HTTP/1.1 ") == 1, raw  # one answer: the hidden request never ran
+    answer = Answer(raw)
+    assert answer.status == 400
+    assert answer.headers["connection"] == "close"
+    assert answer.json() == {
+        "code": 400, "type": "BadRequestException",
+        "message": "the request has both Content-Length and Transfer-Encoding; "
+                   "send one of them"}
+    assert_still_serving(server)
+
+
+def test_a_head_over_the_limit_sent_at_once_is_answered_431(server):
+    with connect(server) as sock:
+        sock.sendall(head("GET", "/ping", x_padding="p" * 64 * 1024))
+        answer = answer_then_close(sock)
+    assert answer.status == 431
+    assert answer.json()["type"] == "RequestHeaderFieldsTooLargeException"
+    assert answer.json()["message"].startswith("the request head is ")
+    assert answer.json()["message"].endswith("; the limit (--max-head-size) is 16384 bytes")
+    assert_still_serving(server)
+
+
+def test_a_head_over_the_limit_sent_in_pieces_is_answered_431(server):
+    with connect(server) as sock:
+        sock.sendall(b"GET /ping HTTP/1.1\r\nHost: localhost\r\n")
+        try:
+            for _ in range(40):  # 40 KiB of one header that never ends
+                sock.sendall(b"X-Padding: " + b"p" * 1024)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # answered before the rest was sent
+        answer = answer_then_close(sock)
+    assert answer.status == 431
+    assert answer.json()["message"] == ("the request head is over the limit "
+                                        "(--max-head-size) of 16384 bytes")
+    assert_still_serving(server)
+
+
+def test_a_target_over_the_limit_is_answered_414(server):
+    with connect(server) as sock:
+        sock.sendall(head("GET", "/ping?" + "q" * 100_000))
+        answer = answer_then_close(sock)
+    assert answer.status == 414
+    assert answer.json() == {
+        "code": 414, "type": "RequestUriTooLongException",
+        "message": "the request target is 100006 bytes; the limit (--max-head-size) is "
+                   "16384 bytes"}
+    assert_still_serving(server)
+
+
+def test_a_head_just_within_the_limit_is_served(server):
+    request = head("GET", "/ping", connection="close")
+    padding = 16 * 1024 - len(request) - len("X-Padding: \r\n")
+    with connect(server) as sock:
+        sock.sendall(head("GET", "/ping", connection="close", x_padding="p" * padding))
+        assert answer_then_close(sock).status == 200
+
+
+# -- the concurrency limit counts requests, not connections --
+
+def test_idle_connections_take_no_request_slots_and_ping_always_answers(tmp_path: Path):
     model_dir = write_model_dir(tmp_path / "wordmodel")
-    # A keep-alive long enough that the idle connection below is still counted.
+    # A keep-alive long enough that the idle connections below stay open.
     args = ["--limit-concurrency", "2", "--timeout-keep-alive", "600"]
     with serving(model_dir, args=args) as running:
-        running.http.close()  # its pooled connection would count too
-        held: Optional[socket.socket] = connect(running)
+        idle = [connect(running) for _ in range(50)]
         try:
-            with connect(running) as sock:
-                sock.sendall(head("GET", "/ping", connection="close"))
-                refused = answer_then_close(sock)
+            with httpx.Client(base_url=running.url, timeout=DEADLINE) as client:
+                assert client.get("/ping").status_code == 200
+                served = client.post("/invocations", json={"words": ["a", "b"]})
+                assert served.status_code == 200
+                # two streams in progress take both slots: a third request is refused,
+                # /ping still answers
+                with client.stream("POST", "/invocations",
+                                   json={"words": ["held", "on"], "gate": "one"}) as one, \
+                        client.stream("POST", "/invocations",
+                                      json={"words": ["held", "on"], "gate": "two"}) as two:
+                    assert one.status_code == two.status_code == 200
+                    with httpx.Client(base_url=running.url, timeout=DEADLINE) as other:
+                        refused = other.post("/invocations", json={"words": ["x"]})
+                        assert other.get("/ping").status_code == 200
+                    (model_dir / "gate-one").touch()
+                    (model_dir / "gate-two").touch()
+                    one.read(), two.read()
+                assert client.post("/invocations", json={"words": ["c"]}).status_code == 200
         finally:
-            held.close()
-        # uvicorn answers before the app runs: plain text, not the server's JSON
-        assert refused.status == 503
-        assert refused.headers["content-type"] == "text/plain; charset=utf-8"
-        assert refused.body == b"Service Unavailable"
-        deadline = time.monotonic() + DEADLINE
-        while True:  # the server notices the held connection close soon after
-            with connect(running) as sock:
-                sock.sendall(head("GET", "/ping", connection="close"))
-                if answer_then_close(sock).status == 200:
-                    break
-            assert time.monotonic() < deadline, "the limit never freed up"
-            time.sleep(0.05)
+            for sock in idle:
+                sock.close()
+    assert refused.status_code == 503, refused.text
+    assert refused.headers["retry-after"] == "1"
+    assert refused.json() == {
+        "code": 503, "type": "ServiceUnavailableException",
+        "message": "the server has 2 requests in progress, its limit (--limit-concurrency); "
+                   "retry later"}

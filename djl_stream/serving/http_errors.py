@@ -21,6 +21,8 @@ ERROR_TYPES = {
     405: "MethodNotAllowedException",
     408: "RequestTimeoutException",
     413: "RequestEntityTooLargeException",
+    414: "RequestUriTooLongException",
+    431: "RequestHeaderFieldsTooLargeException",
     500: "InternalServerException",
     503: "ServiceUnavailableException",
 }

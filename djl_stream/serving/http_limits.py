@@ -8,15 +8,19 @@ uvicorn reads the requests; what it lacks is added here, each answer a JSON fram
   once from its ``Content-Length`` (the body is never read) or, for a chunked body, as soon
   as what arrived goes past the limit; 408 when the body is not complete ``timeout_body``
   seconds after its head.
+- :class:`RequestConcurrency`, ASGI middleware: beyond ``limit_concurrency`` requests in
+  progress, a JSON 503 (``/ping`` is always answered). Requests are counted, not sockets:
+  a client holding idle connections takes no one's place.
 - :class:`LimitedH11Protocol`, uvicorn's h11 protocol with a head timeout (408 once a
   request has begun and its head is not complete ``timeout_header`` seconds later), the
   keep-alive timeout also on a new connection that sends nothing (uvicorn starts it only
   after a response), ``timeout_body`` also for the rest of a body the app answered without
   reading (uvicorn reads and drops it for as long as it comes), and JSON instead of
-  uvicorn's plain text for a malformed request.
-- :meth:`HttpLimits.uvicorn_options`: the rest is uvicorn's own: ``timeout_keep_alive``,
-  and ``limit_concurrency``, beyond which uvicorn answers ``503 Service Unavailable`` in
-  plain text before the app sees the request.
+  uvicorn's plain text for a malformed request. Its connection refuses a head over
+  ``max_head_size`` (431, or 414 for the target alone) and a request with both
+  ``Content-Length`` and ``Transfer-Encoding`` (400: each would frame the body
+  differently, which is how a second request is smuggled inside a body), and closes.
+- :meth:`HttpLimits.uvicorn_options`: the rest is uvicorn's own, ``timeout_keep_alive``.
 
 Inside djl-serving none of this runs: its front end reads the body (``max_request_size``),
 and the prompt's length is bounded in characters before tokenizing by the handler itself
@@ -61,8 +65,11 @@ class HttpLimits:
             (408); for a body answered without being read, from the answer (closed).
         timeout_keep_alive: seconds a connection may stay idle (new, or between requests)
             before it is closed, without an answer.
-        limit_concurrency: most connections and requests in progress at once; uvicorn
-            answers 503 to a request beyond it. ``None``: no limit.
+        limit_concurrency: most requests in progress at once (a stream is in progress
+            until its last byte); a request beyond it is answered 503 at once, except
+            ``/ping``. ``None``: no limit.
+        max_head_size: the largest request head (request line and headers) in bytes:
+            431 beyond it, 414 where the request target alone is larger.
     """
 
     max_request_size: int = 8 * 1024 * 1024
@@ -70,16 +77,20 @@ class HttpLimits:
     timeout_body: float = 30.0
     timeout_keep_alive: float = 5.0
     limit_concurrency: Optional[int] = 1000
+    max_head_size: int = 16 * 1024
 
     def uvicorn_options(self) -> dict[str, Any]:
         """Keyword arguments of ``uvicorn.run`` that enforce these limits.
 
         >>> sorted(HttpLimits().uvicorn_options())
-        ['http', 'limit_concurrency', 'timeout_keep_alive']
+        ['h11_max_incomplete_event_size', 'http', 'limit_concurrency', 'timeout_keep_alive']
         """
         return {"http": functools.partial(LimitedH11Protocol, limits=self),
                 "timeout_keep_alive": self.timeout_keep_alive,
-                "limit_concurrency": self.limit_concurrency}
+                "h11_max_incomplete_event_size": self.max_head_size,
+                # uvicorn counts open connections, idle ones too: RequestConcurrency counts
+                # requests instead
+                "limit_concurrency": None}
 
 
 class _Refused(Exception):
@@ -182,6 +193,92 @@ class RequestLimits:
                                  headers=_CLOSE)(scope, receive, send)
 
 
+class RequestConcurrency:
+    """ASGI middleware: at most ``limits.limit_concurrency`` requests in progress; one
+    beyond it is answered 503 (JSON, naming the limit) without running.
+
+    ``/ping`` is never refused: a load balancer that saw a busy server fail its health
+    check would take it out of service (or restart it), dropping the requests in progress.
+    Only requests count, so idle keep-alive connections take no one's place.
+    """
+
+    def __init__(self, app: ASGIApp, limits: HttpLimits) -> None:
+        self.app = app
+        self.limit = limits.limit_concurrency
+        self.in_progress = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.limit is None or scope["path"] == "/ping":
+            await self.app(scope, receive, send)
+            return
+        if self.in_progress >= self.limit:
+            await error_response(503, f"the server has {self.in_progress} requests in "
+                                      f"progress, its limit (--limit-concurrency); retry later",
+                                 headers={"retry-after": "1"})(scope, receive, send)
+            return
+        self.in_progress += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_progress -= 1
+
+
+class CheckedConnection(h11.Connection):
+    """h11's server connection, refusing what h11 lets through: a head larger than
+    ``max_head_size`` that arrived whole (h11 bounds only a head still incomplete), and a
+    request framed twice (``Content-Length`` with ``Transfer-Encoding``, RFC 9112 6.3).
+
+    A refused request raises :class:`h11.RemoteProtocolError`, which uvicorn answers
+    through :meth:`LimitedH11Protocol.send_400_response`; :attr:`refusal` holds the status
+    and message it answers with.
+
+    >>> connection = CheckedConnection(h11.SERVER, max_head_size=64)
+    >>> connection.receive_data(b"GET /" + b"a" * 100 + b" HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
+    >>> try:
+    ...     connection.next_event()
+    ... except h11.RemoteProtocolError:
+    ...     connection.refusal
+    (414, 'the request target is 101 bytes; the limit (--max-head-size) is 64 bytes')
+    """
+
+    def __init__(self, role: Any, max_head_size: int) -> None:
+        super().__init__(role, max_incomplete_event_size=max_head_size)
+        self.max_head_size = max_head_size
+        self.refusal: Optional[tuple[int, str]] = None
+
+    def next_event(self) -> Any:
+        try:
+            event = super().next_event()
+        except h11.RemoteProtocolError as error:
+            if error.error_status_hint == 431:  # h11's "Receive buffer too long"
+                self.refusal = (431, f"the request head is over the limit (--max-head-size) "
+                                     f"of {self.max_head_size} bytes")
+            raise
+        if isinstance(event, h11.Request):
+            self.refusal = self._refusal(event)
+            if self.refusal is not None:
+                raise h11.RemoteProtocolError(self.refusal[1], self.refusal[0])
+        return event
+
+    def _refusal(self, request: h11.Request) -> Optional[tuple[int, str]]:
+        names = {name for name, _ in request.headers}
+        if b"content-length" in names and b"transfer-encoding" in names:
+            return 400, ("the request has both Content-Length and Transfer-Encoding; "
+                         "send one of them")
+        limit = self.max_head_size
+        if len(request.target) > limit:
+            return 414, (f"the request target is {len(request.target)} bytes; the limit "
+                         f"(--max-head-size) is {limit} bytes")
+        # the request line and each header line as sent, with their line ends
+        size = (len(request.method) + len(request.target) + len(b"  HTTP/1.1\r\n\r\n")
+                + sum(len(name) + len(value) + len(b": \r\n")
+                      for name, value in request.headers))
+        if size > limit:
+            return 431, (f"the request head is {size} bytes; the limit (--max-head-size) "
+                         f"is {limit} bytes")
+        return None
+
+
 #: How long a connection answered before any request was parsed (400, 408) keeps reading
 #: and dropping what the client still sends before it is closed.
 _LINGER_SECONDS = 2.0
@@ -199,6 +296,7 @@ class LimitedH11Protocol(H11Protocol):
     def __init__(self, *args: Any, limits: HttpLimits, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.limits = limits
+        self.conn = CheckedConnection(h11.SERVER, max_head_size=limits.max_head_size)
         self._head_timer: Optional[asyncio.TimerHandle] = None
         self._drain_timer: Optional[asyncio.TimerHandle] = None
         #: set once an answer sent before any request was parsed is out (see
@@ -227,8 +325,9 @@ class LimitedH11Protocol(H11Protocol):
         self._retime()
 
     def send_400_response(self, msg: str) -> None:
-        # uvicorn's own answer to a request h11 cannot parse is text/plain.
-        self._answer_and_close(400, msg)
+        # uvicorn's own answer to a request h11 cannot parse is text/plain, and always 400.
+        code, message = self.conn.refusal or (400, msg)
+        self._answer_and_close(code, message)
 
     def _retime(self) -> None:
         """Time what the connection now waits for: the rest of a request head (408 after

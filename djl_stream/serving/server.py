@@ -60,7 +60,7 @@ from djl_stream.protocols.protocol import PROTOCOL_PROPERTY
 from djl_stream.serving.admission import DEFAULT_SHUTDOWN_GRACE, SHUTTING_DOWN, Admission
 from djl_stream.serving.cancellation import Cancellation, attach_cancellation
 from djl_stream.serving.http_errors import error_response
-from djl_stream.serving.http_limits import HttpLimits, RequestLimits
+from djl_stream.serving.http_limits import HttpLimits, RequestConcurrency, RequestLimits
 from djl_stream.serving.metrics import PrometheusMetrics, record_request, server_metrics
 from djl_stream.serving.stream_pump import FINISHED, PumpFailure, StreamPump
 from djl_stream.serving.worker import (
@@ -538,7 +538,8 @@ def create_app(model_dir: str | Path, environ: Optional[Mapping[str, str]] = Non
 
     ``environ`` supplies ``OPTION_*`` variables (default ``os.environ``); ``max_threads``
     bounds concurrent ``handle()`` calls and open streams; ``limits`` bounds request bodies
-    (the rest of :class:`HttpLimits` is uvicorn's, :func:`serve`). ``app.state.worker`` is
+    and requests in progress (the rest of :class:`HttpLimits` is the protocol's,
+    :func:`serve`). ``app.state.worker`` is
     the :class:`ModelWorker`, ``app.state.admission`` the :class:`Admission` that a graceful
     shutdown drains.
 
@@ -551,6 +552,7 @@ def create_app(model_dir: str | Path, environ: Optional[Mapping[str, str]] = Non
         routes=server.routes(),
         lifespan=server.lifespan,
         middleware=[Middleware(AccessLog, metrics=server.metrics),
+                    Middleware(RequestConcurrency, limits=limits),
                     Middleware(RequestLimits, limits=limits)],
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},
     )
