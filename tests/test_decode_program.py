@@ -13,6 +13,7 @@ from architectures import build
 from djl_stream.runtime import decode_program
 from djl_stream.runtime.decode_program import CacheGeometry, ProgramBuilder, program_key
 from djl_stream.runtime.file_lock import exclusive_lock
+from djl_stream.runtime.int8 import quantize_weights_only
 from djl_stream.runtime.runner import Feed, RunnerSettings, load_runner
 
 from conftest import build_tiny_llama
@@ -78,6 +79,22 @@ def test_the_compiled_step_takes_over_and_computes_the_model_s_logits(name, prog
     assert compiled, caplog.text
     assert worst < 1e-4 and before < 1e-4
     assert "decode steps now run the compiled program" in caplog.text
+
+
+def test_an_int8_weight_only_model_s_compiled_step_computes_its_logits(programs, caplog):
+    # one row reads the int8 weights in a fused reduction, several rows through floats:
+    # decode_and_compare decodes three rows, then one
+    model = build("qwen2", dtype=torch.float32)
+    reference = build("qwen2", dtype=torch.float32)
+    for each in (model, reference):
+        assert quantize_weights_only(each) > 0
+    runner = load_runner(model, SETTINGS)
+    with caplog.at_level(logging.INFO, logger="djl_stream.runtime"):
+        assert runner.compile_decode_step(root=programs).result(timeout=900) is not None
+        worst, compiled = decode_and_compare(
+            runner, reference, [[3, 4, 5, 6, 8], [9, 10], [11, 12, 13, 14, 15]], 8)
+    assert compiled, caplog.text
+    assert worst < 1e-4
 
 
 def test_a_second_start_loads_the_cached_program_without_compiling(programs, caplog):

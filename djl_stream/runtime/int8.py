@@ -140,14 +140,58 @@ class _Int8Weights(torch.nn.Module):
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
+#: How much of a weight :func:`dequantized_product` turns into floats at a time. A whole
+#: large matrix (an LM head of 50k rows) as floats is a fresh allocation each pass, every
+#: page of it faulted in; a block of this size is reused from the allocator and cache,
+#: and still large enough that one product per block costs little.
+DEQUANTIZE_BLOCK_BYTES = 4 << 20
+
+
+def dequantized_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``rows @ weight.T`` for an int8 ``weight`` (no scales applied), in ``rows``' dtype:
+    the weight turned into floats a block of output features at a time (see
+    :data:`DEQUANTIZE_BLOCK_BYTES`), each block multiplied by the BLAS.
+
+    >>> rows, weight = torch.randn(2, 8), torch.randint(-127, 128, (5, 8), dtype=torch.int8)
+    >>> torch.allclose(dequantized_product(rows, weight), rows @ weight.float().T, atol=1e-5)
+    True
+    """
+    out_features, in_features = weight.shape
+    block = max(1, DEQUANTIZE_BLOCK_BYTES // (in_features * rows.element_size()))
+    if block >= out_features:
+        return torch.nn.functional.linear(rows, weight.to(rows.dtype))
+    return torch.cat([torch.nn.functional.linear(rows, weight[start:start + block].to(rows.dtype))
+                      for start in range(0, out_features, block)], dim=-1)
+
+
+def _whole_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # for a compiler: blocks of a large weight, each a product of its own, make the
+    # compile take many times as long
+    return torch.nn.functional.linear(rows, weight.to(rows.dtype))
+
+
+def one_row_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The same product written as a reduction, for a compiler: for one row it becomes a
+    single loop that reads each int8 weight once and multiplies it as it converts it,
+    where the BLAS would need the whole weight as floats first (four times the bytes)."""
+    return (rows[:, None, :] * weight[None].to(rows.dtype)).sum(-1)
+
+
 class Int8WeightOnlyLinear(_Int8Weights):
     """``nn.Linear``'s forward through an int8 weight, in the input's precision
     (``option.quantize=int8``): see the module docstring."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        out = torch.nn.functional.linear(rows, self.weight.to(rows.dtype))
-        return self._finish(out.mul_(self.weight_scale.to(out.dtype)), x)
+        if torch.compiler.is_compiling():
+            # A compiled decode step serves one row as often as many: both products are
+            # compiled and the row count picks one at each call (a reduction over many
+            # rows would read the weight once per row)
+            out = torch.cond(rows.shape[0] == 1, one_row_product, _whole_product,
+                             (rows, self.weight))
+        else:
+            out = dequantized_product(rows, self.weight)
+        return self._finish(out * self.weight_scale.to(out.dtype), x)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
