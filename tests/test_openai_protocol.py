@@ -357,9 +357,31 @@ def test_token_bytes_join_into_the_character_a_token_splits(smollm2_tokenizer):
     text = TokenText(smollm2_tokenizer)
     ids = smollm2_tokenizer("a 🌊 wave")["input_ids"]
     tokens = [text.token(i) for i in ids]
-    assert any("\ufffd" in token for token in tokens)  # the emoji spans several tokens
+    partial = [token for token in tokens if token.startswith("bytes:")]
+    assert partial, tokens  # the emoji spans several tokens
+    # as OpenAI writes a token that holds part of a character: no U+FFFD, nothing lost
+    assert not any("\ufffd" in token for token in tokens)
+    assert b"".join(bytes(int(h, 16) for h in token.split("\\x")[1:]) for token in partial) \
+        == " 🌊".encode()
     joined = b"".join(bytes(text.bytes(i)) for i in ids)
     assert joined.decode("utf-8") == "a 🌊 wave"
+
+
+def test_text_offsets_count_characters_where_tokens_split_one(smollm2_tokenizer):
+    protocol = CompletionsProtocol("smollm2", smollm2_tokenizer)
+    request = parse_completion({"prompt": "x", "logprobs": 0, "temperature": 0,
+                                "max_tokens": 8}, CONTEXT)
+    ids = smollm2_tokenizer("a 🌊 wave")["input_ids"]
+    text = TokenText(smollm2_tokenizer)
+    steps = [Step.of([gen("", i, logprob=-1.0, top=[(i, -1.0)])]) for i in ids]
+    body = protocol.complete(request, steps, [1])
+    logprobs = body["choices"][0]["logprobs"]
+    tokens, offsets = logprobs["tokens"], logprobs["text_offset"]
+    assert tokens == [text.token(i) for i in ids]
+    # each offset is where its token's text starts in "a 🌊 wave": " wave" after the emoji
+    # (one character, whatever its tokens); the emoji's tokens start at its start or end
+    assert offsets[tokens.index(" wave")] == len("a 🌊")
+    assert offsets == sorted(offsets) and offsets[0] == 0
 
 
 # -- through model.py's handle() ---------------------------------------------------------
@@ -394,6 +416,13 @@ def test_a_messages_body_is_a_chat_completion_and_a_prompt_body_a_completion(han
     assert completion_answer["object"] == "text_completion"
     # the inputs form stays djl's
     assert "generated_text" in body_of(call(handler, {"inputs": "Once", "stream": False}))
+
+
+def test_a_key_set_to_null_picks_no_protocol(handler):
+    # {"inputs": ..., "messages": null} is djl's body with an empty field, not a chat
+    answer = body_of(call(handler, {"inputs": "Once", "messages": None, "stream": False,
+                                    "parameters": {"max_new_tokens": 2}}))
+    assert "generated_text" in answer
 
 
 def test_usage_counts_the_prompt_as_the_tokenizer_does(handler):

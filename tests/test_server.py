@@ -376,6 +376,16 @@ def test_predictions_route_by_model_name(server: Server) -> None:
                               "message": "Model not found: gpt5"}
 
 
+def test_a_trailing_slash_names_the_same_route_and_never_redirects(server: Server) -> None:
+    # Starlette answered a 307 to http://<the Host header>/predictions/wordmodel
+    response = server.http.post("/predictions/wordmodel/", json={"words": ["hi"]},
+                                headers={"host": "evil.example:666"})
+    assert response.status_code == 200
+    assert "location" not in response.headers
+    assert lines_of(response) == [{"output_tokens": ["hi"]}]
+    assert server.http.get("/ping/").json() == {"status": "Healthy"}
+
+
 def test_models_lists_the_model_without_its_path(server: Server) -> None:
     listing = server.http.get("/models").json()
     assert listing == {"models": [{"modelName": "wordmodel", "modelUrl": "wordmodel",

@@ -155,7 +155,8 @@ def test_the_same_parameters_at_their_defaults_are_accepted():
 
 @pytest.mark.parametrize("body, field, message", [
     ({"parameters": {}}, "inputs", "inputs is required"),
-    ({"inputs": ""}, "inputs", "inputs must not be empty"),
+    ({"inputs": ""}, "inputs", "inputs must not be empty or whitespace only"),
+    ({"inputs": " \n\t "}, "inputs", "inputs must not be empty or whitespace only"),
     ({"inputs": ["a", "b"]}, "inputs", "inputs must be a string, got a list"),
     ({"inputs": "Hi", "parameters": {"top_p": 3}}, "parameters.top_p",
      "parameters.top_p must be at most 1, got 3"),

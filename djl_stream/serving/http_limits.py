@@ -174,7 +174,7 @@ class RequestLimits:
         if declared is not None and declared > limit:
             await error_response(413, f"the request body is {declared} bytes (content-length); "
                                       f"the limit (--max-request-size) is {limit} bytes",
-                                 headers=_CLOSE)(scope, receive, send)
+                                 headers=_CLOSE, path=scope["path"])(scope, receive, send)
             return
         body = _LimitedBody(receive, self.limits, declared)
         answered = False
@@ -189,8 +189,8 @@ class RequestLimits:
         except _Refused as refusal:
             if answered:  # an app that answers before reading the body, then reads it
                 raise
-            await error_response(refusal.code, refusal.message,
-                                 headers=_CLOSE)(scope, receive, send)
+            await error_response(refusal.code, refusal.message, headers=_CLOSE,
+                                 path=scope["path"])(scope, receive, send)
 
 
 class RequestConcurrency:
@@ -214,7 +214,8 @@ class RequestConcurrency:
         if self.in_progress >= self.limit:
             await error_response(503, f"the server has {self.in_progress} requests in "
                                       f"progress, its limit (--limit-concurrency); retry later",
-                                 headers={"retry-after": "1"})(scope, receive, send)
+                                 headers={"retry-after": "1"},
+                                 path=scope["path"])(scope, receive, send)
             return
         self.in_progress += 1
         try:

@@ -294,14 +294,14 @@ class ReleasedWhenSent:
             self.release()
 
 
-def shutting_down_response() -> JSONResponse:
+def shutting_down_response(path: str = "") -> JSONResponse:
     """503 for a request that arrives during a graceful shutdown, on a connection that
     then closes, so that a client's pool opens its next one to another replica.
 
     >>> shutting_down_response().body
     b'{"code":503,"type":"ServiceUnavailableException","message":"the server is shutting down"}'
     """
-    response = error_response(503, SHUTTING_DOWN)
+    response = error_response(503, SHUTTING_DOWN, path=path)
     response.headers["connection"] = "close"
     return response
 
@@ -375,6 +375,24 @@ class AccessLog:
                 logger.info(" ".join(parts))
                 if self.metrics is not None:
                     self.metrics.http_request(route_template(scope), status)
+
+
+class TrailingSlash:
+    """ASGI middleware: a path with a trailing slash names the route without it
+    (``POST /predictions/model/``), as djl-serving's front end reads paths.
+
+    Starlette would answer it with a redirect built from the request's ``Host`` header,
+    which a client controls: an open redirect to anywhere.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            scope = dict(scope, path=path.rstrip("/") or "/")
+        await self.app(scope, receive, send)
 
 
 class ModelServer:
@@ -464,10 +482,10 @@ class ModelServer:
     async def _predict(self, request: Request, protocol: Optional[str] = None) -> ASGIApp:
         worker = self.worker
         if worker.status != READY:
-            return error_response(503, worker.not_ready_message())
+            return error_response(503, worker.not_ready_message(), path=request.url.path)
         cancellation = self.admission.admit()
         if cancellation is None:
-            return shutting_down_response()
+            return shutting_down_response(request.url.path)
         try:
             response = await self._answer(request, protocol, cancellation)
         except BaseException:
@@ -519,7 +537,7 @@ async def _http_error(request: Request, error: Exception) -> Response:
     message = error.detail
     if error.status_code == 404:
         message = "Requested resource is not found, please refer to API document."
-    return error_response(error.status_code, message)
+    return error_response(error.status_code, message, path=request.url.path)
 
 
 async def _internal_error(request: Request, error: Exception) -> Response:
@@ -528,7 +546,8 @@ async def _internal_error(request: Request, error: Exception) -> Response:
     # Starlette re-raises the error after this answer and uvicorn then closes the
     # connection: say so, or a client reuses it and its next request is reset.
     return error_response(500, f"internal server error ({type(error).__name__}); "
-                               "the server log has the details", headers={"connection": "close"})
+                               "the server log has the details", headers={"connection": "close"},
+                          path=request.url.path)
 
 
 def create_app(model_dir: str | Path, environ: Optional[Mapping[str, str]] = None, *,
@@ -553,9 +572,11 @@ def create_app(model_dir: str | Path, environ: Optional[Mapping[str, str]] = Non
         lifespan=server.lifespan,
         middleware=[Middleware(AccessLog, metrics=server.metrics),
                     Middleware(RequestConcurrency, limits=limits),
-                    Middleware(RequestLimits, limits=limits)],
+                    Middleware(RequestLimits, limits=limits),
+                    Middleware(TrailingSlash)],
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},
     )
+    app.router.redirect_slashes = False  # see TrailingSlash
     app.state.worker = server.worker
     app.state.admission = server.admission
     return app

@@ -73,8 +73,9 @@ PROTOCOLS: Dict[str, str] = {
     "tgi-generate-stream": "djl_stream.protocols.tgi.protocol:generate_stream_protocol",
 }
 #: Which protocol answers a body when the request names none: the first whose key the body
-#: has (``messages``: OpenAI chat completions, as LMI answers them; ``prompt``: OpenAI
-#: completions), among the protocols the model serves.
+#: sets (``messages``: OpenAI chat completions, as LMI answers them; ``prompt``: OpenAI
+#: completions), among the protocols the model serves. A key set to ``null`` picks
+#: nothing: ``{"inputs": "Hi", "messages": null}`` is djl's.
 PROTOCOLS_BY_BODY: Tuple[Tuple[str, str], ...] = (("messages", "openai-chat"),
                                                   ("prompt", "openai-completions"))
 #: The answer to a request whose client left before it was ready: nobody reads it, and the
@@ -368,7 +369,7 @@ class StreamingService:
     def protocol_for(self, inputs, body: Any) -> Protocol:
         """The protocol of a request: the one its ``djl_stream_protocol`` property names
         (``djl-stream serve`` sets it from the route), else the first of
-        :data:`PROTOCOLS_BY_BODY` whose keys the body has and that this model serves, else
+        :data:`PROTOCOLS_BY_BODY` whose key the body sets and that this model serves, else
         djl-serving's."""
         named = self.named_protocol(inputs)
         if named is not None:
@@ -377,7 +378,7 @@ class StreamingService:
             for key, candidate in PROTOCOLS_BY_BODY:
                 if candidate == "openai-chat" and self.props.chat_protocol == "djl":
                     continue
-                if key in body and candidate in self.protocols:
+                if body.get(key) is not None and candidate in self.protocols:
                     return self.protocols[candidate]
         return self.protocols["djl"]
 

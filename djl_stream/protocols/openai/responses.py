@@ -16,6 +16,7 @@ and its tokens' log-probabilities. The chat and completions writers
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import functools
 import json
@@ -67,9 +68,11 @@ class TokenText:
     """Each token id as the text OpenAI's logprobs show (``token``) and its UTF-8 ``bytes``.
 
     A token can hold part of a character (byte-level BPE splits an emoji over several
-    tokens): its text then has U+FFFD in it, and ``bytes`` gives the token's own bytes, read
-    from the byte-level alphabet or a SentencePiece byte-fallback piece (``<0xE4>``), so that
-    a client can join the bytes of consecutive tokens into the character.
+    tokens). Its ``bytes`` are then the token's own, read from the byte-level alphabet or a
+    SentencePiece byte-fallback piece (``<0xE4>``), so that a client can join the bytes of
+    consecutive tokens into the character; and its ``token`` text is written as OpenAI
+    writes such a token, ``bytes:`` and the bytes escaped (``bytes:\\xf0\\x9f``), where
+    decoding would have given U+FFFD in place of what the token holds.
 
     >>> from transformers import AutoTokenizer                      # doctest: +SKIP
     >>> text = TokenText(AutoTokenizer.from_pretrained("model"))    # doctest: +SKIP
@@ -84,17 +87,25 @@ class TokenText:
 
     @functools.lru_cache(maxsize=65536)
     def token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False,
-                                     clean_up_tokenization_spaces=False)
+        text = self._decoded(token_id)
+        if "\ufffd" in text:
+            raw = self._raw_bytes(token_id)
+            if raw is not None and _not_utf8(raw):
+                return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
+        return text
 
     @functools.lru_cache(maxsize=65536)
     def bytes(self, token_id: int) -> List[int]:
-        text = self.token(token_id)
+        text = self._decoded(token_id)
         if "\ufffd" in text:
             raw = self._raw_bytes(token_id)
             if raw is not None:
                 return list(raw)
         return list(text.encode("utf-8"))
+
+    def _decoded(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
 
     def _raw_bytes(self, token_id: int) -> Optional[bytes]:
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
@@ -107,6 +118,14 @@ class TokenText:
         if all(char in byte_of for char in piece):
             return bytes(byte_of[char] for char in piece)
         return None
+
+
+def _not_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
 
 
 @functools.lru_cache(maxsize=1)
@@ -171,6 +190,12 @@ class _Choice:
     pending: List[TokenLogprob] = dataclasses.field(default_factory=list)
     started: bool = False
     pieces: int = 0
+    #: the characters the logprobs' tokens have completed so far (a token's text offset),
+    #: counted from their bytes: a token's text may hold half a character, or be
+    #: ``bytes:...`` (see TokenText)
+    characters: int = 0
+    utf8: Any = dataclasses.field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
 
 
 class Choices:
@@ -200,9 +225,8 @@ class Choices:
                 choice.tokens += 1
                 if generation.logprob is not None and not generation.special \
                         and self.token_text is not None:
-                    last = choice.logprobs[-1] if choice.logprobs else None
-                    offset = last.offset + len(last.token) if last else 0
-                    entry = TokenLogprob.of(generation, self.token_text, offset)
+                    entry = TokenLogprob.of(generation, self.token_text, choice.characters)
+                    choice.characters += len(choice.utf8.decode(bytes(entry.bytes)))
                     choice.logprobs.append(entry)
                     choice.pending.append(entry)
                 if generation.finish_reason is not None:

@@ -40,7 +40,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from djl_stream.protocols.protocol import ParseContext
 from djl_stream.protocols.request import GenerationRequest, SamplingParameters
 from djl_stream.protocols.schema import (FINITE, MAX_REPETITION_PENALTY, MAX_TEMPERATURE,
-                                         MIN_REPETITION_PENALTY, MIN_TEMPERATURE, StopList)
+                                         MIN_REPETITION_PENALTY, MIN_TEMPERATURE, Prompt,
+                                         StopList)
 from djl_stream.protocols.validation import RequestError, describe, request_error
 
 #: The most alternatives per token ``top_n_tokens`` may ask for: the engine's own limit,
@@ -89,7 +90,7 @@ class TgiBody(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    inputs: str = Field(min_length=1)
+    inputs: Prompt  # the rule djl's and OpenAI's routes apply
     parameters: Optional[TgiParameters] = None
     stream: Optional[bool] = None
 
