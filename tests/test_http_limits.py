@@ -100,6 +100,18 @@ def test_a_content_length_over_the_limit_is_refused_before_the_body_is_read(serv
     assert_still_serving(server)
 
 
+def test_a_body_over_the_limit_on_openais_routes_is_refused_in_openais_shape(server):
+    with connect(server) as sock:
+        sock.sendall(head(path="/v1/chat/completions", content_type="application/json",
+                          content_length="1001"))
+        answer = answer_then_close(sock)
+    assert answer.status == 413
+    assert answer.json() == {"error": {
+        "message": "the request body is 1001 bytes (content-length); the limit "
+                   "(--max-request-size) is 1000 bytes",
+        "type": "invalid_request_error", "param": None, "code": None}}
+
+
 def test_a_client_expecting_100_continue_is_refused_without_sending_its_body(server):
     with connect(server) as sock:
         sock.sendall(head(content_length="50000000", expect="100-continue"))

@@ -401,6 +401,17 @@ def test_framework_errors_are_json(server: Server) -> None:
     assert wrong_method.json()["code"] == 405
 
 
+def test_framework_errors_under_v1_are_in_openais_shape(server: Server) -> None:
+    wrong_method = server.http.get("/v1/chat/completions")
+    assert wrong_method.status_code == 405
+    assert wrong_method.json() == {"error": {"message": "Method Not Allowed",
+                                             "type": "invalid_request_error",
+                                             "param": None, "code": None}}
+    unknown = server.http.post("/v1/nowhere", json={})
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["type"] == "invalid_request_error"
+
+
 def test_an_unhandled_error_is_a_500_naming_only_its_type(server: Server) -> None:
     # A status that is no number breaks the server's own answer: the exception's text goes
     # to the log, not to the client (it may name paths; issue 9, item 9).
