@@ -300,6 +300,45 @@ def test_an_entry_point_from_the_environment_keeps_the_sync_worker(tmp_path: Pat
         "model.py: djl-serving starts the synchronous worker, which calls handle()")
 
 
+def test_an_entry_point_key_in_lower_case_is_not_djl_servings_and_says_so(tmp_path: Path) -> None:
+    directory = make_model_dir(tmp_path, "engine=Python\noption.entrypoint=model.py\n")
+    report = check_model_dir(directory, environ=CONTAINER_ENV)
+    assert line(report, "option.entrypoint", WARN) == (
+        "model.py: djl-serving reads option.entryPoint only (PyModel matches the key's case), "
+        "so it ignores this one and takes model.py; write option.entryPoint=model.py")
+    # and so the LMI image starts the async worker, which the check must not hide
+    assert line(report, "option.entryPoint", WARN).startswith("unset: the lmi image")
+    assert not [f for f in report.findings
+                if f.subject == "option.entryPoint" and f.status == OK]
+
+
+# -- OPTION_* variables that serving.properties overrides --
+
+def test_a_variable_serving_properties_overrides_is_a_warning_naming_both_values(
+        tmp_path: Path) -> None:
+    directory = make_model_dir(tmp_path, "engine=Python\noption.entryPoint=model.py\n"
+                                         "option.rolling_batch=disable\noption.dtype=fp32\n")
+    report = check_model_dir(directory, environ={"OPTION_DTYPE": "fp16",
+                                                 "OPTION_ROLLING_BATCH": "disable",
+                                                 "OPTION_MAX_INPUT_LENGTH": "512"})
+    assert line(report, "OPTION_DTYPE", WARN) == (
+        "OPTION_DTYPE=fp16 is ignored: serving.properties sets option.dtype=fp32, and "
+        "djl-serving keeps serving.properties over the environment (remove option.dtype "
+        "there to configure it with OPTION_DTYPE)")
+    # the same value in both, or a key the file leaves alone: nothing to say
+    shadowed = {f.subject for f in report.warnings}
+    assert "OPTION_ROLLING_BATCH" not in shadowed and "OPTION_MAX_INPUT_LENGTH" not in shadowed
+
+
+def test_the_shipped_model_directory_leaves_the_options_to_the_environment(tmp_path: Path) -> None:
+    # what the README's SageMaker example sets must take effect on model/
+    directory = make_model_dir(tmp_path)
+    environ = {"OPTION_DTYPE": "fp16", "OPTION_TENSOR_PARALLEL_DEGREE": "2",
+               "OPTION_MAX_INPUT_LENGTH": "512", "OPTION_DEFAULT_MAX_NEW_TOKENS": "20"}
+    report = check_model_dir(directory, environ=environ)
+    assert not [f for f in report.warnings if f.subject.startswith("OPTION_")], report.render()
+
+
 # -- Neuron's compiled shapes --
 
 SMOLLM2_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",

@@ -431,7 +431,10 @@ def sagemaker_stub(model_name: str = "djl-stream-smollm2", config_name: str = "d
         {"EndpointConfigArn": f"arn:aws:sagemaker:{REGION}:123456789012:endpoint-config/{config_name}"},
         expected_params={"EndpointConfigName": config_name, "ProductionVariants": [variant or {
             "VariantName": "AllTraffic", "ModelName": model_name,
-            "InstanceType": "ml.g5.xlarge", "InitialInstanceCount": 1}]})
+            "InstanceType": "ml.g5.xlarge", "InitialInstanceCount": 1,
+            # deploy's defaults: djl-serving answers /ping only once the model is loaded
+            "ContainerStartupHealthCheckTimeoutInSeconds": 900,
+            "ModelDataDownloadTimeoutInSeconds": 900}]})
     stub.add_response(
         "create_endpoint",
         {"EndpointArn": f"arn:aws:sagemaker:{REGION}:123456789012:endpoint/djl-stream-smollm2"},
@@ -468,6 +471,17 @@ def test_deploy_passes_environment_timeouts_and_names() -> None:
                initial_instance_count=2, model_name="smollm2-v2",
                endpoint_config_name="smollm2-v2-config", startup_health_check_timeout_s=900,
                model_data_download_timeout_s=1200, sagemaker_client=client, wait=True)
+        stub.assert_no_pending_responses()
+
+
+def test_deploy_leaves_a_timeout_given_as_none_to_sagemaker() -> None:
+    client, stub = sagemaker_stub(variant={
+        "VariantName": "AllTraffic", "ModelName": "djl-stream-smollm2",
+        "InstanceType": "ml.g5.xlarge", "InitialInstanceCount": 1,
+        "ModelDataDownloadTimeoutInSeconds": 900})
+    with stub:
+        deploy(IMAGE, DATA, ROLE, "djl-stream-smollm2", startup_health_check_timeout_s=None,
+               sagemaker_client=client)
         stub.assert_no_pending_responses()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import textwrap
 import threading
 import uuid
@@ -123,6 +124,27 @@ def test_entry_point_from_serving_properties(tmp_path: Path) -> None:
     worker = ModelWorker(path, environ={})
     assert worker.entry_point == "serve_me.py"
     assert worker.load() == READY
+
+
+def test_an_entry_point_key_in_lower_case_is_ignored_as_djl_serving_ignores_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = model_dir(tmp_path, properties="option.entrypoint=serve_me.py\n")
+    worker = ModelWorker(path, environ={})
+    assert worker.entry_point == "model.py"  # PyModel reads option.entryPoint only
+    with caplog.at_level(logging.WARNING, logger="djl_stream.serving.worker"):
+        assert worker.load() == READY
+    assert "option.entrypoint=serve_me.py is ignored" in caplog.text
+
+
+def test_a_variable_serving_properties_overrides_is_logged_at_load(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = model_dir(tmp_path, properties="option.dtype=fp32\n")
+    worker = ModelWorker(path, environ={"OPTION_DTYPE": "fp16"})
+    with caplog.at_level(logging.WARNING, logger="djl_stream.serving.worker"):
+        assert worker.load() == READY
+    assert worker.properties["dtype"] == "fp32"  # as djl-serving composes them
+    assert "OPTION_DTYPE=fp16 is ignored: serving.properties sets option.dtype=fp32" \
+        in caplog.text
 
 
 def test_model_name_is_the_option_or_the_directory_name(tmp_path: Path) -> None:

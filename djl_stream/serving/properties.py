@@ -391,6 +391,21 @@ def djl_init_properties(
     """
     environ = os.environ if environ is None else environ
     pairs = read_serving_properties(model_dir)
+    for name, key, value in _environment_keys(environ):
+        pairs.setdefault(key, value)
+    # PyModel sends the options first and the model's own keys after them, so on a clash
+    # (option.engine next to engine) the non-option key is the one the handler sees.
+    merged = {key[len("option."):]: value for key, value in pairs.items()
+              if key.startswith("option.")}
+    merged.update((key, value) for key, value in pairs.items() if not key.startswith("option."))
+    merged["model_dir"] = str(Path(model_dir).resolve())
+    return merged
+
+
+def _environment_keys(environ: Mapping[str, str]) -> list[tuple[str, str, str]]:
+    """Each ``OPTION_*`` variable as ``(variable, serving.properties key, value)``, the key
+    as djl-serving's ``ModelInfo`` derives it."""
+    keys = []
     for name, value in environ.items():
         if not name.startswith("OPTION_") or len(name) == len("OPTION_") or not value:
             continue
@@ -399,14 +414,41 @@ def djl_init_properties(
             key = key.lower()
         if key == "entrypoint":
             key = "entryPoint"
-        pairs.setdefault("engine" if key == "engine" else f"option.{key}", value)
-    # PyModel sends the options first and the model's own keys after them, so on a clash
-    # (option.engine next to engine) the non-option key is the one the handler sees.
-    merged = {key[len("option."):]: value for key, value in pairs.items()
-              if key.startswith("option.")}
-    merged.update((key, value) for key, value in pairs.items() if not key.startswith("option."))
-    merged["model_dir"] = str(Path(model_dir).resolve())
-    return merged
+        keys.append((name, "engine" if key == "engine" else f"option.{key}", value))
+    return keys
+
+
+@dataclasses.dataclass(frozen=True)
+class ShadowedVariable:
+    """An ``OPTION_*`` variable that ``serving.properties`` overrides with another value:
+    djl-serving keeps the file's (``ModelInfo`` puts a variable's key only where the file
+    has none), so the variable does nothing."""
+
+    variable: str
+    value: str
+    key: str
+    property_value: str
+
+    def __str__(self) -> str:
+        return (f"{self.variable}={self.value} is ignored: serving.properties sets "
+                f"{self.key}={self.property_value}, and djl-serving keeps serving.properties "
+                f"over the environment (remove {self.key} there to configure it with "
+                f"{self.variable})")
+
+
+def shadowed_variables(model_dir: str | Path,
+                       environ: Optional[Mapping[str, str]] = None) -> list[ShadowedVariable]:
+    """The ``OPTION_*`` variables of ``environ`` (default ``os.environ``) that
+    ``model_dir``'s ``serving.properties`` overrides with a different value.
+
+    >>> shadowed_variables("/nowhere", {"OPTION_DTYPE": "fp16"})  # no serving.properties
+    []
+    """
+    environ = os.environ if environ is None else environ
+    pairs = read_serving_properties(model_dir)
+    return [ShadowedVariable(name, value, key, pairs[key])
+            for name, key, value in _environment_keys(environ)
+            if key in pairs and pairs[key] != value]
 
 
 #: djl lower-cases an ``OPTION_`` name only when it is SNAKE_CASE (``OPTION_entryPoint``

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Union
 
 from djl_stream.serving.outputs import djl_json
-from djl_stream.serving.properties import djl_init_properties
+from djl_stream.serving.properties import djl_init_properties, shadowed_variables
 from djl_stream.serving.replies import is_out_of_memory
 
 logger = logging.getLogger(__name__)
@@ -204,9 +204,12 @@ class ModelWorker:
 
     @property
     def entry_point(self) -> str:
-        """``option.entryPoint`` (``OPTION_ENTRYPOINT``), default ``model.py``."""
+        """``option.entryPoint`` (``OPTION_ENTRYPOINT``), else ``DJL_ENTRY_POINT``, else
+        ``model.py``, as djl-serving's ``PyModel`` picks it: ``option.entrypoint`` in lower
+        case is not its key and is ignored there, so here too."""
         props = self.properties
-        return (props.get("entryPoint") or props.get("entrypoint") or DEFAULT_ENTRY_POINT).strip()
+        return (props.get("entryPoint") or self.environ.get("DJL_ENTRY_POINT")
+                or DEFAULT_ENTRY_POINT).strip()
 
     # -- loading --
 
@@ -220,6 +223,12 @@ class ModelWorker:
         with self._lock:
             if self._loaded:
                 return self.status
+            for shadowed in shadowed_variables(self.model_dir, self.environ):
+                logger.warning("%s", shadowed)
+            if "entrypoint" in self._properties and "entryPoint" not in self._properties:
+                logger.warning("option.entrypoint=%s is ignored: djl-serving reads "
+                               "option.entryPoint only (the case matters); loading %s",
+                               self._properties["entrypoint"], self.entry_point)
             try:
                 self._handle = self._import_handler()
                 self._send_init()

@@ -67,6 +67,7 @@ from djl_stream.serving.properties import (
     PropertyError,
     djl_init_properties,
     read_serving_properties,
+    shadowed_variables,
 )
 from djl_stream.shipping.smart_defaults import INF2_XLARGE_CORES, NEURON_SMART_DEFAULTS, neuron_smart_defaults
 
@@ -194,6 +195,8 @@ def check_model_dir(
     _check_framework_keys(raw, report)
     _check_engine(raw, environ, report)
     options = djl_init_properties(root, environ)
+    for shadowed in shadowed_variables(root, environ):
+        report.add(WARN, shadowed.variable, str(shadowed))
     props = _check_options(options, environ, raw, report)
     _check_rolling_batch(options, report)
     _check_entry_point(root, options, props, report, max_import_seconds, python)
@@ -459,7 +462,7 @@ def probe_entry_point(model_dir: Path, entry: str, formatter: Optional[str],
 def _check_entry_point(root: Path, options: Mapping[str, str],
                        props: Optional[ModelProperties], report: CheckReport,
                        max_import_seconds: float, python: str) -> None:
-    entry = (options.get("entryPoint") or options.get("entrypoint") or DEFAULT_ENTRY_POINT).strip()
+    entry = (options.get("entryPoint") or DEFAULT_ENTRY_POINT).strip()
     if entry.endswith(".py") and not (root / entry).is_file():
         report.add(FAIL, "entry point", f"{entry} is missing from {root}")
         return
@@ -513,8 +516,13 @@ def _check_worker_mode(options: Mapping[str, str], environ: Mapping[str, str],
     """djl-serving 0.33 (PyModel) starts the async worker when no entry point is configured
     (``option.entryPoint``, ``OPTION_ENTRYPOINT`` or ``DJL_ENTRY_POINT``) and the image's
     ``SERVING_FEATURES`` is ``vllm``."""
-    entry = (options.get("entryPoint") or options.get("entrypoint")
-             or environ.get("DJL_ENTRY_POINT") or "").strip()
+    entry = (options.get("entryPoint") or environ.get("DJL_ENTRY_POINT") or "").strip()
+    ignored = options.get("entrypoint")
+    if ignored is not None and not entry:
+        report.add(WARN, "option.entrypoint",
+                   f"{ignored}: djl-serving reads option.entryPoint only (PyModel matches the "
+                   "key's case), so it ignores this one and takes model.py; write "
+                   f"option.entryPoint={ignored.strip() or DEFAULT_ENTRY_POINT}")
     if entry:
         report.add(OK, "option.entryPoint", f"{entry}: djl-serving starts the synchronous "
                                             "worker, which calls handle()")

@@ -226,6 +226,15 @@ def container_environment(env: Optional[Mapping[str, Any]]) -> dict[str, str]:
     return environment
 
 
+#: Seconds SageMaker waits for ``/ping`` after the container starts, by default. djl-serving
+#: opens its port only once the model is loaded: a first start on a CPU instance may wait
+#: for djl-serving's whole ``model_loading_timeout`` (240 s), a large model's download of
+#: its weights from the hub takes longer, and a GPU image pulls gigabytes first.
+DEFAULT_STARTUP_HEALTH_CHECK_TIMEOUT_S = 900
+#: Seconds SageMaker gives the download of ``model.tar.gz`` into ``/opt/ml/model``.
+DEFAULT_MODEL_DATA_DOWNLOAD_TIMEOUT_S = 900
+
+
 def deploy(
     image_uri: str,
     model_data_s3_uri: Optional[str],
@@ -237,8 +246,8 @@ def deploy(
     initial_instance_count: int = 1,
     model_name: Optional[str] = None,
     endpoint_config_name: Optional[str] = None,
-    startup_health_check_timeout_s: Optional[int] = None,
-    model_data_download_timeout_s: Optional[int] = None,
+    startup_health_check_timeout_s: Optional[int] = DEFAULT_STARTUP_HEALTH_CHECK_TIMEOUT_S,
+    model_data_download_timeout_s: Optional[int] = DEFAULT_MODEL_DATA_DOWNLOAD_TIMEOUT_S,
     sagemaker_client: Any = None,
     region_name: Optional[str] = None,
     wait: bool = False,
@@ -251,6 +260,13 @@ def deploy(
     The model and endpoint configuration are named after the endpoint unless named here;
     SageMaker refuses to reuse a name, so give new ones to deploy again. With ``wait`` the
     call returns once the endpoint is ``InService`` (boto3's waiter; raises if it fails).
+
+    ``startup_health_check_timeout_s`` (default
+    :data:`DEFAULT_STARTUP_HEALTH_CHECK_TIMEOUT_S`) and ``model_data_download_timeout_s``
+    (default :data:`DEFAULT_MODEL_DATA_DOWNLOAD_TIMEOUT_S`) become the production variant's
+    ``ContainerStartupHealthCheckTimeoutInSeconds`` and
+    ``ModelDataDownloadTimeoutInSeconds`` (SageMaker allows 60 to 3600); ``None`` leaves
+    one to SageMaker's default.
 
     Returns the names and ARNs created::
 
@@ -280,7 +296,7 @@ def deploy(
     variant: dict[str, Any] = {"VariantName": "AllTraffic", "ModelName": model_name,
                                "InstanceType": instance_type,
                                "InitialInstanceCount": initial_instance_count}
-    # Loading a large model takes longer than SageMaker's default health-check window.
+    # djl-serving answers /ping only once the model is loaded (see the defaults above).
     if startup_health_check_timeout_s is not None:
         variant["ContainerStartupHealthCheckTimeoutInSeconds"] = int(startup_health_check_timeout_s)
     if model_data_download_timeout_s is not None:
