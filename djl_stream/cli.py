@@ -120,13 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
         "check", help="validate a model directory before shipping it (exit status 0 or 1)",
         description="Check MODEL_DIR as djl-serving will see it: serving.properties and "
                     "OPTION_* variables, the entry point (imported in a fresh interpreter, "
-                    "timed), handle(), the output formatter, the weights or "
+                    "watched for work that belongs in init), handle(), the output formatter, the weights or "
                     "option.model_id, and what each djl-serving image makes of them (its "
                     "worker mode, its transformers, Neuron's compiled shapes). One line "
                     "per check.")
     check.add_argument("model_dir", metavar="MODEL_DIR", help="the model directory")
-    check.add_argument("--max-import-seconds", type=float, default=None, metavar="S",
-                       help="fail when importing the entry point takes longer (default: 2)")
     check.add_argument("--image", action="append", dest="images", choices=sorted(IMAGES),
                        help="check against this djl-serving image (repeatable; default: "
                             "every one). --image neuron also checks the shapes the model "
@@ -368,10 +366,9 @@ def _embed(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from djl_stream.shipping.check import DEFAULT_MAX_IMPORT_SECONDS, check_model_dir, format_report
+    from djl_stream.shipping.check import check_model_dir, format_report
 
-    limit = args.max_import_seconds or DEFAULT_MAX_IMPORT_SECONDS
-    report = check_model_dir(args.model_dir, max_import_seconds=limit, images=args.images)
+    report = check_model_dir(args.model_dir, images=args.images)
     print(format_report(report))
     return 0 if report.ok else 1
 

@@ -14,8 +14,10 @@ container log minutes after an endpoint started. One :class:`Finding` per check:
 - ``option.rolling_batch=disable``: djl-serving's LMI images otherwise switch on their own
   continuous batching, and ``handle()`` would receive LMI's batched requests;
 - the entry point exists and imports cheaply in a fresh interpreter (djl imports it three
-  times while the worker starts): within ``max_import_seconds`` and without pulling in
-  torch or transformers, which belong in the init call; it defines ``handle``;
+  times while the worker starts): judged by what the import does, never by how long it
+  took on this machine. It must not pull in torch or transformers, read weight files,
+  touch the network, start processes or leave threads running: that work belongs in the
+  init call. It defines ``handle``;
 - ``option.entryPoint`` is set: without it the LMI 0.33 image starts its worker in async
   mode (``SERVING_FEATURES=vllm``) instead of the synchronous one djl-stream is tested in;
 - ``option.output_formatter`` and ``option.stream_engine`` resolve;
@@ -75,10 +77,11 @@ OK, WARN, FAIL = "OK", "WARN", "FAIL"
 SYMBOLS = {OK: "✓", WARN: "!", FAIL: "✗"}
 
 DEFAULT_ENTRY_POINT = "model.py"
-#: Why 2 s: djl-stream's own model.py imports in ~0.2 s; importing torch alone takes 1-5 s.
-#: The limit separates "defines things" from "does work at import" with room for a slow disk.
-DEFAULT_MAX_IMPORT_SECONDS = 2.0
-PROBE_TIMEOUT_SECONDS = 60.0
+#: How long the probe waits for the import at all: a hang, not a slow machine.
+PROBE_TIMEOUT_SECONDS = 120.0
+#: Files that hold a model's weights: an import that opens one is loading the model.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".onnx",
+                   ".msgpack", ".npz")
 #: Modules whose import at module level means the model is being set up at import time.
 HEAVY_MODULES = ("torch", "transformers", "accelerate", "vllm", "tensorflow", "jax",
                  "torch_neuronx", "transformers_neuronx", "tensorrt_llm")
@@ -167,7 +170,6 @@ def check_model_dir(
     model_dir: str | os.PathLike[str],
     *,
     environ: Optional[Mapping[str, str]] = None,
-    max_import_seconds: float = DEFAULT_MAX_IMPORT_SECONDS,
     python: str = sys.executable,
     images: Optional[Sequence[str]] = None,
 ) -> CheckReport:
@@ -199,7 +201,7 @@ def check_model_dir(
         report.add(WARN, shadowed.variable, str(shadowed))
     props = _check_options(options, environ, raw, report)
     _check_rolling_batch(options, report)
-    _check_entry_point(root, options, props, report, max_import_seconds, python)
+    _check_entry_point(root, options, props, report, python)
     _check_worker_mode(options, environ, targets, report)
     _check_weights(root, options, report)
     weights = _local_weights(root, options)
@@ -391,13 +393,28 @@ def _check_rolling_batch(options: Mapping[str, str], report: CheckReport) -> Non
 # -- entry point --
 
 PROBE = r'''
-import importlib, importlib.util, json, os, sys, time
-model_dir, entry, formatter, heavy = json.loads(sys.argv[1])
+import importlib, importlib.util, json, os, sys, threading, time
+model_dir, entry, formatter, heavy, weight_suffixes = json.loads(sys.argv[1])
 sys.path.insert(0, model_dir)
 before = set(sys.modules)
+threads_before = set(threading.enumerate())
 result = {"error": None, "seconds": None, "heavy": [], "handle": None, "formatter": None,
-          "engines": None}
+          "engines": None, "weights": [], "network": [], "processes": [], "threads": []}
 module = None
+# What the import does, from the interpreter's audit events (PEP 578), while it runs.
+watching = True
+def audit(event, args):
+    if not watching:
+        return
+    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        path = os.fsdecode(args[0])
+        if path.endswith(tuple(weight_suffixes)) and path not in result["weights"]:
+            result["weights"].append(path)
+    elif event in ("socket.connect", "socket.getaddrinfo"):
+        result["network"].append(repr(args[1] if event == "socket.connect" else args[0]))
+    elif event in ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn"):
+        result["processes"].append(repr(args[1] if event == "subprocess.Popen" else args[0]))
+sys.addaudithook(audit)
 start = time.perf_counter()
 try:
     path = os.path.join(model_dir, entry)
@@ -412,8 +429,11 @@ try:
 except BaseException as error:
     result["error"] = f"{type(error).__name__}: {error}"
     module = None
+watching = False
 result["seconds"] = time.perf_counter() - start
 result["heavy"] = sorted(m for m in heavy if m in sys.modules and m not in before)
+result["threads"] = sorted(t.name for t in threading.enumerate()
+                           if t not in threads_before and t.is_alive())
 if module is not None:
     result["handle"] = callable(getattr(module, "handle", None))
     try:
@@ -435,17 +455,21 @@ def probe_entry_point(model_dir: Path, entry: str, formatter: Optional[str],
                       python: str = sys.executable,
                       timeout: float = PROBE_TIMEOUT_SECONDS) -> dict[str, Any]:
     """Import ``entry`` in a fresh interpreter started in ``model_dir`` (as djl's worker
-    is) and report: ``error``, ``seconds`` (import time), ``heavy`` (heavy modules the
-    import pulled in), ``handle`` (defined?), ``formatter`` (resolved?), ``engines``
-    (registered stream engines after the import, custom ones included).
+    is) and report: ``error``, ``seconds`` (import time, for information), what the import
+    did (``heavy`` modules it pulled in, ``weights`` files it opened, ``network``
+    addresses it looked up or connected to, ``processes`` it started, ``threads`` it left
+    running), ``handle`` (defined?), ``formatter`` (resolved?), ``engines`` (registered
+    stream engines after the import, custom ones included).
 
+    The interpreter's path is the worker's: ``model_dir`` and what ``python`` has
+    installed, nothing of this checker's added (a ``djl_stream`` the model directory
+    neither carries nor finds installed fails here as it would in the image).
     ``PYTHONDONTWRITEBYTECODE`` keeps ``__pycache__`` out of a directory about to ship.
     """
     env = dict(os.environ)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
-    package_root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    args = json.dumps([str(model_dir.resolve()), entry, formatter, list(HEAVY_MODULES)])
+    args = json.dumps([str(model_dir.resolve()), entry, formatter, list(HEAVY_MODULES),
+                       list(WEIGHT_SUFFIXES)])
     try:
         done = subprocess.run([python, "-c", PROBE, args], cwd=model_dir, env=env,
                               capture_output=True, text=True, timeout=timeout)
@@ -461,7 +485,7 @@ def probe_entry_point(model_dir: Path, entry: str, formatter: Optional[str],
 
 def _check_entry_point(root: Path, options: Mapping[str, str],
                        props: Optional[ModelProperties], report: CheckReport,
-                       max_import_seconds: float, python: str) -> None:
+                       python: str) -> None:
     entry = (options.get("entryPoint") or DEFAULT_ENTRY_POINT).strip()
     if entry.endswith(".py") and not (root / entry).is_file():
         report.add(FAIL, "entry point", f"{entry} is missing from {root}")
@@ -472,19 +496,14 @@ def _check_entry_point(root: Path, options: Mapping[str, str],
         report.add(FAIL, "entry point", f"importing {entry} failed: {probe['error']}")
         return
     seconds = float(probe.get("seconds") or 0.0)
-    heavy = probe.get("heavy") or []
-    if heavy:
+    work = import_work(probe)
+    if work:
         report.add(FAIL, "entry point",
-                   f"importing {entry} imports {', '.join(heavy)} ({seconds:.2f} s): djl imports "
-                   "it three times at start-up; import heavy libraries in the init call "
-                   "(first handle()) instead")
-    elif seconds > max_import_seconds:
-        report.add(FAIL, "entry point",
-                   f"importing {entry} takes {seconds:.2f} s (limit {max_import_seconds:g} s): "
-                   "djl imports it three times at start-up; move the work into the init call")
+                   f"importing {entry} {'; '.join(work)}: djl imports it three times at "
+                   "start-up; do that work in the init call (the first handle()) instead")
     else:
         report.add(OK, "entry point", f"{entry} imports in {seconds:.2f} s, without torch "
-                                      "or transformers")
+                                      "or transformers, weights, network or threads")
     if probe.get("handle"):
         report.add(OK, "handle", f"{entry} defines handle()")
     else:
@@ -507,6 +526,26 @@ def _check_entry_point(root: Path, options: Mapping[str, str],
     elif engines:
         report.add(OK, "option.stream_engine", f"unset: picked from the hardware at load "
                                                f"(registered: {', '.join(engines)})")
+
+
+def import_work(probe: Mapping[str, Any]) -> list[str]:
+    """What a probed import did that belongs in the init call, in words (empty: nothing).
+
+    >>> import_work({"heavy": ["torch"], "weights": ["/m/model.safetensors"], "threads": []})
+    ['imports torch', 'opens weight files (/m/model.safetensors)']
+    """
+    said = []
+    if probe.get("heavy"):
+        said.append(f"imports {', '.join(probe['heavy'])}")
+    if probe.get("weights"):
+        said.append(f"opens weight files ({', '.join(probe['weights'][:3])})")
+    if probe.get("network"):
+        said.append(f"touches the network ({', '.join(probe['network'][:3])})")
+    if probe.get("processes"):
+        said.append(f"starts processes ({', '.join(probe['processes'][:3])})")
+    if probe.get("threads"):
+        said.append(f"leaves threads running ({', '.join(probe['threads'][:3])})")
+    return said
 
 
 # -- the worker djl-serving starts --
