@@ -235,9 +235,10 @@ def _neuron_smart_defaults(prop: Dict[str, str], config: Mapping[str, Any], core
 
 
 def worker_command(config: WorkerConfig, engine_dir: Path, model_dir: Path,
-                   sock_name: str) -> List[str]:
-    """Connection.getPythonStartCmd, single process (not MPI), CPU device."""
-    args = [sys.executable, str(engine_dir / "djl_python_engine.py"),
+                   sock_name: str, python: Optional[str] = None) -> List[str]:
+    """Connection.getPythonStartCmd, single process (not MPI), CPU device; ``python`` is
+    the image's interpreter (default: this one)."""
+    args = [str(python or sys.executable), str(engine_dir / "djl_python_engine.py"),
             "--sock-type", "unix", "--sock-name", sock_name,
             "--model-dir", str(Path(model_dir).resolve()),
             "--entry-point", config.entry_point or "",
@@ -422,13 +423,14 @@ class DjlWorker:
 
     def __init__(self, src: Path, branch: str, model_dir: Path,
                  environ: Optional[Mapping[str, str]] = None, *, log_path: Optional[Path] = None,
-                 start_timeout: float = 1800.0) -> None:
+                 start_timeout: float = 1800.0, python: Optional[str] = None) -> None:
         self.src = Path(src)
         self.branch = branch
         self.model_dir = Path(model_dir).resolve()
         self.environ = dict(environ or {})
         self.config = compose_worker_config(self.model_dir, self.environ, branch=branch)
         self.engine_dir = self.src / branch / "engines" / "python" / "setup"
+        self.python = python
         # a deadline, not a speed target: a first start on a machine compiles the decode
         # programs (8 to 9 minutes for the embedded model on the 2-core AMD EPYC)
         self.start_timeout = start_timeout
@@ -465,7 +467,8 @@ class DjlWorker:
             p for p in (os.environ.get("PYTHONPATH"), str(self.engine_dir), str(self.model_dir)) if p)
         log = self.log_path.open("wb")
         self.process = subprocess.Popen(
-            worker_command(self.config, self.engine_dir, self.model_dir, self.sock_name),
+            worker_command(self.config, self.engine_dir, self.model_dir, self.sock_name,
+                           self.python),
             cwd=self.model_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         started = threading.Event()
 

@@ -16,6 +16,7 @@ import math
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,40 @@ def test_the_unit_tests_pass_under_the_image_libraries(image, unit_runs):
     assert code == 0, f"{' '.join(UNIT_TESTS[image])} under the {image} image's libraries:\n" \
                       + "\n".join(output.splitlines()[-80:])
     assert " passed" in output.splitlines()[-1]
+
+
+# --- the stock images: model.tar.gz with djl_stream inside, nothing installed ------------
+
+@pytest.mark.parametrize("image, branch", [("lmi", "0.33.0-dlc"), ("neuron", "0.30.0-dlc")])
+def test_the_packaged_archive_serves_on_the_stock_image_with_no_djl_stream_installed(
+        image, branch, venvs, wheels, djl_src, tiny_dir, tmp_path):
+    """`djl-stream package` on the stock image's libraries: the archive, unpacked as
+    SageMaker unpacks it into /opt/ml/model, in the real worker of the image's branch,
+    its venv without djl-stream (taken out for this test, put back after)."""
+    from djl_frontend import DjlWorker
+    from djl_stream.shipping.sagemaker import write_package
+
+    venv = venvs[image, "runtime"]
+    image_envs.run([venv.python, "-m", "pip", "uninstall", "--yes", "--quiet",
+                    "--disable-pip-version-check", "djl-stream"])
+    try:
+        nowhere = subprocess.run([str(venv.python), "-c", "import djl_stream"], cwd=tmp_path,
+                                 capture_output=True, text=True)
+        assert "No module named 'djl_stream'" in nowhere.stderr
+        archive = tmp_path / "model.tar.gz"
+        assert write_package(tiny_dir, archive).vendored
+        unpacked = tmp_path / "opt" / "ml" / "model"
+        unpacked.mkdir(parents=True)
+        with tarfile.open(archive, "r:gz") as tar:
+            tar.extractall(unpacked, filter="data")
+        with DjlWorker(djl_src, branch, unpacked, python=str(venv.python),
+                       log_path=tmp_path / "worker.log") as worker:
+            answer = worker.invoke({"inputs": "Hello there", "parameters": {"max_new_tokens": 4},
+                                    "stream": True})
+        log = (tmp_path / "worker.log").read_text(errors="replace")
+    finally:
+        image_envs.install_djl_stream(venv, wheels["djl-stream"])
+    assert answer.status == 200, log[-3000:]
+    lines = [json.loads(line) for line in answer.body.decode().splitlines() if line]
+    # (the venv cannot import djl_stream: what served is the archive's copy)
+    assert len(lines) == 4 and all(len(line["output_tokens"]) == 1 for line in lines)

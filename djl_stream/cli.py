@@ -136,12 +136,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write MODEL_DIR's files at the root of a gzipped tar, as SageMaker "
                     "unpacks it into /opt/ml/model. Weights are left out when "
                     "option.model_id points elsewhere; __pycache__ is skipped. The "
-                    "directory is checked first (djl-stream check).")
+                    "djl_stream package ships beside model.py, so that the archive runs on "
+                    "djl-serving's stock images. The directory is checked first "
+                    "(djl-stream check).")
     package.add_argument("model_dir", metavar="MODEL_DIR", help="the model directory")
     package.add_argument("-o", "--output", default="model.tar.gz",
                          help="the archive to write (default: %(default)s)")
     package.add_argument("--skip-check", action="store_true",
                          help="write the archive even if djl-stream check fails")
+    package.add_argument("--no-vendor", action="store_true",
+                         help="leave djl_stream out (for an image that installs it, as "
+                              "docker/'s do)")
     package.add_argument("--image", action="append", dest="images", choices=sorted(IMAGES),
                          help="check for this djl-serving image only (as djl-stream check)")
     package.set_defaults(run=_package)
@@ -384,8 +389,11 @@ def _package(args: argparse.Namespace) -> int:
             print("djl-stream: not packaging a model directory that fails its checks "
                   "(--skip-check to force)", file=sys.stderr)
             return 1
-    plan = write_package(args.model_dir, args.output)
+    plan = write_package(args.model_dir, args.output, vendor=not args.no_vendor)
     print(f"wrote {args.output}: {len(plan.files)} files at the archive root")
+    if plan.vendored:
+        print("with djl_stream beside model.py: it runs on djl-serving's stock LMI and Neuron "
+              "images as well as on docker/'s")
     if plan.left_out:
         print(f"left out (option.model_id points elsewhere): {', '.join(plan.left_out)}")
     return 0

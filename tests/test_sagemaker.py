@@ -330,13 +330,40 @@ def archive_names(path: Path) -> list[str]:
 
 def test_the_archive_holds_the_files_at_its_root(tmp_path: Path) -> None:
     directory = make_model_dir(tmp_path)
-    plan = write_package(directory, tmp_path / "out" / "model.tar.gz")
+    plan = write_package(directory, tmp_path / "out" / "model.tar.gz", vendor=False)
     assert archive_names(tmp_path / "out" / "model.tar.gz") == [
         "config.json", "helpers/prompts.py", "model.py", "model.safetensors",
         "serving.properties", "tokenizer.json"]
     assert plan.left_out == ()
     with tarfile.open(tmp_path / "out" / "model.tar.gz", "r:gz") as tar:
         assert tar.extractfile("model.py").read() == b"def handle(inputs):\n    return None\n"
+
+
+def test_djl_stream_ships_beside_model_py_as_the_stock_images_need_it(tmp_path: Path) -> None:
+    import djl_stream
+
+    directory = make_model_dir(tmp_path)
+    plan = write_package(directory, tmp_path / "model.tar.gz")
+    assert plan.vendored
+    names = archive_names(tmp_path / "model.tar.gz")
+    package = Path(djl_stream.__file__).parent
+    sources = sorted(f"djl_stream/{p.relative_to(package).as_posix()}"
+                     for p in package.rglob("*.py") if "__pycache__" not in p.parts)
+    assert set(sources) <= set(names)
+    assert "djl_stream/serving/service.py" in names and "model.py" in names
+    assert not any("__pycache__" in name or name.endswith(".pyc") for name in names)
+    with tarfile.open(tmp_path / "model.tar.gz", "r:gz") as tar:
+        shipped = tar.extractfile("djl_stream/__init__.py").read()
+    assert shipped == (package / "__init__.py").read_bytes()
+
+
+def test_a_directory_with_its_own_djl_stream_keeps_it(tmp_path: Path) -> None:
+    directory = make_model_dir(tmp_path)
+    (directory / "djl_stream").mkdir()
+    (directory / "djl_stream" / "__init__.py").write_text("# pinned copy\n")
+    plan = plan_package(directory)
+    assert not plan.vendored
+    assert [n for n in plan.names if n.startswith("djl_stream/")] == ["djl_stream/__init__.py"]
 
 
 @pytest.mark.parametrize("model_id", ["HuggingFaceTB/SmolLM2-135M-Instruct",

@@ -62,6 +62,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from djl_stream.shipping.images import IMAGES, ContainerImage
 from djl_stream.shipping.model_files import model_file_problems
+from djl_stream.shipping.sagemaker import WEIGHT_SUFFIXES
 from djl_stream.serving.properties import (
     DJL_KEYS,
     DJL_PYTHON_ENGINES,
@@ -79,9 +80,7 @@ SYMBOLS = {OK: "✓", WARN: "!", FAIL: "✗"}
 DEFAULT_ENTRY_POINT = "model.py"
 #: How long the probe waits for the import at all: a hang, not a slow machine.
 PROBE_TIMEOUT_SECONDS = 120.0
-#: Files that hold a model's weights: an import that opens one is loading the model.
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".onnx",
-                   ".msgpack", ".npz")
+
 #: Modules whose import at module level means the model is being set up at import time.
 HEAVY_MODULES = ("torch", "transformers", "accelerate", "vllm", "tensorflow", "jax",
                  "torch_neuronx", "transformers_neuronx", "tensorrt_llm")
@@ -468,6 +467,7 @@ def probe_entry_point(model_dir: Path, entry: str, formatter: Optional[str],
     """
     env = dict(os.environ)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
+    # an import that opens a weight file is loading the model
     args = json.dumps([str(model_dir.resolve()), entry, formatter, list(HEAVY_MODULES),
                        list(WEIGHT_SUFFIXES)])
     try:

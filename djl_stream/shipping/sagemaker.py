@@ -8,6 +8,13 @@ djl-serving downloads itself, an absolute path) the weights in the directory wou
 weight, and they are left out (those at the top level, where a Hugging Face folder keeps
 them; subfolders always ship).
 
+The archive also carries the ``djl_stream`` package itself beside ``model.py`` (pure Python,
+the version that wrote the archive): djl-serving puts the model directory on the worker's
+``PYTHONPATH``, so the stock LMI and Neuron images, which have every library djl-stream
+needs but not djl-stream, import it from there. No ``requirements.txt`` is needed for
+them (``make conformance`` runs the real worker from an unpacked archive in venvs of
+their libraries, without djl-stream installed).
+
 boto3 is imported only by the functions that talk to AWS (``pip install djl-stream[sagemaker]``).
 
 Example::
@@ -38,6 +45,8 @@ SKIPPED_DIRS = frozenset({"__pycache__", ".ipynb_checkpoints", ".git", ".hypothe
                           ".pytest_cache"})
 SKIPPED_FILES = frozenset({".DS_Store"})
 SKIPPED_SUFFIXES = (".pyc", ".pyo")
+#: The package that ships beside model.py (see the module docstring).
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 #: SageMaker's pattern for model, endpoint-config and endpoint names.
 _NAME = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
@@ -78,6 +87,8 @@ class PackagePlan:
 
     files: tuple[tuple[Path, str], ...]
     left_out: tuple[str, ...]
+    #: whether ``djl_stream/`` ships beside model.py
+    vendored: bool = False
 
     @property
     def names(self) -> list[str]:
@@ -85,11 +96,14 @@ class PackagePlan:
 
 
 def plan_package(model_dir: str | Path, *, output: Optional[str | Path] = None,
-                 environ: Optional[Mapping[str, str]] = None) -> PackagePlan:
+                 environ: Optional[Mapping[str, str]] = None,
+                 vendor: bool = True) -> PackagePlan:
     """The files :func:`write_package` will archive, without writing anything.
 
     Names are relative to ``model_dir`` (the archive root), sorted; ``__pycache__``,
-    ``*.pyc``, the output file itself and other litter are skipped.
+    ``*.pyc``, the output file itself and other litter are skipped. With ``vendor`` the
+    ``djl_stream`` package is added as ``djl_stream/...`` (unless the directory has its
+    own), so that the archive runs on djl-serving's stock images.
 
     >>> plan_package("model/").names[:2]  # doctest: +SKIP
     ['chat_template.jinja', 'config.json']
@@ -116,7 +130,18 @@ def plan_package(model_dir: str | Path, *, output: Optional[str | Path] = None,
             left_out.append(name)
             continue
         files.append((path, name))
-    return PackagePlan(tuple(files), tuple(left_out))
+    vendored = vendor and not (root / "djl_stream").exists()
+    if vendored:
+        files += _package_files()
+    return PackagePlan(tuple(files), tuple(left_out), vendored)
+
+
+def _package_files() -> list[tuple[Path, str]]:
+    """The ``djl_stream`` package's own files as ``(path, name in the archive)``."""
+    return [(path, f"djl_stream/{path.relative_to(PACKAGE_DIR).as_posix()}")
+            for path in sorted(PACKAGE_DIR.rglob("*"))
+            if path.is_file() and "__pycache__" not in path.parts
+            and not path.name.endswith(SKIPPED_SUFFIXES)]
 
 
 def _normalised(info: tarfile.TarInfo) -> tarfile.TarInfo:
@@ -130,7 +155,7 @@ def _normalised(info: tarfile.TarInfo) -> tarfile.TarInfo:
 
 def write_package(model_dir: str | Path, output: str | Path = "model.tar.gz", *,
                   environ: Optional[Mapping[str, str]] = None,
-                  compresslevel: int = 6) -> PackagePlan:
+                  compresslevel: int = 6, vendor: bool = True) -> PackagePlan:
     """Write ``output`` (a gzipped tar) with ``model_dir``'s files at the archive root.
 
     Symbolic links are followed (weights linked from a hub cache are shipped as files).
@@ -140,7 +165,7 @@ def write_package(model_dir: str | Path, output: str | Path = "model.tar.gz", *,
     >>> "model.py" in plan.names and not any(n.startswith("model/") for n in plan.names)  # doctest: +SKIP
     True
     """
-    plan = plan_package(model_dir, output=output, environ=environ)
+    plan = plan_package(model_dir, output=output, environ=environ, vendor=vendor)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(output.name + ".partial")
