@@ -129,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="check against this djl-serving image (repeatable; default: "
                             "every one). --image neuron also checks the shapes the model "
                             "is compiled for")
+    check.add_argument("--base-image", metavar="TAG",
+                       help="the image a build really uses (a Dockerfile's BASE_IMAGE); "
+                            "where it is not the release djl-stream's pins describe, the "
+                            "library versions are read from this interpreter")
     check.set_defaults(run=_check)
 
     package = commands.add_parser(
@@ -373,7 +377,7 @@ def _embed(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from djl_stream.shipping.check import check_model_dir, format_report
 
-    report = check_model_dir(args.model_dir, images=args.images)
+    report = check_model_dir(args.model_dir, images=args.images, base_image=args.base_image)
     print(format_report(report))
     return 0 if report.ok else 1
 

@@ -12,6 +12,8 @@
 # Pulling it needs an ECR login for account 763104351884 (docker/README.md).
 ARG BASE_IMAGE=763104351884.dkr.ecr.us-west-2.amazonaws.com/djl-inference:0.33.0-lmi15.0.0-cu128
 FROM ${BASE_IMAGE}
+# (declared again to be seen below FROM: djl-stream check reads the pins of this image)
+ARG BASE_IMAGE
 
 # 1 skips `djl-stream check` below, for an image whose option.model_id only arrives at run
 # time (OPTION_MODEL_ID on the endpoint) and which has no weights of its own.
@@ -42,6 +44,6 @@ COPY model/ /opt/ml/model/
 # The same checks as `djl-stream check --image lmi model/` on your machine, now with the
 # image's Python: a broken model directory fails the build instead of the endpoint.
 RUN if [ "${SKIP_CHECK}" = "1" ]; then echo "djl-stream check skipped"; \
-    else python3 -m djl_stream check --image lmi /opt/ml/model; fi
+    else python3 -m djl_stream check --image lmi /opt/ml/model --base-image "${BASE_IMAGE}"; fi
 
 CMD ["serve"]

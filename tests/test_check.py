@@ -495,6 +495,37 @@ def test_the_model_files_of_a_local_model_id_are_read(tmp_path: Path) -> None:
     assert "rope_parameters without rope_theta" in line(report, "config.json")
 
 
+def test_the_report_says_whose_pins_it_checked_against(tmp_path: Path) -> None:
+    directory = make_model_dir(tmp_path)
+    report = check_model_dir(directory, environ=CONTAINER_ENV, images=["lmi"])
+    assert line(report, "lmi image", OK) == (
+        "checked against the pins of 763104351884.dkr.ecr.us-west-2.amazonaws.com/"
+        "djl-inference:0.33.0-lmi15.0.0-cu128 (djl-serving 0.33.0, transformers 4.51.3)")
+
+
+def test_another_base_image_is_checked_against_its_own_transformers(tmp_path: Path) -> None:
+    import transformers
+
+    directory = make_model_dir(tmp_path)
+    other = "763104351884.dkr.ecr.us-west-2.amazonaws.com/djl-inference:0.34.0-lmi16.0.0-cu128"
+    report = check_model_dir(directory, environ=CONTAINER_ENV, images=["lmi"],
+                             base_image=other)
+    assert line(report, "lmi image", OK).startswith(
+        f"{other} is not the release djl-stream's pins describe (")
+    assert f"checked against its own transformers {transformers.__version__}" in \
+        line(report, "lmi image", OK)
+    assert f"transformers {transformers.__version__} (lmi)" in line(report, "model files", OK)
+
+
+def test_another_base_image_without_transformers_to_read_is_a_warning(tmp_path: Path) -> None:
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    report = check_model_dir(make_model_dir(tmp_path), environ=CONTAINER_ENV, images=["lmi"],
+                             base_image="my-registry/djl-inference:custom",
+                             python=str(bare / "bin" / "python"))
+    assert "which may not be this image's" in line(report, "lmi image", WARN)
+
+
 def test_unknown_images_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown image"):
         check_model_dir(make_model_dir(tmp_path), environ=CONTAINER_ENV, images=["tpu"])

@@ -171,6 +171,7 @@ def check_model_dir(
     environ: Optional[Mapping[str, str]] = None,
     python: str = sys.executable,
     images: Optional[Sequence[str]] = None,
+    base_image: Optional[str] = None,
 ) -> CheckReport:
     """Run every check on ``model_dir`` and return the report (never raises for the
     directory's problems).
@@ -179,13 +180,17 @@ def check_model_dir(
     process's environment); ``python`` is the interpreter the entry point is imported
     with, in a subprocess so that its imports and timing are those of a fresh worker;
     ``images`` names the djl-serving images to check against (keys of
-    :data:`~djl_stream.shipping.images.IMAGES`; default: all of them).
+    :data:`~djl_stream.shipping.images.IMAGES`; default: all of them). Their pins are
+    those of the release each names (``tag``); ``base_image`` is the image a build really
+    uses (a Dockerfile's ``BASE_IMAGE``): where it is another release, the library
+    versions are read from ``python``, the image's own interpreter at build time.
     """
     unknown = sorted(set(images or ()) - set(IMAGES))
     if unknown:
         raise ValueError(f"unknown image(s) {', '.join(unknown)}; known: {', '.join(IMAGES)}")
     targets = [IMAGES[name] for name in (images or IMAGES)]
     report = CheckReport(str(model_dir))
+    targets = [_as_built(image, base_image, python, report) for image in targets]
     root = Path(model_dir)
     if not root.is_dir():
         report.add(FAIL, "model directory", f"{model_dir} is not a directory")
@@ -208,6 +213,41 @@ def check_model_dir(
     if options.get("stream_engine") == NEURON_ENGINE or "neuron" in (images or ()):
         _check_neuron_shapes(weights, options, report)
     return report
+
+
+def _as_built(image: ContainerImage, base_image: Optional[str], python: str,
+              report: CheckReport) -> ContainerImage:
+    """``image`` as the checks will take it, with a line saying whose pins they are."""
+    if base_image is None or base_image.strip() == image.tag:
+        report.add(OK, f"{image.name} image", f"checked against the pins of {image.tag} "
+                                              f"(djl-serving {image.djl_serving}, transformers "
+                                              f"{image.transformers})")
+        return image
+    installed = _installed_version(python, "transformers")
+    if installed is None:
+        report.add(WARN, f"{image.name} image",
+                   f"{base_image} is not the release djl-stream's pins describe ({image.tag}), "
+                   f"and {python} has no transformers to read: checked against "
+                   f"{image.tag}'s pins, which may not be this image's")
+        return image
+    report.add(OK, f"{image.name} image",
+               f"{base_image} is not the release djl-stream's pins describe ({image.tag}): "
+               f"checked against its own transformers {installed}, read from {python}")
+    return dataclasses.replace(image, tag=base_image.strip(),
+                               pins={**image.pins, "transformers": installed})
+
+
+def _installed_version(python: str, distribution: str) -> Optional[str]:
+    """``distribution``'s version installed for ``python``, or ``None``."""
+    code = ("import importlib.metadata as m, sys\n"
+            "try: print(m.version(sys.argv[1]))\n"
+            "except m.PackageNotFoundError: pass")
+    try:
+        done = subprocess.run([python, "-c", code, distribution], capture_output=True,
+                              text=True, timeout=PROBE_TIMEOUT_SECONDS)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None
 
 
 # -- serving.properties --
