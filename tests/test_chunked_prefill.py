@@ -609,11 +609,52 @@ def test_a_request_cancelled_mid_prefill_leaves_with_its_cache(make_scheduler, t
     stats = tokens.stats[request_id]
     assert stats.outcome == CANCELLED
     assert stats.generated_tokens == 0  # it never got to its first token
-    assert passes.prefill_shapes() == [(1, BUDGET, 0)]  # one chunk, no more
+    # the held pass found its request gone at its first layer: no chunk ran to its end
+    assert passes.prefill_shapes() == []
     assert scheduler.prefilling_size == 0
     # the chunk's cache left with it
     assert scheduler.runner.handles() == [] and scheduler.runner.tokens_held == 0
     # and the scheduler serves on
+    assert collect(scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [SHORT],
+                                              max_new_tokens=3)))[1] == 3
+
+
+def test_a_pass_stops_at_the_next_layer_once_its_only_request_is_cancelled(
+        make_scheduler, tiny_model, smollm2_tokenizer):
+    # The client leaves while the first layer of a prompt's pass runs: the pass stops
+    # before the next layer, rather than reading the rest of its columns for nobody.
+    events: list[tuple] = []
+    tokens = Tokens(events)
+    scheduler = make_scheduler(max_batch_prefill_tokens=BUDGET, max_idle_prefill_tokens=BUDGET,
+                               observers=[tokens])
+    layers = tiny_model.model.layers
+    submitted = threading.Event()
+    box: dict = {}
+    reached: list[int] = []
+
+    def layer_starts(index):
+        def hook(module, args):
+            if index == 0 and not reached:  # the first pass: the client leaves now
+                assert submitted.wait(60)
+                box["stream"].close()
+            reached.append(index)
+        return hook
+
+    hooks = [layer.register_forward_pre_hook(layer_starts(i)) for i, layer in enumerate(layers)]
+    try:
+        box["stream"] = scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [LONG],
+                                                   max_new_tokens=8))
+        submitted.set()
+        request_id = box["stream"].sequences[0].request_id[0]
+        tokens.wait(lambda: tokens.stats[request_id].outcome is not None)
+        tokens.wait(lambda: tokens.state == BatchState())
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(layers) > 1
+    assert reached == [0]  # no other layer, and no other pass
+    assert tokens.stats[request_id].outcome == CANCELLED
+    assert scheduler.runner.handles() == [] and scheduler.runner.tokens_held == 0
     assert collect(scheduler.submit(sequences(tiny_model, smollm2_tokenizer, [SHORT],
                                               max_new_tokens=3)))[1] == 3
 

@@ -62,6 +62,7 @@ from djl_stream.generation.prefill_pacing import (DEFAULT_PREFILL_STALL_STEPS, P
                                                   attention_parity_context, prefill_columns)
 from djl_stream.generation.sequence import GenerationSequence
 from djl_stream.generation.step import Generation, Step
+from djl_stream.runtime.attention import PassAbandoned
 from djl_stream.runtime.memory import release_cached_memory
 from djl_stream.runtime.runner import ModelRunner
 
@@ -580,12 +581,18 @@ class Scheduler:
             # read in fewer, wider passes (its time to first token is shorter).
             rows, cached = len(batch), batch.cache_length
             width = self._columns(prefill, rows, cached)
-            if batch.columns_to_feed > width:
-                with self._pacer.prefill_pass(rows, width, cached):
-                    prefill.batch = prefill_chunk(self.runner, batch, width)
-                return False
-            with self._pacer.prefill_pass(rows, batch.columns_to_feed, cached):
-                generations, batch = generate_token(self.runner, batch)
+            # A pass of this prefill alone stops part-way once all of its requests were
+            # cancelled: a client that leaves during a long prompt's pass frees the model
+            # at the next layer, not at the end of the pass.
+            with self.runner.abandoned_if(lambda: all(job.cancelled for job in prefill.jobs)):
+                if batch.columns_to_feed > width:
+                    with self._pacer.prefill_pass(rows, width, cached):
+                        prefill.batch = prefill_chunk(self.runner, batch, width)
+                    return False
+                with self._pacer.prefill_pass(rows, batch.columns_to_feed, cached):
+                    generations, batch = generate_token(self.runner, batch)
+        except PassAbandoned:
+            return False  # (the cycle's _drop_cancelled takes the prefill out)
         except Exception as error:  # noqa: BLE001 - find who caused it, keep serving
             self._prefill_failed(error)
             return False

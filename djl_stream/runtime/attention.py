@@ -75,6 +75,8 @@ class AttentionLayout:
     block_rows: int = 0
     block_masks: Dict[Optional[int], torch.Tensor] = dataclasses.field(default_factory=dict)
     chunks: Sequence[Tuple[int, int, int, int]] = ()
+    #: asked at each layer: ``True`` stops the pass there (:class:`PassAbandoned`)
+    abandon: Optional[Callable[[], bool]] = None
     _derived: Dict[tuple, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def slots(self, heads: int, columns: int) -> torch.Tensor:
@@ -140,6 +142,11 @@ def _scaled_attention(query, key, value, mask, scale, softcap):
     return torch.matmul(weights, value)
 
 
+class PassAbandoned(Exception):
+    """A forward pass stopped between two layers because nobody wants its result any more
+    (every request it reads for left): what it wrote past a cache's end is never read."""
+
+
 def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            layout: AttentionLayout, *, scaling: Optional[float] = None,
            sliding_window: Optional[int] = None, softcap: Optional[float] = None
@@ -147,6 +154,8 @@ def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     """Write ``key``/``value`` (``(1, kv_heads, T, dim)``) into the cache at the layout's
     places and attend ``query`` (``(1, heads, T, dim)``) to each token's row; returns
     ``(1, T, heads, value_dim)``, the shape transformers' attention functions return."""
+    if layout.abandon is not None and layout.abandon():
+        raise PassAbandoned("every request of this pass was cancelled")
     layer = module.layer_idx
     keys, values = layout.keys[layer], layout.values[layer]
     if layout.layer_windows:

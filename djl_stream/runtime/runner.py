@@ -40,9 +40,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -93,6 +94,25 @@ class ModelRunner:
     def __init__(self, model) -> None:
         self.model = model
         self.device = _input_device(model)
+        self._abandon: Optional[Callable[[], bool]] = None
+
+    @contextlib.contextmanager
+    def abandoned_if(self, abandon: Callable[[], bool]) -> Iterator[None]:
+        """Passes run inside this block stop between two layers once ``abandon()`` is true,
+        raising :class:`~djl_stream.runtime.attention.PassAbandoned` (no cache grows): a
+        long prompt's pass need not run to its end for a client that left. Only the
+        attention path can stop a pass part-way; the forward path runs each to its end.
+
+        >>> runner = ModelRunner(torch.nn.Linear(1, 1))
+        >>> with runner.abandoned_if(lambda: True):
+        ...     runner._abandon()
+        True
+        """
+        self._abandon = abandon
+        try:
+            yield
+        finally:
+            self._abandon = None
 
     def reserve(self) -> int:
         """A handle for a new sequence's cache."""
@@ -312,7 +332,8 @@ class AttentionRunner(ModelRunner):
         layout = AttentionLayout(
             rows=torch.tensor(rows, dtype=torch.long, device=device),
             positions=position_tensor, keys=cache.keys, values=cache.values,
-            layer_windows=self.layer_windows, block_start=start if block else 0, block_rows=len(block), chunks=chunk_tuples)
+            layer_windows=self.layer_windows, block_start=start if block else 0,
+            block_rows=len(block), chunks=chunk_tuples, abandon=self._abandon)
         if block:
             block_positions = position_tensor[:len(block)]
             span = max(spans[:len(block)])
