@@ -162,11 +162,20 @@ def test_paused_stops_a_server_s_whole_process_tree_and_resumes_it_even_after_an
 def test_a_djl_stream_peer_s_options_reach_its_server_even_where_serving_properties_sets_them(
         tmp_path):
     model_dir = Path(__file__).resolve().parent.parent / "model"
-    assert "option.dtype=" in (model_dir / "serving.properties").read_text()
-    # the file sets option.dtype (and it wins over OPTION_DTYPE): a copy that says bf16
-    bf16 = PEERS["djl-stream bf16"].server(model_dir, tmp_path, {}, tmp_path / "bf16")
+    # model/ leaves option.dtype to the environment: OPTION_DTYPE carries it
+    plain = PEERS["djl-stream bf16"].server(model_dir, tmp_path, {}, tmp_path / "plain")
+    assert Path(plain.command()[plain.command().index("serve") + 1]) == model_dir
+    assert plain.env["OPTION_DTYPE"] == "bf16"
+    # a directory whose file sets option.dtype (which wins over OPTION_DTYPE): a copy that
+    # says bf16, its other files those of the directory
+    pinned = tmp_path / "pinned"
+    pinned.mkdir()
+    for name in ("model.py", "config.json"):
+        (pinned / name).symlink_to(model_dir / name)
+    (pinned / "serving.properties").write_text("engine=Python\noption.dtype=fp32\n")
+    bf16 = PEERS["djl-stream bf16"].server(pinned, tmp_path, {}, tmp_path / "bf16")
     served = Path(bf16.command()[bf16.command().index("serve") + 1])
-    assert served != model_dir
+    assert served != pinned
     assert "option.dtype=bf16\n" in (served / "serving.properties").read_text()
     assert (served / "config.json").resolve() == (model_dir / "config.json").resolve()
     # the file does not set option.quantize: the environment carries it, as SageMaker's does
