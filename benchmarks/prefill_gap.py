@@ -1,4 +1,4 @@
-"""How long a running stream waits while a long prompt is admitted (issue 9, item 4).
+"""How long a running stream waits while a long prompt is admitted.
 
 :func:`long_prompt_gap` starts ``djl-stream serve MODEL_DIR`` (with ``options`` as
 ``OPTION_*`` variables), streams one request that decodes on and on, and once it is

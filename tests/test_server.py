@@ -218,7 +218,7 @@ def test_failed_load_is_reported_by_ping_and_models(tmp_path: Path) -> None:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         # Clients get a short reason; the loader's own text (here naming the model
-        # directory's path, as a missing file does) goes to the log only (issue 9, item 9).
+        # directory's path, as a missing file does) goes to the log only.
         short = "model broken failed to load (RuntimeError); the server log has the details"
         assert ping.status_code == 503
         assert ping.json()["message"] == short
@@ -414,7 +414,7 @@ def test_framework_errors_under_v1_are_in_openais_shape(server: Server) -> None:
 
 def test_an_unhandled_error_is_a_500_naming_only_its_type(server: Server) -> None:
     # A status that is no number breaks the server's own answer: the exception's text goes
-    # to the log, not to the client (it may name paths; issue 9, item 9).
+    # to the log, not to the client (it may name paths).
     answer = server.http.post("/invocations", json={"status": "teapot", "message": "x"})
     assert answer.status_code == 500
     assert answer.headers["connection"] == "close"  # uvicorn closes it after an exception

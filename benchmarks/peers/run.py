@@ -14,7 +14,7 @@ reported), starts the servers one after the other, warms each up, and then:
 3. each server's resident memory (its whole process tree) after the load, and its peak.
 
 The section it writes (between ``<!-- peers -->`` and ``<!-- /peers -->``) holds the
-figures, the targets of issue 10 computed from them (never asserted), the CPU taken by
+figures, the targets computed from them (never asserted), the CPU taken by
 other processes during each peer's turn, and the setup times. ``make bench`` keeps the
 section when it rewrites the rest of the file.
 
@@ -282,7 +282,7 @@ def report(results: List[PeerResult], setup: Dict[str, tuple], args, machine: Di
              + "clients are released "
              "together, each on its own connection. Figures are medians over "
              f"{args.repetitions} repetitions.", ""]
-    lines += ["### Targets (issue 10)", ""]
+    lines += ["### Targets", ""]
     lines += [f"- {line}" for line in targets(by_name, args)]
     lines += ["", f"What misses a target: [Targets missed, and why]({WHY_MISSED}).", ""]
     lines += ["| server | weights | clients | aggregate tokens/s | TTFT p50 | ITL p50 | ITL p90 | "
