@@ -49,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser(
         "serve", help="serve a model directory over HTTP (djl-serving's routes)",
-        description="Serve MODEL_DIR with djl-serving's routes: GET /ping, "
-                    "POST /invocations, POST /predictions/{model}, GET /models.")
+        description="Serve MODEL_DIR over HTTP as djl-serving's front end serves it, plus "
+                    "the routes of OpenAI's and TGI's clients.",
+        epilog=SERVE_ROUTES, formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_argument("model_dir", metavar="MODEL_DIR", help="the model directory (model.py, serving.properties, weights)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     serve.add_argument("--port", type=int, default=8080, help="port to bind (default: %(default)s)")
@@ -163,10 +164,49 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     >>> main(["embed", "--help"])  # doctest: +SKIP
     """
     args = build_parser().parse_args(argv)
+    if getattr(args, "log_level", "info") != "debug":
+        quiet_library_noise()
     try:
         return args.run(args) or 0
     except KeyboardInterrupt:
         return 130
+
+
+#: The routes of ``serve`` (its --help shows them; a test holds them to the server's).
+SERVE_ROUTES = """routes:
+  GET  /ping                      health: 200 once the model is loaded, 503 before
+  POST /invocations               djl's request (or OpenAI's, by its keys); SageMaker's route
+  POST /predictions/{model}       the same, for the model named by the directory
+  GET  /models                    the model and its status, as djl-serving lists it
+  GET  /metrics                   Prometheus metrics
+  GET  /v1/models                 OpenAI's model list
+  POST /v1/chat/completions       OpenAI chat completions (stream with "stream": true)
+  POST /v1/completions            OpenAI completions
+  POST /generate                  TGI's generate
+  POST /generate_stream           TGI's server-sent events
+  POST /                          TGI's compatibility route (huggingface_hub's InferenceClient)
+"""
+
+#: Loggers of libraries whose warnings at import mean nothing to a user of these commands:
+#: torchao's "Failed to load ..._C_*.so" (kernels built for GPUs or other torch builds,
+#: never used here) and torch's pytree "Enum subclass ... register_constant()" notes.
+#: ``--log-level debug`` shows them.
+NOISY_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def quiet_library_noise() -> None:
+    """Hide :data:`NOISY_LOGGERS`' warnings and torch's ``FutureWarning``\ s (errors still
+    show).
+
+    >>> quiet_library_noise(); import logging; logging.getLogger("torchao").level == logging.ERROR
+    True
+    """
+    import logging
+    import warnings
+
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch(\.|$)")
 
 
 # -- serve --

@@ -101,6 +101,29 @@ def test_importing_the_cli_is_cheap() -> None:
     assert result.stdout.strip() == "[]"
 
 
+def test_serve_help_lists_every_route_the_server_serves() -> None:
+    from djl_stream.serving.server import ModelServer
+    from djl_stream.serving.worker import ModelWorker
+
+    listed = {tuple(line.split()[:2]) for line in cli.SERVE_ROUTES.splitlines()[1:] if line}
+    served = {(method, route.path.replace("{model_name}", "{model}"))
+              for route in ModelServer(ModelWorker(".", environ={})).routes()
+              for method in sorted(route.methods - {"HEAD"})}
+    assert listed == served
+    assert cli.SERVE_ROUTES in cli.build_parser()._subparsers._group_actions[0] \
+        .choices["serve"].format_help()
+
+
+def test_library_noise_is_not_shown_at_the_default_log_level(tiny_model_dir: Path) -> None:
+    # torchao's "Failed to load ..._C_*.so" and torch's pytree notes mean nothing here
+    result = subprocess.run(
+        [sys.executable, "-m", "djl_stream", "generate", str(tiny_model_dir), "Hi",
+         "--max-new-tokens", "2"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "Failed to load" not in result.stderr
+    assert "register_constant" not in result.stderr
+
+
 def test_generate_prints_tokens_as_they_arrive(model_dir: Path) -> None:
     process = subprocess.Popen(
         [sys.executable, "-m", "djl_stream", "generate", str(model_dir), "one two three",
