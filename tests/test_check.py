@@ -257,14 +257,19 @@ def test_an_import_that_does_the_init_calls_work_fails_saying_what(tmp_path: Pat
     assert message.endswith("do that work in the init call (the first handle()) instead")
 
 
-def test_the_import_finds_only_what_the_worker_would(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """An interpreter with nothing installed: neither djl_stream nor transformers."""
+    bare = tmp_path_factory.mktemp("bare")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    return str(bare / "bin" / "python")
+
+
+def test_the_import_finds_only_what_the_worker_would(tmp_path: Path, bare_python: str) -> None:
     # djl_stream is installed where this check runs; an interpreter without it must fail
     # the import, as the stock image does, rather than be handed this checker's copy
-    bare = tmp_path / "bare"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
     directory = make_model_dir(tmp_path)
-    report = check_model_dir(directory, environ=CONTAINER_ENV,
-                             python=str(bare / "bin" / "python"))
+    report = check_model_dir(directory, environ=CONTAINER_ENV, python=bare_python)
     assert "ModuleNotFoundError: No module named 'djl_stream'" in line(report, "entry point")
 
 
@@ -517,12 +522,10 @@ def test_another_base_image_is_checked_against_its_own_transformers(tmp_path: Pa
     assert f"transformers {transformers.__version__} (lmi)" in line(report, "model files", OK)
 
 
-def test_another_base_image_without_transformers_to_read_is_a_warning(tmp_path: Path) -> None:
-    bare = tmp_path / "bare"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+def test_another_base_image_without_transformers_to_read_is_a_warning(
+        tmp_path: Path, bare_python: str) -> None:
     report = check_model_dir(make_model_dir(tmp_path), environ=CONTAINER_ENV, images=["lmi"],
-                             base_image="my-registry/djl-inference:custom",
-                             python=str(bare / "bin" / "python"))
+                             base_image="my-registry/djl-inference:custom", python=bare_python)
     assert "which may not be this image's" in line(report, "lmi image", WARN)
 
 
