@@ -63,12 +63,18 @@ class Answer:
         return json.loads(self.body)
 
 
-def answer_then_close(sock: socket.socket) -> Answer:
-    """Read until the server closes the connection; a server that never does fails the
-    test at :data:`DEADLINE` (socket.timeout)."""
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Every byte the server sends until it closes the connection; a server that never
+    does fails the test at :data:`DEADLINE` (socket.timeout)."""
     raw = b""
     while chunk := sock.recv(65536):
         raw += chunk
+    return raw
+
+
+def answer_then_close(sock: socket.socket) -> Answer:
+    """The one response read off a socket up to the server's closing it."""
+    raw = read_until_closed(sock)
     assert raw, "the server closed the connection without an answer"
     return Answer(raw)
 
@@ -286,9 +292,7 @@ def test_a_request_framed_twice_is_refused_and_what_its_body_hides_never_runs(se
     with connect(server) as sock:
         sock.sendall(head(content_length=str(5 + len(hidden)), transfer_encoding="chunked")
                      + b"0\r\n\r\n" + hidden)
-        raw = b""
-        while chunk := sock.recv(65536):
-            raw += chunk
+        raw = read_until_closed(sock)
     assert raw.count(b"HTTP/1.1 ") == 1, raw  # one answer: the hidden request never ran
     answer = Answer(raw)
     assert answer.status == 400

@@ -159,14 +159,14 @@ def dequantized_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     out_features, in_features = weight.shape
     block = max(1, DEQUANTIZE_BLOCK_BYTES // (in_features * rows.element_size()))
     if block >= out_features:
-        return torch.nn.functional.linear(rows, weight.to(rows.dtype))
-    return torch.cat([torch.nn.functional.linear(rows, weight[start:start + block].to(rows.dtype))
+        return _whole_product(rows, weight)
+    return torch.cat([_whole_product(rows, weight[start:start + block])
                       for start in range(0, out_features, block)], dim=-1)
 
 
 def _whole_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    # for a compiler: blocks of a large weight, each a product of its own, make the
-    # compile take many times as long
+    # What a compiled step uses for several rows: blocks of a large weight, each a product
+    # of its own, make the compile take many times as long.
     return torch.nn.functional.linear(rows, weight.to(rows.dtype))
 
 

@@ -83,11 +83,10 @@ class HttpLimits:
         """Keyword arguments of ``uvicorn.run`` that enforce these limits.
 
         >>> sorted(HttpLimits().uvicorn_options())
-        ['h11_max_incomplete_event_size', 'http', 'limit_concurrency', 'timeout_keep_alive']
+        ['http', 'limit_concurrency', 'timeout_keep_alive']
         """
         return {"http": functools.partial(LimitedH11Protocol, limits=self),
                 "timeout_keep_alive": self.timeout_keep_alive,
-                "h11_max_incomplete_event_size": self.max_head_size,
                 # uvicorn counts open connections, idle ones too: RequestConcurrency counts
                 # requests instead
                 "limit_concurrency": None}

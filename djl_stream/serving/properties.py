@@ -402,6 +402,25 @@ def djl_init_properties(
     return merged
 
 
+#: The file djl-serving's PyModel loads when no entry point is configured and the model
+#: directory has one.
+DEFAULT_ENTRY_POINT = "model.py"
+
+
+def configured_entry_point(properties: Mapping[str, str],
+                           environ: Mapping[str, str]) -> Optional[str]:
+    """The entry point configured as djl-serving's ``PyModel`` reads it: ``entryPoint`` of
+    the init properties (``option.entryPoint`` or ``OPTION_ENTRYPOINT``), else the
+    variable ``DJL_ENTRY_POINT``; ``None`` when neither is set. ``option.entrypoint`` in
+    lower case is not the key and does not count.
+
+    >>> configured_entry_point({"entrypoint": "a.py"}, {"DJL_ENTRY_POINT": "b.py"})
+    'b.py'
+    """
+    entry = (properties.get("entryPoint") or environ.get("DJL_ENTRY_POINT") or "").strip()
+    return entry or None
+
+
 def _environment_keys(environ: Mapping[str, str]) -> list[tuple[str, str, str]]:
     """Each ``OPTION_*`` variable as ``(variable, serving.properties key, value)``, the key
     as djl-serving's ``ModelInfo`` derives it."""

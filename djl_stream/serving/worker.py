@@ -40,13 +40,13 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Union
 
 from djl_stream.serving.outputs import djl_json
-from djl_stream.serving.properties import djl_init_properties, shadowed_variables
+from djl_stream.serving.properties import (DEFAULT_ENTRY_POINT, configured_entry_point,
+                                           djl_init_properties, shadowed_variables)
 from djl_stream.serving.replies import is_out_of_memory
 
 logger = logging.getLogger(__name__)
 
 LOADING, READY, FAILED = "LOADING", "READY", "FAILED"
-DEFAULT_ENTRY_POINT = "model.py"
 #: djl's name for the function it calls; sent as the ``handler`` property.
 HANDLER = "handle"
 
@@ -207,9 +207,7 @@ class ModelWorker:
         """``option.entryPoint`` (``OPTION_ENTRYPOINT``), else ``DJL_ENTRY_POINT``, else
         ``model.py``, as djl-serving's ``PyModel`` picks it: ``option.entrypoint`` in lower
         case is not its key and is ignored there, so here too."""
-        props = self.properties
-        return (props.get("entryPoint") or self.environ.get("DJL_ENTRY_POINT")
-                or DEFAULT_ENTRY_POINT).strip()
+        return configured_entry_point(self._properties, self.environ) or DEFAULT_ENTRY_POINT
 
     # -- loading --
 

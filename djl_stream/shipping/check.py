@@ -66,8 +66,10 @@ from djl_stream.shipping.sagemaker import WEIGHT_SUFFIXES
 from djl_stream.serving.properties import (
     DJL_KEYS,
     DJL_PYTHON_ENGINES,
+    DEFAULT_ENTRY_POINT,
     ModelProperties,
     PropertyError,
+    configured_entry_point,
     djl_init_properties,
     read_serving_properties,
     shadowed_variables,
@@ -77,7 +79,6 @@ from djl_stream.shipping.smart_defaults import INF2_XLARGE_CORES, NEURON_SMART_D
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 SYMBOLS = {OK: "✓", WARN: "!", FAIL: "✗"}
 
-DEFAULT_ENTRY_POINT = "model.py"
 #: How long the probe waits for the import at all: a hang, not a slow machine.
 PROBE_TIMEOUT_SECONDS = 120.0
 
@@ -205,7 +206,7 @@ def check_model_dir(
         report.add(WARN, shadowed.variable, str(shadowed))
     props = _check_options(options, environ, raw, report)
     _check_rolling_batch(options, report)
-    _check_entry_point(root, options, props, report, python)
+    _check_entry_point(root, options, environ, props, report, python)
     _check_worker_mode(options, environ, targets, report)
     _check_weights(root, options, report)
     weights = _local_weights(root, options)
@@ -523,10 +524,10 @@ def probe_entry_point(model_dir: Path, entry: str, formatter: Optional[str],
     return {"error": f"the import crashed the interpreter (exit {done.returncode}): {tail[0]}"}
 
 
-def _check_entry_point(root: Path, options: Mapping[str, str],
+def _check_entry_point(root: Path, options: Mapping[str, str], environ: Mapping[str, str],
                        props: Optional[ModelProperties], report: CheckReport,
                        python: str) -> None:
-    entry = (options.get("entryPoint") or DEFAULT_ENTRY_POINT).strip()
+    entry = configured_entry_point(options, environ) or DEFAULT_ENTRY_POINT
     if entry.endswith(".py") and not (root / entry).is_file():
         report.add(FAIL, "entry point", f"{entry} is missing from {root}")
         return
@@ -595,7 +596,7 @@ def _check_worker_mode(options: Mapping[str, str], environ: Mapping[str, str],
     """djl-serving 0.33 (PyModel) starts the async worker when no entry point is configured
     (``option.entryPoint``, ``OPTION_ENTRYPOINT`` or ``DJL_ENTRY_POINT``) and the image's
     ``SERVING_FEATURES`` is ``vllm``."""
-    entry = (options.get("entryPoint") or environ.get("DJL_ENTRY_POINT") or "").strip()
+    entry = configured_entry_point(options, environ)
     ignored = options.get("entrypoint")
     if ignored is not None and not entry:
         report.add(WARN, "option.entrypoint",
