@@ -50,8 +50,12 @@ $(MODEL_DIR)/config.json: djl_stream/shipping/embedded.py | $(STAMP)
 serve: $(STAMP) model
 	$(BIN)/djl-stream serve $(MODEL_DIR) --host $(HOST) --port $(PORT)
 
+# The suite's files are shared out among up to TEST_WORKERS processes, a file to a process
+# (its module fixtures, such as a running server, stay with it): most tests wait on one core
+# (a server, a compile in a process of its own), so a second process uses the second core.
+TEST_WORKERS ?= 4
 test: $(DEV_STAMP) model
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses $(TEST_WORKERS) --dist loadfile
 
 # Never passes silently: without the djl-serving sources there is nothing to conform to.
 conformance: $(DEV_STAMP) model
