@@ -100,112 +100,108 @@ def _as_float(key: str, value: Any, minimum: float = 0.0) -> float:
     return number
 
 
+def _property(default: Any, meaning: str, *, shown: Optional[str] = None,
+              key: Optional[str] = None, see: Optional[str] = None, listed: bool = True) -> Any:
+    """A :class:`ModelProperties` field with what the properties reference
+    (``docs/properties.md``, written by :mod:`djl_stream.serving.properties_reference`)
+    says of it: its one line of ``meaning``, the default as a user writes it (``shown``,
+    else the field's default), its key when it has no ``option.`` prefix, the topic page
+    that explains it at length (``see``), and whether a user sets it (``listed``)."""
+    metadata = {"meaning": meaning, "shown": shown, "key": key, "see": see, "listed": listed}
+    if isinstance(default, dict):
+        return dataclasses.field(default_factory=dict, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelProperties:
-    """Typed configuration of one served model.
+    """Typed configuration of one served model: one field per property, each with its
+    meaning in its metadata (``docs/properties.md`` lists them, generated from here).
 
-    Attributes:
-        model_dir: the model directory (djl's working directory for the worker).
-        model_id: local path (absolute, or relative to ``model_dir``) or hub id of the
-            weights; ``None`` means the weights are in ``model_dir`` itself.
-        dtype: ``fp32``, ``fp16``, ``bf16`` or ``auto`` (half precision on GPU, fp32 on CPU).
-        quantize: load the weights quantized: ``int8`` (weight-only: djl-stream's int8
-            layers on a CPU, torchao on a GPU), ``w8a8`` (int8 weights and per-token int8 activations: djl-stream's int8
-            layers on a CPU; on a GPU ``int8`` serves instead, with a warning), ``bitsandbytes8`` or ``bitsandbytes4``
-            (made for CUDA); ``None`` for none
-            (see :mod:`djl_stream.runtime.quantization`). djl-serving's deprecated
-            ``load_in_8bit=true`` / ``load_in_4bit=true`` mean ``bitsandbytes8`` / ``4``.
-        compile: compile the decode step (the model's own forward over the running rows)
-            ahead of time with ``torch.export`` and AOTInductor, in a process of its own
-            while the server answers with the eager forward, and run it once it gives the
-            eager step's logits; kept in a cache for the next start (see
-            :mod:`djl_stream.runtime.decode_program`). ``None`` (``auto``) and ``True`` do so
-            on a CPU; ``False`` never.
-        tensor_parallel_degree: number of GPUs to spread the model over; ``None`` means
-            ``max`` (all visible GPUs). Ignored on CPU.
-        enable_streaming: stream by default when a request does not say ``"stream"``.
-        trust_remote_code: allow model code from the hub; never settable from a request.
-        default_max_new_tokens: ``max_new_tokens`` when a request gives none.
-        max_new_tokens_limit: the largest ``max_new_tokens`` a request may ask for.
-        max_input_length: the longest prompt, in tokens, a request may send.
-        max_request_input_length: the most prompt tokens one request may bring, all its
-            prompts together; ``None`` means twice ``max_input_length``: two prompts of the
-            longest length (OpenAI's ``n=2``, say), and never the 32 of them a full batch
-            would hold.
-        max_request_kv_tokens: the most KV-cache positions one request may hold by its
-            last step: its prompts' tokens plus ``max_new_tokens`` for each prompt; more
-            is a 400 before any model work. ``None`` means as many as fit
-            in three quarters of the size of the model's weights, and at least one prompt of
-            ``max_input_length`` with ``max_new_tokens_limit`` new tokens (see
-            :func:`djl_stream.runtime.kv_memory.default_max_request_kv_tokens`).
-        max_batch_prefill_tokens: the most prompt tokens (rows × columns) one prefill
-            forward pass feeds; a longer prompt is read in chunks,
-            with a decode step of the running batch between them (chunked prefill, as
-            TGI's ``max_batch_prefill_tokens``). ``None`` picks one for the device (64 on
-            CPU, 2048 on an accelerator); at least ``max_rolling_batch_size``.
-        prefill_stall_steps: while requests decode, a prefill pass is also kept to at
-            most this many of their decode steps, as timed by the scheduler, so that a
-            running stream waits about this many steps plus its own between two tokens
-            while a long prompt is read (see :mod:`djl_stream.generation.prefill_pacing`).
-            ``0`` turns the bound off: passes are sized by ``max_batch_prefill_tokens``
-            alone (fewer, wider passes: a long prompt is read sooner).
-        output_formatter: built-in formatter name (``jsonlines``, ``sse``) or the name of a
-            function in ``model.py`` (or that function, as djl's worker may pass it).
-        chat_protocol: how a body with ``messages`` is answered when the request names no
-            protocol: ``openai`` (chat completions, as djl-serving's LMI images answer it)
-            or ``djl`` (``{"output_tokens": [...]}`` lines, ``{"generated_text": ...}``).
-        apply_chat_template: wrap each ``inputs`` prompt as one user turn of the tokenizer's
-            chat template; ``None`` (``auto``) does so when the tokenizer has a template,
-            which is what an instruct model needs. ``messages`` requests always use it.
-        max_rolling_batch_size: most prompts decoding together in the running batch
-            (continuous batching); a request with more prompts is refused with a 400.
-        job_queue_size: most requests waiting for room in the batch; beyond it requests
-            are answered 503. A djl-serving front-end key (no ``option.`` prefix).
-        stream_engine: force a stream engine (``Accelerate``, ``transformers-neuronx``, or
-            one registered with :func:`djl_stream.register_engine`); ``None`` picks one from
-            the hardware. Not ``engine``: that key is djl-serving's (``engine=Python``).
-        n_positions: transformers-neuronx only: the longest sequence (prompt + new tokens)
-            the model is compiled for; the compiled batch size is ``max_rolling_batch_size``.
-        compiled_graph_path: transformers-neuronx only: directory of compiled Neuron
-            graphs (relative to ``model_dir`` or absolute), loaded when it holds some,
-            written after compiling otherwise; ``None`` caches them under
-            ``$DJL_CACHE_DIR/djl-stream/neuronx-graphs/<key>`` (see
-            :func:`djl_stream.generation.engines.neuronx.compiled_graph_dir`), never in the model
-            directory, which is read-only on SageMaker.
-        context_length_estimate: transformers-neuronx only: prompt length(s) to compile
-            context-encoding graphs for (``512`` or ``256,1024``); ``None`` leaves it to
-            the library.
-        device_id: the GPU djl assigned to this worker (-1 on CPU).
+    >>> ModelProperties.from_init_properties({"dtype": "bf16"}).dtype
+    'bf16'
     """
 
-    model_dir: str = "."
-    model_id: Optional[str] = None
-    dtype: str = "auto"
-    quantize: Optional[str] = None
-    compile: Optional[bool] = None
-    load_in_8bit: bool = False
-    load_in_4bit: bool = False
-    tensor_parallel_degree: Optional[int] = 1
-    enable_streaming: bool = True
-    trust_remote_code: bool = False
-    default_max_new_tokens: int = 50
-    max_new_tokens_limit: int = 2048
-    max_input_length: int = 4096
-    max_request_input_length: Optional[int] = None
-    max_request_kv_tokens: Optional[int] = None
-    max_batch_prefill_tokens: Optional[int] = None
-    prefill_stall_steps: float = DEFAULT_PREFILL_STALL_STEPS
-    output_formatter: Any = "jsonlines"
-    chat_protocol: str = "openai"
-    apply_chat_template: Optional[bool] = None
-    max_rolling_batch_size: int = 32
-    job_queue_size: int = 1000
-    stream_engine: Optional[str] = None
-    n_positions: int = 2048
-    compiled_graph_path: Optional[str] = None
-    context_length_estimate: Optional[tuple[int, ...]] = None
-    device_id: int = -1
-    extra: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    model_dir: str = _property(
+        ".", "the model directory, which djl-serving passes to the handler", listed=False)
+    model_id: Optional[str] = _property(
+        None, "where the weights are: a path (absolute, or relative to the model directory), "
+              "an `s3://` prefix djl-serving downloads, or a hub id; unset: the model "
+              "directory itself", shown="unset")
+    dtype: str = _property(
+        "auto", "`fp32`, `fp16`, `bf16` or `auto` (half precision on a GPU, fp32 on a CPU)",
+        see="performance.md#precision-and-quantization")
+    quantize: Optional[str] = _property(
+        None, "load the weights quantized: `int8` (weight-only), `w8a8` (int8 weights and "
+              "activations, on a CPU with int8 dot products), `bitsandbytes8`, "
+              "`bitsandbytes4` (CUDA)", shown="unset", see="performance.md#precision-and-quantization")
+    compile: Optional[bool] = _property(
+        None, "compile the decode step in the background and switch to it when ready: "
+              "`auto` (on a CPU), `true` or `false`", shown="auto",
+        see="performance.md#the-compiled-decode-step")
+    load_in_8bit: bool = _property(
+        False, "deprecated (as in djl-serving): `option.quantize=bitsandbytes8`")
+    load_in_4bit: bool = _property(
+        False, "deprecated (as in djl-serving): `option.quantize=bitsandbytes4`")
+    tensor_parallel_degree: Optional[int] = _property(
+        1, "GPUs to spread the model over (`max`: all; ignored on a CPU), or the "
+           "NeuronCores transformers-neuronx compiles for", see="deployment.md#on-inferentia2")
+    enable_streaming: bool = _property(
+        True, "stream the answer when a request does not say `\"stream\"`")
+    trust_remote_code: bool = _property(
+        False, "run model code from the hub; never settable from a request")
+    default_max_new_tokens: int = _property(
+        50, "`max_new_tokens` when a request gives none")
+    max_new_tokens_limit: int = _property(
+        2048, "the largest `max_new_tokens` a request may ask for")
+    max_input_length: int = _property(
+        4096, "the longest prompt, in tokens")
+    max_request_input_length: Optional[int] = _property(
+        None, "the most prompt tokens one request may bring, all its prompts together",
+        shown="twice `max_input_length`")
+    max_request_kv_tokens: Optional[int] = _property(
+        None, "the most KV-cache positions one request may hold by its last step (its "
+              "prompts plus `max_new_tokens` each); more is a 400 before any model work",
+        shown="what fits in ¾ of the weights' size", see="reliability.md#request-limits")
+    max_batch_prefill_tokens: Optional[int] = _property(
+        None, "the most prompt tokens one prefill pass reads while others decode: longer "
+              "prompts are read in chunks beside the running batch",
+        shown="64 on a CPU, 2048 on an accelerator",
+        see="performance.md#many-clients-at-once-continuous-batching")
+    prefill_stall_steps: float = _property(
+        DEFAULT_PREFILL_STALL_STEPS, "while others decode, a prefill pass takes at most this "
+        "many of their decode steps (`0`: no bound)", see="performance.md#many-clients-at-once-continuous-batching")
+    output_formatter: Any = _property(
+        "jsonlines", "`jsonlines`, `sse`, `jsonlines_details`, or the name of a function in "
+                     "`model.py`", see="protocols.md#output-formatters")
+    chat_protocol: str = _property(
+        "openai", "how a body with `messages` is answered: `openai` (a chat completion) or "
+                  "`djl` (`output_tokens` lines)", see="protocols.md")
+    apply_chat_template: Optional[bool] = _property(
+        None, "send `inputs` prompts through the chat template as one user turn (`auto`: "
+              "when the tokenizer has one)", shown="auto")
+    max_rolling_batch_size: int = _property(
+        32, "most prompts decoding together; on transformers-neuronx the compiled batch size")
+    job_queue_size: int = _property(
+        1000, "most requests waiting for room in the batch; beyond it, 503",
+        key="job_queue_size")
+    stream_engine: Optional[str] = _property(
+        None, "the stream engine: `Accelerate`, `transformers-neuronx`, or one you "
+              "registered", shown="picked from the hardware", see="development.md#a-stream-engine")
+    n_positions: int = _property(
+        2048, "transformers-neuronx: the longest prompt plus new tokens it compiles for",
+        see="deployment.md#on-inferentia2")
+    compiled_graph_path: Optional[str] = _property(
+        None, "transformers-neuronx: where compiled graphs are loaded from or written to",
+        shown="`$DJL_CACHE_DIR/djl-stream/neuronx-graphs/<key>`",
+        see="deployment.md#on-inferentia2")
+    context_length_estimate: Optional[tuple[int, ...]] = _property(
+        None, "transformers-neuronx: prompt lengths to compile context graphs for "
+              "(`512` or `256,1024`)", shown="unset")
+    device_id: int = _property(
+        -1, "the GPU djl-serving gives this worker (-1 on a CPU)", listed=False)
+    extra: Mapping[str, str] = _property(
+        {}, "keys djl-stream does not read (djl-serving's own, say)", listed=False)
 
     def __post_init__(self) -> None:
         if self.max_request_input_length is None:
