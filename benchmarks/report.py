@@ -203,7 +203,7 @@ def memory_section(results: Results) -> List[str]:
 
 #: Where the project says what misses each target that is missed (relative to the
 #: repository root, where BENCHMARKS.md is written).
-WHY_MISSED = "docs/PERFORMANCE.md#targets-missed-and-why"
+WHY_MISSED = "docs/performance.md#targets-missed-and-why"
 
 
 def targets_section(checks: Sequence[Check]) -> List[str]:

@@ -114,8 +114,9 @@ def attention_parity_context(model) -> float:
     attention over ``context`` cached columns takes about 4 × ``context`` × the attention
     width (query heads × head size) per layer (scores, then the weighted sum of values).
     SmolLM2-135M (106 M weights outside its embeddings, 30 layers of 576) reaches parity at
-    about 3,070 columns: a prefill chunk read at the end of a 4,000-token prompt costs
-    2.3 times one read at its start, which is what was measured on a CPU (2.5 times).
+    about 3,070 columns: by this count a prefill chunk read at the end of a 4,000-token
+    prompt costs 2.3 times one read at its start (``python -m benchmarks.prefill_gap``
+    shows what a CPU does).
 
     >>> from transformers import LlamaConfig, LlamaForCausalLM
     >>> config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128,

@@ -80,8 +80,8 @@ class TokenChooser:
     (:meth:`note_generated`) so that the processor, once it has nothing left to forbid,
     leaves and a greedy row goes back to the batched argmax. Until then a greedy row with
     no other processor is still chosen in the batch (:attr:`barred_ids`): the processor's
-    own pass over a row costs a dozen vocabulary-wide operations, which at sixteen rows
-    made each decode step of SmolLM2 12 ms (18 %) longer on a 2-core CPU.
+    own pass over a row costs a dozen vocabulary-wide operations, a large part of a small
+    model's step once many rows carry one (``python -m benchmarks.sampling`` shows it).
 
     ``logprobs`` / ``top_logprobs`` (at most :data:`MAX_TOP_LOGPROBS`) ask
     :func:`token_logprobs` for the chosen token's log-probability and that many most
@@ -216,9 +216,9 @@ def largest_at(scores: torch.Tensor) -> torch.Tensor:
     """Where each row of ``scores`` is largest: the first such index where several tie,
     as ``argmax`` (and so ``generate()``'s greedy search) answers.
 
-    Through ``max``, whose indices are the same: on a CPU, ``argmax`` over SmolLM2's
-    49,152 logits took 2.5-3x as long (16 rows, 2 threads: 0.60 ms against 0.24; 64 rows,
-    1 thread: 4.0 ms against 1.4, most of a tiny model's step).
+    Through ``max``, whose indices are the same: on a CPU, ``argmax`` over a large
+    vocabulary takes several times as long, which is most of a tiny model's step
+    (``python -m benchmarks.sampling`` times the greedy rows).
 
     >>> largest_at(torch.tensor([[1.0, 7.0, 7.0], [9.0, 0.0, 9.0]])).tolist()
     [1, 0]
@@ -230,9 +230,9 @@ def draw_from(probs: torch.Tensor, generator: Optional[torch.Generator]) -> int:
     """One token drawn from ``probs`` (``(1, vocab)``, summing to 1): where a uniform
     draw falls on their cumulative sum.
 
-    ``torch.multinomial``, which ``generate()`` calls, took 0.9 ms for SmolLM2's 49,152
-    tokens on a 2-core CPU, with or without replacement, against 0.03 ms for this: 14 ms
-    of every step where 16 rows sample. The
+    ``torch.multinomial``, which ``generate()`` calls, prepares a sampler over the whole
+    vocabulary for every draw; one search of the cumulative sum costs a small part of
+    that, for every sampling row of every step (``python -m benchmarks.sampling``). The
     uniform is kept below the total, so a token of probability 0 (cut by top-k or top-p)
     is never the one drawn.
 
@@ -310,8 +310,8 @@ def _draw_warped(choosers: Sequence[TokenChooser], rows: List[int], logits: torc
                  tokens: List[int], failures: Dict[int, Exception]) -> None:
     """Draw the tokens of ``rows``, sampling rows with the same warping
     (:attr:`TokenChooser.warping`): their warpers run once over the rows stacked (top-p
-    sorts each row of the vocabulary: 33 ms for 16 rows of SmolLM2 on a 2-core CPU, 51
-    one row at a time), then each row draws with its own generator."""
+    sorts each row of the vocabulary, and one sort of the stack costs less than one per
+    row), then each row draws with its own generator."""
     try:
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
         scores = logits.index_select(0, index).float()

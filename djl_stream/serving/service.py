@@ -263,11 +263,10 @@ class StreamingService:
         """Take a request the way a client's is taken, so that the first client does not
         pay for one-time costs: its parse (the protocols, with the OpenAI and TGI modules
         imported and their pydantic models built, the parse context, the chat template
-        compiled by jinja, the longest token's length: SmolLM2's whole vocabulary read in
-        29 ms), then one prefill and decode step (kernel selection, allocator growth), and
-        on a GPU bursts of requests (:meth:`_warm_up_bursts`).
-        Parsed cold, SmolLM2's first request waited about 50 ms longer for its first token
-        than the next ones (2-core CPU). Limits that refuse the request (a tiny
+        compiled by jinja, the longest token's length, which reads the whole vocabulary),
+        then one prefill and decode step (kernel selection, allocator growth), and on a GPU
+        bursts of requests (:meth:`_warm_up_bursts`). Parsed cold, the first request would
+        wait for all of that before its first token. Limits that refuse the request (a tiny
         ``option.max_input_length``, say) leave the first request's parse cold; the steps
         run all the same."""
         try:

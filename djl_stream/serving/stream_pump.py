@@ -6,15 +6,10 @@ A streamed answer is a blocking iterator (djl-serving's contract: ``handle()`` r
 thread to wait on it. Fetching each item with a thread round trip of its own
 (``await anyio.to_thread.run_sync(next, ...)``) costs the event loop a hand-off to a
 worker thread, a future and a wake-up for every token of every stream. With many streams
-that is where the server's time goes: with 64 streams of a tiny model on a 2-core CPU the
-event loop was busy 68 % of the time and the streams' threads 12 %; with the pump, 44 %
-(most of it the sockets' ``send``) and 4 %. Where the model's step costs little (64 rows
-in 1.3 ms, as on a GPU), 64 clients received 1.6-1.75x the tokens/s, at about half the
-inter-token gap (``python -m benchmarks.stream_overhead --vocab 512``;
-docs/PERFORMANCE.md, "Many clients at once"), and on an H100 (SmolLM2's shapes, steps
-replayed from CUDA graphs) 64 clients' inter-token gap went from 12 to 8-9 ms and their
-tokens/s from 1,003-1,144 to 1,402-1,568 (``make bench --device cuda``, two runs a day
-apart on two machines).
+and a fast step (a small model, a GPU) that is where the server's time goes, and the
+clients' tokens/s is the event loop's rather than the model's
+(``python -m benchmarks.stream_overhead --vocab 512`` measures what the server spends
+per streamed token; run it on both sides of a change to this module).
 
 :class:`StreamPump` keeps one thread on the iterator instead: it pulls item after item and
 appends each to a queue the event loop reads, waking the loop only when it is not already
