@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any, Mapping, Optional, Sequence
 
 
@@ -337,11 +338,14 @@ def _generate(args: argparse.Namespace) -> int:
     from djl_stream.serving.worker import READY, ModelWorker, encode_stream_item, output_body
 
     worker = ModelWorker(args.model_dir)
+    print(f"loading {args.model_dir} ...", file=sys.stderr, flush=True)
+    started = time.perf_counter()
     if worker.load() != READY:
         # The console is the operator's: the whole error, not the short one clients get.
         print(f"djl-stream: model {worker.model_name} failed to load: {worker.failure_reason}",
               file=sys.stderr)
         return 1
+    print(f"loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     body = json.dumps(generation_request(args)).encode("utf-8")
     inp = worker.make_input(body, {"content-type": "application/json"})
     # djl's format even for --chat: a messages body alone would select OpenAI's chat
@@ -422,6 +426,24 @@ def _check(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+class PackingProgress:
+    """``packing model.tar.gz: 40% (216 of 540 MB)`` on standard error at every tenth of
+    the bytes, since compressing weights takes minutes."""
+
+    def __init__(self, output: str, stream=None) -> None:
+        self.output = output
+        self.stream = stream or sys.stderr
+        self.shown = -1
+
+    def __call__(self, packed: int, total: int) -> None:
+        tenth = 10 * packed // total if total else 10
+        if tenth == self.shown:
+            return
+        self.shown = tenth
+        print(f"packing {self.output}: {10 * tenth}% ({packed / 1e6:.0f} of "
+              f"{total / 1e6:.0f} MB)", file=self.stream, flush=True)
+
+
 def _package(args: argparse.Namespace) -> int:
     from djl_stream.shipping.check import check_model_dir, format_report
     from djl_stream.shipping.sagemaker import write_package
@@ -433,7 +455,8 @@ def _package(args: argparse.Namespace) -> int:
             print("djl-stream: not packaging a model directory that fails its checks "
                   "(--skip-check to force)", file=sys.stderr)
             return 1
-    plan = write_package(args.model_dir, args.output, vendor=not args.no_vendor)
+    plan = write_package(args.model_dir, args.output, vendor=not args.no_vendor,
+                         progress=PackingProgress(args.output))
     print(f"wrote {args.output}: {len(plan.files)} files at the archive root")
     if plan.vendored:
         print("with djl_stream beside model.py: it runs on djl-serving's stock LMI and Neuron "

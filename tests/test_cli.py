@@ -134,6 +134,9 @@ def test_generate_prints_tokens_as_they_arrive(model_dir: Path) -> None:
         arrivals.append((time.monotonic(), chunk))
     assert process.wait(30) == 0, process.stderr.read()
     output = b"".join(chunk for _, chunk in arrivals).decode()
+    # what it is doing goes to standard error, never into the answer
+    progress = process.stderr.read().decode()
+    assert f"loading {model_dir} ..." in progress and "loaded in " in progress
     words, _, tail = output.partition("{")
     assert words == "one two three "
     assert json.loads("{" + tail) == {"parameters": {"max_new_tokens": 5, "temperature": 0.5,
@@ -159,7 +162,8 @@ def test_generate_reports_an_error_answer(model_dir: Path, capsys: pytest.Captur
     assert cli.main(["generate", str(model_dir), "fail"]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert json.loads(captured.err) == {"code": 400, "message": "invoke handler failure",
+    error = captured.err.split("\n", 2)[2]  # (after "loading ..." and "loaded in ...")
+    assert json.loads(error) == {"code": 400, "message": "invoke handler failure",
                                         "error": "prompt must not be 'fail'"}
 
 

@@ -70,6 +70,7 @@ def test_the_compiled_step_takes_over_and_computes_the_model_s_logits(name, prog
     model, settings = tiny(name)
     reference, _ = tiny(name)  # the same weights, never adopted
     runner = load_runner(model, settings)
+    estimate = decode_program.last_compile_seconds(programs)
     with caplog.at_level(logging.INFO, logger="djl_stream.runtime"):
         builder = runner.compile_decode_step(root=programs)
         before, compiled_before = decode_and_compare(runner, reference, [[3, 4, 5]], 2)
@@ -79,6 +80,12 @@ def test_the_compiled_step_takes_over_and_computes_the_model_s_logits(name, prog
     assert compiled, caplog.text
     assert worst < 1e-4 and before < 1e-4
     assert "decode steps now run the compiled program" in caplog.text
+    # the load log follows the compiling process's stages, with the last compile's time as
+    # the estimate where there was one
+    assert "compiling process: exported the decode step" in caplog.text
+    assert "compiling process: compiled the decode step" in caplog.text
+    assert ("the last compile here took" in caplog.text) == (estimate is not None)
+    assert decode_program.last_compile_seconds(programs) > 0
 
 
 def test_an_int8_weight_only_model_s_compiled_step_computes_its_logits(programs, caplog):

@@ -339,6 +339,29 @@ def test_the_archive_holds_the_files_at_its_root(tmp_path: Path) -> None:
         assert tar.extractfile("model.py").read() == b"def handle(inputs):\n    return None\n"
 
 
+def test_packing_reports_its_bytes_as_they_go_in_and_the_cli_says_it_in_tenths(
+        tmp_path: Path) -> None:
+    import io
+
+    from djl_stream.cli import PackingProgress
+
+    directory = make_model_dir(tmp_path)
+    (directory / "model.safetensors").write_bytes(bytes(300_000))
+    reports: list[tuple[int, int]] = []
+    plan = write_package(directory, tmp_path / "model.tar.gz", vendor=False,
+                         progress=lambda packed, total: reports.append((packed, total)))
+    total = sum(Path(path).stat().st_size for path, _ in plan.files)
+    assert reports[-1] == (total, total)
+    assert [packed for packed, _ in reports] == sorted(packed for packed, _ in reports)
+    shown = io.StringIO()
+    progress = PackingProgress("model.tar.gz", shown)
+    for packed, total in reports:
+        progress(packed, total)
+    lines = shown.getvalue().splitlines()
+    assert lines[-1] == f"packing model.tar.gz: 100% ({total / 1e6:.0f} of {total / 1e6:.0f} MB)"
+    assert len(lines) == len(set(lines)) <= 11
+
+
 def test_djl_stream_ships_beside_model_py_as_the_stock_images_need_it(tmp_path: Path) -> None:
     import djl_stream
 

@@ -244,6 +244,7 @@ def export_and_compile(model: torch.nn.Module, geometry: CacheGeometry, target: 
     with torch.inference_mode():
         exported = torch.export.export(step, inputs, dynamic_shapes=shapes, strict=False)
     logger.info("exported the decode step in %.1f s", time.perf_counter() - started)
+    logger.info("compiling it to C++ (most of the time)")
     started = time.perf_counter()
     path = torch._inductor.aoti_compile_and_package(
         exported, package_path=str(target),
@@ -325,11 +326,14 @@ class ProgramBuilder:
                 logger.info("the decode step another process compiled is ready")
                 return
             started = time.perf_counter()
-            logger.info("compiling the decode step in the background (a process of its own); "
-                        "serving with the eager forward meanwhile")
+            estimate = last_compile_seconds(self.folder.parent)
+            logger.info("compiling the decode step in the background (a process of its own%s); "
+                        "serving with the eager forward meanwhile",
+                        f"; the last compile here took {estimate:.0f} s" if estimate else "")
             self._run_compiler()
-            logger.info("compiled the decode step in %.0f s into %s",
-                        time.perf_counter() - started, self.folder)
+            seconds = time.perf_counter() - started
+            logger.info("compiled the decode step in %.0f s into %s", seconds, self.folder)
+            _record_compile_seconds(self.folder.parent, seconds)
 
     def _run_compiler(self) -> None:
         self.folder.parent.mkdir(parents=True, exist_ok=True)
@@ -352,13 +356,41 @@ class ProgramBuilder:
                 [sys.executable, "-m", "djl_stream.runtime.decode_program", str(work_dir)],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
-            output, _ = self._process.communicate()
-            status = self._process.returncode
+            output = []
+            for line in self._process.stdout:  # (its stages are the load log's progress)
+                output.append(line.rstrip())
+                if line.startswith(STAGE_LINES):
+                    logger.info("compiling process: %s", line.strip())
+            status = self._process.wait()
             if status != 0 or not (work_dir / "program.pt2").is_file():
-                tail = "\n".join(output.strip().splitlines()[-5:])
+                tail = "\n".join(output[-5:])
                 raise RuntimeError(f"the compiling process ended with status {status}: {tail}")
             self.folder.mkdir(parents=True, exist_ok=True)
             os.replace(work_dir / "program.pt2", self.path)
+
+
+#: The compiling process's lines that say how far it got (the rest go to its error tail).
+STAGE_LINES = ("exported the decode step", "compiling it to C++", "compiled the decode step")
+#: Where the cache keeps how long its last compile took: the estimate a start logs.
+LAST_COMPILE = "last-compile.json"
+
+
+def last_compile_seconds(root: Path) -> Optional[float]:
+    """How long the last compile into ``root`` took, or ``None`` where none is recorded.
+
+    >>> last_compile_seconds(Path("/nowhere"))
+    """
+    try:
+        return float(json.loads((root / LAST_COMPILE).read_text())["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _record_compile_seconds(root: Path, seconds: float) -> None:
+    try:
+        (root / LAST_COMPILE).write_text(json.dumps({"seconds": round(seconds, 1)}))
+    except OSError:  # (a read-only cache still serves its programs)
+        pass
 
 
 #: Builders at work: their compiling processes end with this one (:func:`_stop_builders`).

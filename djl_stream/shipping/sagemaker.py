@@ -32,7 +32,7 @@ import dataclasses
 import re
 import tarfile
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, BinaryIO, Callable, Mapping, Optional
 
 from djl_stream.serving.properties import ModelProperties, PropertyError, djl_init_properties
 
@@ -155,11 +155,13 @@ def _normalised(info: tarfile.TarInfo) -> tarfile.TarInfo:
 
 def write_package(model_dir: str | Path, output: str | Path = "model.tar.gz", *,
                   environ: Optional[Mapping[str, str]] = None,
-                  compresslevel: int = 6, vendor: bool = True) -> PackagePlan:
+                  compresslevel: int = 6, vendor: bool = True,
+                  progress: Optional[Callable[[int, int], None]] = None) -> PackagePlan:
     """Write ``output`` (a gzipped tar) with ``model_dir``'s files at the archive root.
 
     Symbolic links are followed (weights linked from a hub cache are shipped as files).
-    Returns the :class:`PackagePlan` that was written.
+    ``progress(bytes_packed, bytes_in_all)`` is called as the files' bytes go in (weights
+    take minutes to compress). Returns the :class:`PackagePlan` that was written.
 
     >>> plan = write_package("model/", "model.tar.gz")  # doctest: +SKIP
     >>> "model.py" in plan.names and not any(n.startswith("model/") for n in plan.names)  # doctest: +SKIP
@@ -170,11 +172,37 @@ def write_package(model_dir: str | Path, output: str | Path = "model.tar.gz", *,
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(output.name + ".partial")
     # compresslevel 6: weights barely compress, and level 9 costs minutes on a large model.
+    total = sum(Path(path).stat().st_size for path, _ in plan.files if Path(path).is_file())
+    packed = 0
+
+    def count(size: int) -> None:
+        nonlocal packed
+        packed += size
+        if progress is not None:
+            progress(packed, total)
+
     with tarfile.open(partial, "w:gz", compresslevel=compresslevel, dereference=True) as tar:
         for path, name in plan.files:
-            tar.add(path, arcname=name, recursive=False, filter=_normalised)
+            info = _normalised(tar.gettarinfo(path, arcname=name))
+            if not info.isfile():
+                tar.addfile(info)
+                continue
+            with open(path, "rb") as data:
+                tar.addfile(info, _CountingReader(data, count))
     partial.replace(output)  # never leave a truncated archive under the final name
     return plan
+
+
+class _CountingReader:
+    """A file whose reads are counted (what :func:`write_package`'s progress reports)."""
+
+    def __init__(self, data: BinaryIO, count: Callable[[int], None]) -> None:
+        self._data, self._count = data, count
+
+    def read(self, size: int = -1) -> bytes:
+        chunk = self._data.read(size)
+        self._count(len(chunk))
+        return chunk
 
 
 # -- AWS --
