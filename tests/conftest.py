@@ -73,6 +73,14 @@ def _programs_compile_into_the_session_s_cache(tmp_path_factory):
         yield
 
 
+@pytest.fixture(scope="module")
+def programs():
+    """The session's cache of compiled decode programs (``DJL_STREAM_CACHE_DIR``)."""
+    from djl_stream.runtime import decode_program
+
+    return decode_program.cache_root()
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests of the runtime's fast path (marked ``fast_path``) are skipped under a
     transformers without the attention interface it plugs into (the Neuron image's 4.45):

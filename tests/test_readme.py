@@ -84,7 +84,7 @@ def console_sessions(body: str) -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def server(embedded_model_dir):
-    served = ServerProcess(embedded_model_dir, env={"OPTION_COMPILE": "false"})
+    served = ServerProcess(embedded_model_dir)  # (with the eager step: see ServerProcess)
     try:
         yield served.wait_ready(timeout=300)
     finally:
@@ -92,9 +92,11 @@ def server(embedded_model_dir):
 
 
 def environment(server) -> dict:
-    """The user's shell after ``make serve``: the venv's commands first on the path."""
+    """The user's shell after ``make serve``: the venv's commands first on the path (and,
+    as for the server, the eager step: ``djl-stream generate`` would start a compile)."""
     bin_dir = str(Path(sys.executable).parent)
-    return {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    return {**os.environ, "OPTION_COMPILE": "false",
+            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
 
 
 def at(server, text: str) -> str:
