@@ -7,7 +7,9 @@ width, vocabulary) in another architecture's transformers class, with random wei
 Llama (the embedded model's own architecture), Qwen2 (attention biases) and Mistral (a
 sliding window of half the context). Each is served as ``make serve`` serves it (its
 decode step compiled, waited for), and measured over HTTP: one stream's inter-token
-latency (``--new-tokens`` greedy tokens) and 16 clients' aggregate tokens per second. The
+latency (``--new-tokens`` greedy tokens) and 16 clients' aggregate tokens per second, the
+servers taking turns (the others paused) so that the machine's drift over the run hits
+every architecture alike. The
 table holds each architecture's figures as a share of Llama's, and is written into
 BENCHMARKS.md's architectures section (``make bench`` keeps it).
 
@@ -19,17 +21,18 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import shutil
 import statistics
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import http_load
 from .machine import describe
-from .measure import all_inter_token
+from .measure import Paused, all_inter_token
 from .random_weights import MARKER
 from .sections import write_section
 from .settings import PROMPTS
@@ -69,24 +72,36 @@ def shaped_model(source: Path, target: Path, name: str, seed: int = 0) -> Path:
     return target
 
 
-def measure(model_dir: Path, workdir: Path, name: str, new_tokens: int, clients: int,
-            repetitions: int) -> Dict[str, float]:
-    """One server for ``model_dir``: its single-stream ITL (median, seconds) and its
-    aggregate tokens/s at ``clients`` clients (median over ``repetitions``)."""
+def measure_in_turns(servers: Dict[str, "http_load.ServerProcess"], new_tokens: int,
+                     clients: int, repetitions: int) -> Dict[str, Dict[str, float]]:
+    """Each server's single-stream ITL (median, seconds) and aggregate tokens/s at
+    ``clients`` clients (median over ``repetitions``), the servers taking turns within each
+    repetition, the others paused: a machine that slows down or speeds up over the run
+    does so for every architecture alike."""
+    itl: Dict[str, List[float]] = {name: [] for name in servers}
+    aggregate: Dict[str, List[float]] = {name: [] for name in servers}
+    for _ in range(repetitions):
+        for name, server in servers.items():
+            others = [other for other_name, other in servers.items() if other_name != name]
+            with Paused(others):
+                one = http_load.stream_once(server.url, _fixed(PROMPTS[0], new_tokens))
+                itl[name].append(statistics.median(all_inter_token([one])))
+                many = http_load.run_concurrent(server.url, [
+                    _fixed(PROMPTS[i % len(PROMPTS)], 32) for i in range(clients)])
+                aggregate[name].append(many.aggregate_tokens_per_s)
+    return {name: {"itl": statistics.median(itl[name]),
+                   "aggregate": statistics.median(aggregate[name])} for name in servers}
+
+
+def start_compiled(model_dir: Path, workdir: Path, name: str,
+                   stack: contextlib.ExitStack) -> Tuple["http_load.ServerProcess", bool]:
+    """``model_dir``'s server, ready and (where it compiles) serving with its compiled
+    step; whether it is."""
     server = http_load.ServerProcess(model_dir, name=name, workdir=workdir)
-    with server:  # (started and ready)
-        body = http_load.request_body(PROMPTS[0], 4)
-        http_load.stream_once(server.url, body)
-        step = server.wait_compiled(body)
-        itl, aggregate = [], []
-        for _ in range(repetitions):
-            one = http_load.stream_once(server.url, _fixed(PROMPTS[0], new_tokens))
-            itl.append(statistics.median(all_inter_token([one])))
-            many = http_load.run_concurrent(server.url, [_fixed(PROMPTS[i % len(PROMPTS)], 32)
-                                                         for i in range(clients)])
-            aggregate.append(many.aggregate_tokens_per_s)
-    return {"itl": statistics.median(itl), "aggregate": statistics.median(aggregate),
-            "compiled": step == "compiled"}
+    stack.enter_context(server)  # (started and ready)
+    body = http_load.request_body(PROMPTS[0], 4)
+    http_load.stream_once(server.url, body)
+    return server, server.wait_compiled(body) == "compiled"
 
 
 def _fixed(prompt: str, tokens: int) -> dict:
@@ -109,11 +124,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     results: Dict[str, Dict[str, float]] = {}
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    with tempfile.TemporaryDirectory(prefix="djl-stream-architectures-") as work:
-        for name in ARCHITECTURES:
+    with tempfile.TemporaryDirectory(prefix="djl-stream-architectures-") as work, \
+            contextlib.ExitStack() as stack:
+        servers, compiled = {}, {}
+        for name in ARCHITECTURES:  # (one after another: each compiles alone)
             directory = shaped_model(Path(args.model_dir), Path(work) / name, name)
-            results[name] = measure(directory, Path(work), name, args.new_tokens, args.clients,
-                                    args.repetitions)
+            with Paused(list(servers.values())):
+                servers[name], compiled[name] = start_compiled(directory, Path(work), name,
+                                                               stack)
+        results = measure_in_turns(servers, args.new_tokens, args.clients, args.repetitions)
+        for name in results:
+            results[name]["compiled"] = compiled[name]
             print(f"{name}: {results[name]}", flush=True)
     base = results["Llama"]
     lines = ["| architecture | decode step | one stream ITL p50 | × Llama's | "
@@ -137,7 +158,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"Measured on {started} with `{command}`, on {machine.get('cpu')}: the embedded "
         "model's shapes in Llama's, Qwen2's (attention biases) and Mistral's (a sliding "
         "window of half the context) transformers classes, random float32 weights, each "
-        "served by `djl-stream serve` with its decode step compiled.", "",
+        "served by `djl-stream serve` with its decode step compiled, the three servers "
+        "taking turns within each repetition, the others paused.", "",
         *checks, "", *lines, ""]))
     print("\n".join(checks + [""] + lines))
     return 0

@@ -20,6 +20,7 @@ import dataclasses
 import math
 import os
 import statistics
+import signal
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence
 
@@ -180,3 +181,39 @@ def process_cpu_seconds(pid: Optional[int] = None) -> Optional[float]:
 def all_inter_token(timings: Sequence[StreamTiming]) -> List[float]:
     """Every inter-token gap of every stream in ``timings``, pooled."""
     return [gap for timing in timings for gap in timing.inter_token]
+
+
+class Paused:
+    """The process trees of ``servers`` stopped (SIGSTOP) while the block runs and
+    resumed (SIGCONT) after it, even when it raises.
+
+    A server that is up but idle is not silent: Ray's GCS, raylet and dashboard, and a
+    continuous-batching loop that polls its queue, take CPU time on a 2-core machine, and
+    a decode step that runs on both cores waits for the slower of its two threads. A
+    stopped process keeps its memory and sockets and takes no CPU; the whole tree is
+    stopped and resumed together, so that no part of a server sees another part missing.
+    """
+
+    def __init__(self, servers: Sequence[object]) -> None:
+        self.servers = list(servers)
+        self.stopped: List[int] = []
+
+    def _signal(self, pids: Sequence[int], signum: int) -> List[int]:
+        done = []
+        for pid in pids:
+            try:
+                os.kill(pid, signum)
+                done.append(pid)
+            except ProcessLookupError:
+                pass
+        return done
+
+    def __enter__(self) -> "Paused":
+        pids = [pid for server in self.servers for pid in process_tree(server.pid)]
+        self.stopped = self._signal(pids, signal.SIGSTOP)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        # children first, then parents: a parent resumed first could see a stopped child
+        self._signal(list(reversed(self.stopped)), signal.SIGCONT)
+        self.stopped = []

@@ -33,7 +33,6 @@ import datetime
 import gc
 import math
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -48,7 +47,7 @@ from ..measure import ProcessMemory, cpu_load, process_cpu_seconds, system_busy_
 from ..report import WHY_MISSED
 from ..results import ratio
 from ..sections import write_section
-from ..measure import process_tree
+from ..measure import Paused, process_tree
 from ..settings import PROMPTS
 from ..targets import missed_by
 from .environments import ENVIRONMENTS
@@ -127,42 +126,6 @@ class Turn:
         self.others = 0.0
         if None not in (busy, own, self.busy, self.own):
             self.others = max((busy - self.busy) - (own - self.own) - (served - self.served), 0.0)
-
-
-class Paused:
-    """The process trees of ``servers`` stopped (SIGSTOP) while the block runs and
-    resumed (SIGCONT) after it, even when it raises.
-
-    A server that is up but idle is not silent: Ray's GCS, raylet and dashboard, and a
-    continuous-batching loop that polls its queue, take CPU time on a 2-core machine, and
-    a decode step that runs on both cores waits for the slower of its two threads. A
-    stopped process keeps its memory and sockets and takes no CPU; the whole tree is
-    stopped and resumed together, so that no part of a server sees another part missing.
-    """
-
-    def __init__(self, servers: Sequence[object]) -> None:
-        self.servers = list(servers)
-        self.stopped: List[int] = []
-
-    def _signal(self, pids: Sequence[int], signum: int) -> List[int]:
-        done = []
-        for pid in pids:
-            try:
-                os.kill(pid, signum)
-                done.append(pid)
-            except ProcessLookupError:
-                pass
-        return done
-
-    def __enter__(self) -> "Paused":
-        pids = [pid for server in self.servers for pid in process_tree(server.pid)]
-        self.stopped = self._signal(pids, signal.SIGSTOP)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        # children first, then parents: a parent resumed first could see a stopped child
-        self._signal(list(reversed(self.stopped)), signal.SIGCONT)
-        self.stopped = []
 
 
 def start_servers(peers: Sequence[Peer], files: Dict[str, Path], args, workdir: Path,
