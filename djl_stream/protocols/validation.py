@@ -231,7 +231,8 @@ def check_input_length(field: str, n_tokens: int, limit: int) -> None:
 def check_input_characters(field: str, n_chars: int, max_input_length: int,
                            chars_per_token: int) -> None:
     """Refuse a prompt too long in characters to fit ``option.max_input_length`` tokens,
-    before paying for its tokenization (tokenizing a prompt of tens of megabytes takes a minute and gigabytes of memory).
+    before paying for its tokenization (a prompt of tens of megabytes takes a minute and
+    gigabytes of memory to tokenize).
 
     ``chars_per_token`` is the most characters one token can stand for
     (:func:`djl_stream.serving.service.most_characters_per_token`), so a prompt of more than
