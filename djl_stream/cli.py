@@ -186,6 +186,7 @@ SERVE_ROUTES = """routes:
   POST /generate                  TGI's generate
   POST /generate_stream           TGI's server-sent events
   POST /                          TGI's compatibility route (huggingface_hub's InferenceClient)
+  WS   /ws/chat                   a conversation over a WebSocket, the answer streamed
 """
 
 #: Loggers of libraries whose warnings at import mean nothing to a user of these commands:

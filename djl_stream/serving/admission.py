@@ -89,11 +89,12 @@ class Admission:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
-    def admit(self) -> Optional[Cancellation]:
-        """A new request's cancellation, or None once the server is shutting down."""
+    def admit(self, cancellation: Optional[Cancellation] = None) -> Optional[Cancellation]:
+        """A new request's cancellation (``cancellation``, where its caller made it), or
+        None once the server is shutting down."""
         if not self._open:
             return None
-        cancellation = Cancellation()
+        cancellation = cancellation or Cancellation()
         self._in_flight.add(cancellation)
         return cancellation
 

@@ -53,12 +53,13 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Match, Route
+from starlette.routing import Match, Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from djl_stream.protocols.protocol import PROTOCOL_PROPERTY
 from djl_stream.serving.admission import DEFAULT_SHUTDOWN_GRACE, SHUTTING_DOWN, Admission
 from djl_stream.serving.cancellation import Cancellation, attach_cancellation
+from djl_stream.serving.chat_socket import ChatSocket
 from djl_stream.serving.http_errors import error_response
 from djl_stream.serving.http_limits import HttpLimits, RequestConcurrency, RequestLimits
 from djl_stream.serving.metrics import PrometheusMetrics, record_request, server_metrics
@@ -421,6 +422,7 @@ class ModelServer:
             Route("/models", self.models, methods=["GET"]),
             Route("/metrics", self.prometheus_metrics, methods=["GET"]),
             Route("/v1/models", self.openai_models, methods=["GET"]),
+            WebSocketRoute("/ws/chat", ChatSocket(self).serve),
             # Other clients' protocols, answered by the same handle(): the route names the
             # protocol to the handler (PROTOCOL_PROPERTY), as the body's shape would.
             *(Route(path, self._protocol_route(name), methods=["POST"])
