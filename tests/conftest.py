@@ -82,10 +82,16 @@ def programs():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests of the runtime's fast path (marked ``fast_path``) are skipped under a
+    """Tests that compile decode programs (marked ``compiles``) come first: ``make test``
+    hands files to its processes in this order, one file each at first, so the compiles
+    start side by side instead of trailing the rest of the suite on one process.
+
+    Tests of the runtime's fast path (marked ``fast_path``) are skipped under a
     transformers without the attention interface it plugs into (the Neuron image's 4.45):
     models run their own forward there, which the rest of the suite covers."""
     from djl_stream.runtime.attention import interface_available
+
+    items.sort(key=lambda item: "compiles" not in item.keywords)  # (stable: file order kept)
 
     missing = interface_available()
     if missing:

@@ -13,6 +13,8 @@ from compiled_steps import SETTINGS, check_the_compiled_step_takes_over, decode_
 from djl_stream.runtime.int8 import quantize_weights_only
 from djl_stream.runtime.runner import load_runner
 
+pytestmark = pytest.mark.compiles
+
 
 @pytest.mark.parametrize("name", ["gemma2", "gpt2", "mixtral"])
 def test_the_compiled_step_takes_over_and_computes_the_model_s_logits(name, programs, caplog):

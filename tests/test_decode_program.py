@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 import torch
 
 from architectures import build
@@ -14,6 +16,8 @@ from djl_stream.runtime import decode_program
 from djl_stream.runtime.decode_program import CacheGeometry, ProgramBuilder, program_key
 from djl_stream.runtime.file_lock import exclusive_lock
 from djl_stream.runtime.runner import load_runner
+
+pytestmark = pytest.mark.compiles
 
 
 def test_the_compiled_step_takes_over_and_computes_the_model_s_logits(programs, caplog):
