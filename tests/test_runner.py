@@ -103,3 +103,35 @@ def test_a_model_whose_logits_differ_through_the_cache_runs_its_forward(monkeypa
     assert runner.path == "forward"
     assert "differ" in runner.reason
     assert not model.config._attn_implementation.startswith("djl_stream:")
+
+
+def test_a_runner_loaded_beside_a_running_one_leaves_its_passes_exact():
+    # djl's one-call adapter loads a runner per call, so under djl-serving's async worker a
+    # new call's probe (which runs the model through its own attention) can meet another
+    # call's passes on the same model object
+    import threading
+
+    model = build("llama", dtype=torch.float32)
+    runner = load_runner(model, RunnerSettings(max_rows=2, max_positions=256))
+    stop = threading.Event()
+
+    def load_runners():
+        while not stop.is_set():
+            load_runner(model, RunnerSettings(max_rows=2, max_positions=256))
+
+    loader = threading.Thread(target=load_runners)
+    loader.start()
+    try:
+        handle = runner.reserve()
+        tokens = [3, 4, 5, 6]
+        worst = 0.0
+        runner.run([Feed(handle, tokens)])
+        for step in range(60):
+            token = 7 + step % 50
+            logits = runner.run([Feed(handle, [token])])[0]
+            tokens.append(token)
+            worst = max(worst, float((logits - logits_alone(model, tokens)).abs().max()))
+    finally:
+        stop.set()
+        loader.join()
+    assert worst < 1e-4

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
@@ -296,6 +297,12 @@ class AttentionRunner(ModelRunner):
         return logits if logits is not None else self._run_eager(feeds)
 
     def _run_eager(self, feeds: Sequence[Feed]) -> torch.Tensor:
+        # (the model's forward reads the attention implementation its config names; the
+        # compiled program holds its own, and needs no guard)
+        with ATTENTION_SWITCH.passing():
+            return self._forward_feeds(feeds)
+
+    def _forward_feeds(self, feeds: Sequence[Feed]) -> torch.Tensor:
         cache = self.cache
         singles = [f for f in feeds if len(f.tokens) == 1]
         block: List[Feed] = []
@@ -416,22 +423,76 @@ class ForwardRunner(ModelRunner):
         return torch.stack(results) if results else torch.empty(0)
 
 
+class AttentionSwitch:
+    """Passes share it; switching a model's attention implementation takes it alone.
+
+    A runner's passes read the attention implementation that the model's config names,
+    and loading a runner switches it (its probe runs the model through its own attention
+    first). djl's one-call adapter loads a runner per call, so under djl-serving's async
+    worker a new call's load can meet another call's passes on the same model: they must
+    not overlap. The thread that switches may run passes of its own meanwhile (the probe's).
+
+    >>> switch = AttentionSwitch()
+    >>> with switch.switching(), switch.passing():
+    ...     "the probe's own pass"
+    "the probe's own pass"
+    """
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._passes = 0
+        self._switcher: Optional[int] = None
+
+    @contextlib.contextmanager
+    def passing(self) -> Iterator[None]:
+        with self._condition:
+            me = threading.get_ident()
+            self._condition.wait_for(lambda: self._switcher in (None, me))
+            self._passes += 1
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._passes -= 1
+                self._condition.notify_all()
+
+    @contextlib.contextmanager
+    def switching(self) -> Iterator[None]:
+        with self._condition:
+            self._condition.wait_for(lambda: self._switcher is None)
+            self._switcher = threading.get_ident()
+            self._condition.wait_for(lambda: self._passes == 0)
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._switcher = None
+                self._condition.notify_all()
+
+
+#: One for the process: a switch is rare (a runner's load) and a pass takes it shared.
+ATTENTION_SWITCH = AttentionSwitch()
+
+
 def load_runner(model, settings: RunnerSettings = RunnerSettings()) -> ModelRunner:
     """The fast path for ``model`` where it computes the model's own logits (checked on a
     probe), the model's forward otherwise; the choice and its reason are logged once."""
     reason = _why_not_the_fast_path(model)
     runner: Optional[ModelRunner] = None
-    if reason is None:
-        try:
-            runner, reason = _probed_attention_runner(model, settings)
-        except Exception as error:  # noqa: BLE001 - any failure means: not this path
-            reason = f"its forward failed on djl-stream's KV cache ({type(error).__name__}: {error})"
-            runner = None
+    with ATTENTION_SWITCH.switching():
+        if reason is None:
+            try:
+                runner, reason = _probed_attention_runner(model, settings)
+            except Exception as error:  # noqa: BLE001 - any failure means: not this path
+                reason = (f"its forward failed on djl-stream's KV cache "
+                          f"({type(error).__name__}: {error})")
+                runner = None
+        if runner is None:
+            attention.restore_attention(model)
     if runner is not None:
         logger.info("%s runs on djl-stream's KV cache (one forward pass for every batch, "
                     "through transformers' attention interface)", type(model).__name__)
         return runner
-    attention.restore_attention(model)
     logger.info("%s runs its own forward for each sequence, unbatched: %s",
                 type(model).__name__, reason)
     return ForwardRunner(model, reason)
