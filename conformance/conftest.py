@@ -95,7 +95,6 @@ option.max_new_tokens_limit=256
 option.max_input_length=64
 option.apply_chat_template=false
 option.stream_engine=FailsOnCue
-option.compile=false
 """
 
 
