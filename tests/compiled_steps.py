@@ -75,4 +75,4 @@ def check_the_compiled_step_takes_over(name, programs, caplog):
     assert "compiling process: exported the decode step" in caplog.text
     assert "compiling process: compiled the decode step" in caplog.text
     assert ("the last compile here took" in caplog.text) == (estimate is not None)
-    assert decode_program.last_compile_seconds(programs) > 0
+    assert decode_program.last_compile_seconds(programs) is not None  # (recorded for the next)
