@@ -194,3 +194,41 @@ def test_the_oldest_turns_are_dropped_when_the_history_outgrows_the_limit(server
     assert all(end["type"] == "end" for end in ends), ends
     assert ends[0]["dropped_turns"] == 0 and max(e["dropped_turns"] for e in ends) >= 1
     assert all(end["prompt_tokens"] <= 64 for end in ends)
+
+
+FAILING_ENGINE = """
+
+from djl_stream import register_engine
+
+
+@register_engine("Fails-after-two")
+def fails_after_two(model, tokenizer, inputs, **parameters):
+    if "at once" in inputs[0]:
+        raise RuntimeError("cannot prefill")
+    yield ["a" for _ in inputs]
+    yield ["b" for _ in inputs]
+    raise RuntimeError("device lost")
+"""
+
+
+def test_a_generation_that_fails_is_an_error_message_and_the_socket_goes_on(tmp_path,
+                                                                           tiny_model_dir):
+    import shutil
+
+    directory = tmp_path / "failing"
+    shutil.copytree(tiny_model_dir, directory)
+    with open(directory / "model.py", "a") as f:
+        f.write(FAILING_ENGINE)
+    with open(directory / "serving.properties", "a") as f:
+        f.write("option.stream_engine=Fails-after-two\n")
+    server = ServerProcess(directory).wait_ready(timeout=120)
+    try:
+        with connect(socket_url(server)) as socket:
+            midway, failed = chat(socket, "Hello")
+            at_once, refused = chat(socket, "fail at once")
+    finally:
+        server.stop()
+    assert (midway, failed["type"], failed["code"]) == ("ab", "error", 500), failed
+    assert "device lost" in failed["message"]
+    assert (at_once, refused["type"], refused["code"]) == ("", "error", 424), refused
+    assert "cannot prefill" in refused["message"]

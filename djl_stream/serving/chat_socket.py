@@ -37,11 +37,12 @@ import logging
 from typing import Any, List, Optional, Tuple
 
 import anyio
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from djl_stream.protocols.protocol import PROTOCOL_PROPERTY
 from djl_stream.serving.cancellation import Cancellation, attach_cancellation
-from djl_stream.serving.worker import READY, encode_stream_item, output_body
+from djl_stream.serving.stream_pump import PumpFailure, StreamPump
+from djl_stream.serving.worker import READY, next_stream_chunk, output_body
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +182,10 @@ class ChatSocket:
         except TurnError as error:
             conversation.turns.pop()  # (the turn never ran: it is not part of the history)
             await websocket.send_json(error.as_message())
-        except (WebSocketDisconnect, RuntimeError) as error:  # (the socket closed under us)
+        except (WebSocketDisconnect, RuntimeError) as error:
+            if websocket.application_state == WebSocketState.CONNECTED and not isinstance(
+                    error, WebSocketDisconnect):
+                raise  # (not the socket closing under the turn: a fault to report)
             logger.debug("chat socket closed during a turn: %s", error)
         finally:
             text = "".join(answer)
@@ -210,28 +214,29 @@ class ChatSocket:
             raise error
         end = {"type": "end", "finish_reason": None, "prompt_tokens": None,
                "generated_tokens": None, "dropped_turns": dropped}
-        iterator = output.stream_content
+        # One thread pulls the stream for the turn's life, as for an HTTP stream; stopped
+        # and waited for before close(), which must never run beside a next().
+        pump = StreamPump(lambda: next_stream_chunk(output))
+        failure: Optional[Exception] = None
         try:
-            while True:
-                item = await anyio.to_thread.run_sync(next, iterator, None,
-                                                      limiter=server.limiter)
-                if item is None:
-                    break
-                for line in encode_stream_item(output, item).decode("utf-8").splitlines():
-                    record = json.loads(line) if line.strip() else {}
-                    if record.get("tokens"):
-                        text = "".join(token["text"] for token in record["tokens"] if token)
-                        answer.append(text)
-                        await websocket.send_json({"type": "token", "text": text})
-                    elif record.get("details"):
-                        details = record["details"][0]
-                        end.update(finish_reason=details.get("finish_reason"),
-                                   prompt_tokens=details.get("prompt_tokens"),
-                                   generated_tokens=details.get("generated_tokens"))
-                    elif "error" in record:
-                        raise TurnError(500, str(record["error"]))
+            async with anyio.create_task_group() as pumping:
+                pumping.start_soon(pump.run, server.limiter)
+                try:
+                    done = None
+                    while done is None:
+                        chunks, done = await pump.take()
+                        for chunk in chunks:
+                            await _forward(websocket, chunk, answer, end)
+                    if isinstance(done, PumpFailure):
+                        raise TurnError(500, str(done.error))
+                except Exception as error:  # (raised below as itself, not in a task group's)
+                    failure = error
+                finally:
+                    pump.stop()
+            if failure is not None:
+                raise failure
         finally:
-            close = getattr(iterator, "close", None)
+            close = getattr(output.stream_content, "close", None)
             if close is not None:
                 await anyio.to_thread.run_sync(close, limiter=server.limiter)
             server.admission.release(cancellation)
@@ -256,14 +261,30 @@ class ChatSocket:
         return output
 
 
+async def _forward(websocket: WebSocket, chunk: bytes, answer: List[str], end: dict) -> None:
+    """Send the text of one decode step's record (djl's per-token details) to the client,
+    or keep what its last record says for ``end``."""
+    for line in chunk.decode("utf-8").splitlines():
+        record = json.loads(line) if line.strip() else {}
+        if record.get("tokens"):
+            text = "".join(token["text"] for token in record["tokens"] if token)
+            answer.append(text)
+            await websocket.send_json({"type": "token", "text": text})
+        elif record.get("details"):
+            details = record["details"][0]
+            end.update(finish_reason=details.get("finish_reason"),
+                       prompt_tokens=details.get("prompt_tokens"),
+                       generated_tokens=details.get("generated_tokens"))
+        elif "error" in record:
+            raise TurnError(500, str(record["error"]))
+
+
 def _error_of(output: Any) -> TurnError:
-    """The handler's error answer as a :class:`TurnError` (djl's JSON body, or a bodiless
-    507 whose message says it)."""
-    body = output_body(output)
+    """The handler's error answer as a :class:`TurnError`: djl's JSON body (its ``error``
+    detail where it has one, else its ``message``), or a bodiless 507's status message."""
     try:
-        error = json.loads(body)
+        error = json.loads(output_body(output))
     except ValueError:
         error = {}
-    message = error.get("message") if error.get("type") == "RequestError" else None
-    message = message or error.get("error") or error.get("message") or output.message
+    message = error.get("error") or error.get("message") or output.message
     return TurnError(int(output.code), str(message), error.get("field"))

@@ -67,7 +67,7 @@ from djl_stream.serving.stream_pump import FINISHED, PumpFailure, StreamPump
 from djl_stream.serving.worker import (
     READY,
     ModelWorker,
-    encode_stream_item,
+    next_stream_chunk,
     output_body,
     stream_failure_chunk,
 )
@@ -124,18 +124,6 @@ def _stream_headers(output: Any) -> list[tuple[bytes, bytes]]:
         if content_type:
             headers.append((b"content-type", content_type.encode("latin-1")))
     return headers
-
-
-def _next_chunk(output: Any) -> Optional[bytes]:
-    """Pull and format one stream item; ``None`` once the iterator is exhausted.
-
-    Runs in a worker thread: ``next()`` blocks until the model produced the next token.
-    """
-    try:
-        item = next(output.stream_content)
-    except StopIteration:
-        return None
-    return encode_stream_item(output, item)
 
 
 @dataclasses.dataclass
@@ -205,7 +193,7 @@ class StreamingOutputResponse:
         # One thread pulls the iterator for the stream's life (StreamPump); stopped here
         # however the sending ends, and waited for by the task group, so that close()
         # (in __call__) never runs beside a next().
-        pump = StreamPump(lambda: _next_chunk(self.output))
+        pump = StreamPump(lambda: next_stream_chunk(self.output))
         async with anyio.create_task_group() as pumping:
             pumping.start_soon(pump.run, self.limiter)
             try:

@@ -120,6 +120,19 @@ def output_body(output: Any) -> bytes:
     return _to_bytes(pairs[0][1])
 
 
+def next_stream_chunk(output: Any) -> Optional[bytes]:
+    """Pull and format one item of ``output``'s stream; ``None`` once it is exhausted.
+
+    Blocks until the model produced the next token: call it from a worker thread (a
+    :class:`~djl_stream.serving.stream_pump.StreamPump`'s).
+    """
+    try:
+        item = next(output.stream_content)
+    except StopIteration:
+        return None
+    return encode_stream_item(output, item)
+
+
 def encode_stream_item(output: Any, item: Any) -> bytes:
     """The bytes of one stream item, as djl_python's ``Output.send`` makes them.
 
