@@ -104,8 +104,8 @@ def _property(default: Any, meaning: str, *, shown: Optional[str] = None,
               key: Optional[str] = None, see: Optional[str] = None, listed: bool = True) -> Any:
     """A :class:`ModelProperties` field with what the properties reference
     (``docs/properties.md``, written by :mod:`djl_stream.serving.properties_reference`)
-    says of it: its one line of ``meaning``, the default as a user writes it (``shown``,
-    else the field's default), its key when it has no ``option.`` prefix, the topic page
+    says of it: its one line of ``meaning``, the default as the page shows it (``shown``,
+    markdown, else the field's default as code), its key when it has no ``option.`` prefix, the topic page
     that explains it at length (``see``), and whether a user sets it (``listed``)."""
     metadata = {"meaning": meaning, "shown": shown, "key": key, "see": see, "listed": listed}
     if isinstance(default, dict):
@@ -137,7 +137,7 @@ class ModelProperties:
               "`bitsandbytes4` (CUDA)", shown="unset", see="performance.md#precision-and-quantization")
     compile: Optional[bool] = _property(
         None, "compile the decode step in the background and switch to it when ready: "
-              "`auto` (on a CPU), `true` or `false`", shown="auto",
+              "`auto` (on a CPU), `true` or `false`", shown="`auto`",
         see="performance.md#the-compiled-decode-step")
     load_in_8bit: bool = _property(
         False, "deprecated (as in djl-serving): `option.quantize=bitsandbytes8`")
@@ -179,7 +179,7 @@ class ModelProperties:
                   "`djl` (`output_tokens` lines)", see="protocols.md")
     apply_chat_template: Optional[bool] = _property(
         None, "send `inputs` prompts through the chat template as one user turn (`auto`: "
-              "when the tokenizer has one)", shown="auto")
+              "when the tokenizer has one)", shown="`auto`")
     max_rolling_batch_size: int = _property(
         32, "most prompts decoding together; on transformers-neuronx the compiled batch size")
     job_queue_size: int = _property(

@@ -56,7 +56,7 @@ the two disagree.
 def _default(field: dataclasses.Field) -> str:
     shown = field.metadata.get("shown")
     if shown is not None:
-        return shown if shown.startswith(("`", "unset")) or " " in shown else f"`{shown}`"
+        return shown
     value = field.default
     if isinstance(value, bool):
         value = str(value).lower()
