@@ -122,7 +122,8 @@ def test_each_console_command_prints_what_the_readme_shows(server, command, expe
     done = subprocess.run(["bash", "-c", at(server, command)], cwd=REPO, capture_output=True,
                           text=True, env=environment(server), timeout=600)
     assert done.returncode == 0, done.stderr
-    assert matches(expected, done.stdout), f"the README shows:\n{expected}\nit printed:\n{done.stdout}"
+    assert matches(expected, done.stdout), (
+        f"the README shows:\n{expected}\nit printed:\n{done.stdout}")
 
 
 SNIPPETS = [(body, BLOCKS[i + 1][1]) for i, (kind, body) in enumerate(BLOCKS)
@@ -135,7 +136,8 @@ def test_each_python_snippet_prints_what_the_readme_shows(server, code, expected
     done = subprocess.run([sys.executable, "-c", at(server, code)], cwd=REPO,
                           capture_output=True, text=True, env=environment(server), timeout=600)
     assert done.returncode == 0, done.stderr
-    assert matches(expected, done.stdout), f"the README shows:\n{expected}\nit printed:\n{done.stdout}"
+    assert matches(expected, done.stdout), (
+        f"the README shows:\n{expected}\nit printed:\n{done.stdout}")
 
 
 def test_every_python_block_shows_its_output():

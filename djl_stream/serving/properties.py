@@ -105,8 +105,8 @@ def _property(default: Any, meaning: str, *, shown: Optional[str] = None,
     """A :class:`ModelProperties` field with what the properties reference
     (``docs/properties.md``, written by :mod:`djl_stream.serving.properties_reference`)
     says of it: its one line of ``meaning``, the default as the page shows it (``shown``,
-    markdown, else the field's default as code), its key when it has no ``option.`` prefix, the topic page
-    that explains it at length (``see``), and whether a user sets it (``listed``)."""
+    markdown, else the field's default as code), its key when it has no ``option.``
+    prefix, the topic page that explains it at length (``see``), and whether a user sets it (``listed``)."""
     metadata = {"meaning": meaning, "shown": shown, "key": key, "see": see, "listed": listed}
     if isinstance(default, dict):
         return dataclasses.field(default_factory=dict, metadata=metadata)
@@ -134,7 +134,8 @@ class ModelProperties:
     quantize: Optional[str] = _property(
         None, "load the weights quantized: `int8` (weight-only), `w8a8` (int8 weights and "
               "activations, on a CPU with int8 dot products), `bitsandbytes8`, "
-              "`bitsandbytes4` (CUDA)", shown="unset", see="performance.md#precision-and-quantization")
+              "`bitsandbytes4` (CUDA)", shown="unset",
+        see="performance.md#precision-and-quantization")
     compile: Optional[bool] = _property(
         None, "compile the decode step in the background and switch to it when ready: "
               "`auto` (on a CPU), `true` or `false`", shown="`auto`",
@@ -170,7 +171,8 @@ class ModelProperties:
         see="performance.md#many-clients-at-once-continuous-batching")
     prefill_stall_steps: float = _property(
         DEFAULT_PREFILL_STALL_STEPS, "while others decode, a prefill pass takes at most this "
-        "many of their decode steps (`0`: no bound)", see="performance.md#many-clients-at-once-continuous-batching")
+        "many of their decode steps (`0`: no bound)",
+        see="performance.md#many-clients-at-once-continuous-batching")
     output_formatter: Any = _property(
         "jsonlines", "`jsonlines`, `sse`, `jsonlines_details`, or the name of a function in "
                      "`model.py`", see="protocols.md#output-formatters")
