@@ -106,7 +106,8 @@ def _property(default: Any, meaning: str, *, shown: Optional[str] = None,
     (``docs/properties.md``, written by :mod:`djl_stream.serving.properties_reference`)
     says of it: its one line of ``meaning``, the default as the page shows it (``shown``,
     markdown, else the field's default as code), its key when it has no ``option.``
-    prefix, the topic page that explains it at length (``see``), and whether a user sets it (``listed``)."""
+    prefix, the topic page that explains it at length (``see``), and whether a user sets
+    it (``listed``)."""
     metadata = {"meaning": meaning, "shown": shown, "key": key, "see": see, "listed": listed}
     if isinstance(default, dict):
         return dataclasses.field(default_factory=dict, metadata=metadata)
