@@ -7,8 +7,8 @@ all the running rows. With one row the product is bound by reading the weights; 
 it is bound by arithmetic, and there the kernel and the weights' layout decide. This
 times each distinct linear shape of the model (counted as often as the model has it) with
 ``torch.nn.functional.linear`` on the plain weight, and with oneDNN's linear on a weight
-reordered for that row count (``torch.ops.mkldnn``: private operators, which is why
-djl-stream does not use them yet), and prints each row count's total per step. The
+reordered for that row count (``torch.ops.mkldnn``: the private operators that
+djl-stream's packed linear layers call), and prints each row count's total per step. The
 weights are random: only their shapes matter. Each shape is timed with its weight hot in
 the CPU's caches, so one row's figures flatter both ways (a real step reads its weights
 from memory); with many rows the products are bound by arithmetic, as in a real step.
@@ -27,12 +27,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from djl_stream.runtime.packed_linear import PackedLinear
+
 
 def linear_shapes(model: torch.nn.Module) -> Dict[Tuple[int, int], int]:
     """``{(out_features, in_features): how many}`` of the model's linear layers."""
     shapes: Dict[Tuple[int, int], int] = collections.Counter()
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
+        if isinstance(module, (torch.nn.Linear, PackedLinear)):
             shapes[(module.out_features, module.in_features)] += 1
     return dict(shapes)
 

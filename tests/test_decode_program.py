@@ -68,9 +68,11 @@ def test_the_cache_key_comes_from_shapes_and_versions_never_from_weights(tmp_pat
 
     first, second = build("qwen2", dtype=torch.float32), build("qwen2", dtype=torch.float32, seed=9)
     geometry = load_runner(first, SETTINGS).geometry()
+    load_runner(second, SETTINGS)  # (a key is read off the model a runner serves)
     assert program_key(first, geometry) == program_key(second, geometry)
     second.save_pretrained(tmp_path)  # (loaded from a folder, its config says more)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    load_runner(loaded, SETTINGS)
     assert program_key(loaded, geometry) == program_key(first, geometry)
     wider = CacheGeometry(geometry.rows, geometry.columns * 2, geometry.layers,
                           geometry.layer_windows, geometry.dtype)

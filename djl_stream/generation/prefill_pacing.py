@@ -58,6 +58,7 @@ import time
 from typing import Callable, Deque, Iterator, Optional
 
 from djl_stream.runtime.kv_memory import attention_shape
+from djl_stream.runtime.packed_linear import packed_weight_count
 
 #: ``option.prefill_stall_steps`` when unset: a running stream waits at most this many of
 #: its decode steps for one prefill pass, so about 2.5 between two tokens, which leaves
@@ -127,10 +128,12 @@ def attention_parity_context(model) -> float:
     shape = attention_shape(getattr(model, "config", None))
     if shape is None:
         return math.inf
-    embeddings = {id(p) for module in (model.get_input_embeddings(), model.get_output_embeddings())
-                  if module is not None for p in module.parameters()}
+    ends = [module for module in (model.get_input_embeddings(), model.get_output_embeddings())
+            if module is not None]
+    embeddings = {id(p) for module in ends for p in module.parameters()}
     weights = sum(p.numel() for p in model.parameters()
                   if id(p) not in embeddings and p.dim() > 1)
+    weights += packed_weight_count(model, leaving_out=ends)  # (not among the parameters)
     attention_flops_per_context_column = 4 * shape.heads * shape.head_dim * shape.layers
     return 2 * weights / attention_flops_per_context_column if weights else math.inf
 

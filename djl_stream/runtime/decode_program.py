@@ -128,7 +128,10 @@ class DecodeProgram:
     """A compiled :class:`DecodeStep` reading ``model``'s own parameters."""
 
     def __init__(self, path: Path, model: torch.nn.Module) -> None:
+        from djl_stream.runtime import packed_linear  # (registers the operator it calls)
+
         self.path = path
+        self._packed = packed_linear.weights_of(model)
         self._program = torch._inductor.aoti_load_package(str(path))
         wrapper = DecodeStep(model, ())
         constants = dict(wrapper.named_parameters(remove_duplicate=False))
@@ -141,8 +144,11 @@ class DecodeProgram:
                                      check_full_update=True, user_managed=True)
 
     def __call__(self, input_ids, position_ids, rows, masks, keys, values) -> torch.Tensor:
-        return self._program(input_ids, position_ids, rows, tuple(masks), tuple(keys),
-                             tuple(values))
+        from djl_stream.runtime.packed_linear import packed_weights
+
+        with packed_weights(self._packed):
+            return self._program(input_ids, position_ids, rows, tuple(masks), tuple(keys),
+                                 tuple(values))
 
 
 def distinct_windows(layer_windows: Sequence[Optional[int]]) -> Tuple[Optional[int], ...]:
@@ -211,7 +217,7 @@ def program_key(model: torch.nn.Module, geometry: CacheGeometry) -> str:
 def _runtime_source_hash() -> str:
     """The source of the modules whose code the program holds (attention and this one)."""
     digest = hashlib.sha256()
-    for name in ("attention.py", "decode_program.py", "int8.py"):
+    for name in ("attention.py", "decode_program.py", "int8.py", "packed_linear.py"):
         digest.update((Path(__file__).parent / name).read_bytes())
     return digest.hexdigest()[:16]
 
@@ -260,10 +266,12 @@ class ProgramBuilder:
     def __init__(self, model: torch.nn.Module, geometry: CacheGeometry, *,
                  root: Optional[Path] = None) -> None:
         from djl_stream.runtime.int8 import quantized_method
+        from djl_stream.runtime.packed_linear import is_packed
 
         self.model = model
         self.geometry = geometry
         self.quantize = quantized_method(model)
+        self.packed = is_packed(model)
         self.key = program_key(model, geometry)
         self.folder = (root or cache_root()) / self.key
         self.path = self.folder / "program.pt2"
@@ -343,6 +351,7 @@ class ProgramBuilder:
                 "config": self.model.config.to_dict(),
                 "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
                 "quantize": self.quantize,
+                "packed": self.packed,
                 "geometry": self.geometry.as_dict(),
                 "target": str(work_dir / "program.pt2"),
             }
@@ -404,9 +413,10 @@ def _stop_builders() -> None:
 
 
 def structural_twin(config_dict: Dict[str, Any], dtype: str, quantize: Optional[str],
-                    buffers: Dict[str, torch.Tensor]) -> torch.nn.Module:
+                    buffers: Dict[str, torch.Tensor], packed: bool = False) -> torch.nn.Module:
     """The served model's structure from its config, its weights allocated but never
-    written (the program only needs their shapes), its buffers the served model's."""
+    written (the program only needs their shapes), its buffers the served model's;
+    ``packed``: its linear layers packed as the served model's are (without weights)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -425,6 +435,10 @@ def structural_twin(config_dict: Dict[str, Any], dtype: str, quantize: Optional[
         from djl_stream.runtime.int8 import quantize_structure
 
         quantize_structure(model, quantize)
+    if packed:
+        from djl_stream.runtime.packed_linear import pack_structure
+
+        pack_structure(model)
     own = dict(model.named_buffers(remove_duplicate=False))
     for name, value in buffers.items():
         if name in own:
@@ -454,7 +468,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     work = Path((argv or sys.argv[1:])[0])
     spec = json.loads((work / "spec.json").read_text())
     buffers = torch.load(work / "buffers.pt")
-    model = structural_twin(spec["config"], spec["dtype"], spec["quantize"], buffers)
+    model = structural_twin(spec["config"], spec["dtype"], spec["quantize"], buffers,
+                            spec.get("packed", False))
     use_attention(model)
     export_and_compile(model, CacheGeometry.from_dict(spec["geometry"]), Path(spec["target"]))
     return 0

@@ -480,6 +480,7 @@ def load_runner(model, settings: RunnerSettings = RunnerSettings()) -> ModelRunn
     reason = _why_not_the_fast_path(model)
     runner: Optional[ModelRunner] = None
     with ATTENTION_SWITCH.switching():
+        _pack_linear_layers(model)
         if reason is None:
             try:
                 runner, reason = _probed_attention_runner(model, settings)
@@ -496,6 +497,23 @@ def load_runner(model, settings: RunnerSettings = RunnerSettings()) -> ModelRunn
     logger.info("%s runs its own forward for each sequence, unbatched: %s",
                 type(model).__name__, reason)
     return ForwardRunner(model, reason)
+
+
+def _pack_linear_layers(model) -> None:
+    """Lay the weights of the model's linear layers out for oneDNN where they sit on a CPU
+    that has it (see :mod:`djl_stream.runtime.packed_linear`); said once per model."""
+    from djl_stream.runtime.packed_linear import pack_linear_layers, packing_unavailable
+
+    if _input_device(model).type != "cpu":
+        return
+    packed = pack_linear_layers(model)
+    if packed:
+        logger.info("%d linear layers' weights reordered for oneDNN's matrix product",
+                    packed)
+    elif any(type(m) is torch.nn.Linear for m in model.modules()):
+        dtype = next(model.parameters()).dtype
+        logger.info("linear layers left as they are: %s",
+                    packing_unavailable(dtype) or "their weights cannot be reordered")
 
 
 def _why_not_the_fast_path(model) -> Optional[str]:

@@ -1,0 +1,224 @@
+"""Linear layers whose weights are laid out once for oneDNN's matrix product, on a CPU.
+
+A decode step's time on a CPU is mostly its linear layers. PyTorch's default product
+(``torch.nn.functional.linear``) multiplies by the weight as it is stored, row after row,
+and leaves the blocking to the BLAS library at every call; oneDNN's product can instead
+take a weight reordered once, at load, into the blocked layout its kernels read
+(``torch.ops.mkldnn._reorder_linear_weight``). The reordered weight serves every number
+of rows, and a step of several rows, bound by arithmetic rather than by reading the
+weights, gains most (``python -m benchmarks.linear_products`` times both on the machine
+at hand). :class:`PackedLinear` replaces ``nn.Linear`` wherever a model has one: it knows
+nothing of the architecture around it, and the reordered weight replaces the float one
+(no second copy; a weight tied to the input embedding is reordered as a copy).
+
+The operators are PyTorch's private oneDNN ones, so they are reached here alone, and only
+where :func:`packing_unavailable` finds them working (an x86 build of PyTorch with
+oneDNN); elsewhere layers stay ``nn.Linear``.
+
+The compiled decode step (:mod:`djl_stream.runtime.decode_program`) cannot hold a
+reordered weight: AOTInductor takes plain tensors as constants. So inside an exported
+program a packed layer is one call of the operator ``djl_stream::packed_linear`` with the
+layer's index, and the program's caller says whose weights the indices name
+(:func:`packed_weights`): a program compiled once serves any model of the same shapes.
+
+Example::
+
+    >>> layer = torch.nn.Linear(16, 8)
+    >>> x = torch.randn(3, 16)
+    >>> expected = layer(x)
+    >>> packed = PackedLinear.from_linear(layer, index=0)
+    >>> packed is None or bool(torch.allclose(packed(x), expected, atol=1e-5))
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+from typing import Iterator, List, Optional, Sequence
+
+import torch
+
+from djl_stream.runtime.int8 import linear_layers
+
+logger = logging.getLogger(__name__)
+
+
+def packing_unavailable(dtype: torch.dtype = torch.float32) -> Optional[str]:
+    """Why this PyTorch cannot reorder linear weights of ``dtype`` for oneDNN on this CPU,
+    or ``None`` where it can (checked once per dtype on a small product).
+
+    >>> packing_unavailable() is None or isinstance(packing_unavailable(), str)
+    True
+    """
+    return _packing_check(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _packing_check(dtype: torch.dtype) -> Optional[str]:
+    if not torch.backends.mkldnn.is_available():
+        return "this PyTorch has no oneDNN"
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(24, 40, generator=generator).to(dtype)
+    x = torch.randn(3, 40, generator=generator).to(dtype)
+    try:
+        got = _product(x, _reorder(weight), None, 24)
+    except (AttributeError, RuntimeError, NotImplementedError) as error:
+        return f"oneDNN's packed product fails here ({type(error).__name__}: {error})"
+    expected = torch.nn.functional.linear(x.float(), weight.float())
+    if not torch.allclose(got.float(), expected, rtol=2e-2, atol=2e-2):
+        return "oneDNN's packed product disagrees with torch.nn.functional.linear here"
+    return None
+
+
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    # (no row count: oneDNN lays the weight out for any number of rows)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def _product(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
+             out_features: int) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return out.view(*x.shape[:-1], out_features)
+
+
+class PackedLinear(torch.nn.Module):
+    """``nn.Linear`` with its weight reordered for oneDNN (see the module docstring).
+
+    ``index`` numbers the model's packed layers in the order they were packed: an
+    exported program names a layer's weight by it. A layer made for export only has no
+    weight (:meth:`empty_like`)."""
+
+    def __init__(self, packed: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                 in_features: int, out_features: int, index: int) -> None:
+        super().__init__()
+        self.packed = packed  # (not a buffer: the reordered layout is no plain tensor)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(),
+                                                                 requires_grad=False)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.index = index
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, index: int) -> Optional["PackedLinear"]:
+        """The packed layer of ``linear``, or ``None`` where its weight cannot be packed
+        (not on the CPU, or a dtype oneDNN cannot multiply here)."""
+        weight = linear.weight
+        if weight.device.type != "cpu" or not weight.dtype.is_floating_point:
+            return None
+        if packing_unavailable(weight.dtype) is not None:
+            return None
+        return cls(_reorder(weight), linear.bias, linear.in_features, linear.out_features,
+                   index)
+
+    @classmethod
+    def empty_like(cls, linear: torch.nn.Linear, index: int) -> "PackedLinear":
+        """The layer's structure without a weight, for a model that is only exported."""
+        return cls(None, linear.bias, linear.in_features, linear.out_features, index)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # (saved as the nn.Linear it replaced: save_pretrained writes a loadable checkpoint)
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.packed is not None:
+            destination[prefix + "weight"] = self.packed.to_dense()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        weight = state_dict.pop(prefix + "weight", None)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
+        if weight is not None:
+            self.packed = _reorder(weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None or torch.compiler.is_compiling():
+            return torch.ops.djl_stream.packed_linear(x, self.bias, self.index,
+                                                      self.out_features)
+        return _product(x, self.packed, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, weight reordered for oneDNN")
+
+
+def pack_linear_layers(model: torch.nn.Module) -> int:
+    """Replace each plain float ``nn.Linear`` of ``model`` on the CPU by its
+    :class:`PackedLinear`, one at a time (each float weight let go before the next is
+    reordered); returns how many were replaced. Layers already packed stay as they are.
+    """
+    return _replace(model, PackedLinear.from_linear)
+
+
+def pack_structure(model: torch.nn.Module) -> int:
+    """Put weightless :class:`PackedLinear` layers where :func:`pack_linear_layers` puts
+    packed ones, with the same indices: the structure a compiling process exports."""
+    return _replace(model, PackedLinear.empty_like)
+
+
+def is_packed(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has packed linear layers."""
+    return any(isinstance(module, PackedLinear) for module in model.modules())
+
+
+def _replace(model: torch.nn.Module, make) -> int:
+    start = sum(1 for m in model.modules() if isinstance(m, PackedLinear))
+    count = 0
+    for parent, name, layer in linear_layers(model):
+        replacement = make(layer, start + count)
+        if replacement is None:
+            continue
+        setattr(parent, name, replacement)
+        count += 1
+    return count
+
+
+def packed_weight_count(model: torch.nn.Module, leaving_out=()) -> int:
+    """How many numbers ``model``'s packed weights hold (they are not among its
+    parameters), leaving out the layers ``leaving_out`` names.
+
+    >>> packed_weight_count(torch.nn.Linear(4, 2))
+    0
+    """
+    skipped = {id(m) for m in leaving_out}
+    return sum(m.in_features * m.out_features for m in model.modules()
+               if isinstance(m, PackedLinear) and id(m) not in skipped)
+
+
+def weights_of(model: torch.nn.Module) -> List[torch.Tensor]:
+    """``model``'s packed weights by index: what a program's indices name."""
+    layers = sorted((m for m in model.modules() if isinstance(m, PackedLinear)),
+                    key=lambda m: m.index)
+    return [layer.packed for layer in layers]
+
+
+_CURRENT = threading.local()
+
+
+@contextlib.contextmanager
+def packed_weights(weights: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Within this block, ``djl_stream::packed_linear`` called by this thread (from a
+    compiled program) reads ``weights`` (:func:`weights_of` the model it runs)."""
+    previous = getattr(_CURRENT, "weights", None)
+    _CURRENT.weights = weights
+    try:
+        yield
+    finally:
+        _CURRENT.weights = previous
+
+
+@torch.library.custom_op("djl_stream::packed_linear", mutates_args=())
+def _packed_linear(x: torch.Tensor, bias: Optional[torch.Tensor], index: int,
+                   out_features: int) -> torch.Tensor:
+    weights = getattr(_CURRENT, "weights", None)
+    if weights is None:
+        raise RuntimeError("djl_stream::packed_linear ran outside packed_weights(...): "
+                           "nothing says whose weights its index names")
+    return _product(x, weights[index], bias, out_features)
+
+
+@_packed_linear.register_fake
+def _packed_linear_shape(x, bias, index, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
