@@ -58,7 +58,6 @@ import time
 from typing import Callable, Deque, Iterator, Optional
 
 from djl_stream.runtime.kv_memory import attention_shape
-from djl_stream.runtime.packed_linear import packed_weight_count
 
 #: ``option.prefill_stall_steps`` when unset: a running stream waits at most this many of
 #: its decode steps for one prefill pass, so about 2.5 between two tokens, which leaves
@@ -125,6 +124,9 @@ def attention_parity_context(model) -> float:
     >>> round(attention_parity_context(LlamaForCausalLM(config)))
     288
     """
+    # (imported here: it imports torch, which model.py's import must not pull in)
+    from djl_stream.runtime.packed_linear import packed_weight_count
+
     shape = attention_shape(getattr(model, "config", None))
     if shape is None:
         return math.inf
