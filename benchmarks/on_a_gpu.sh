@@ -2,7 +2,8 @@
 # What to run on a machine with a CUDA GPU, in the repository root, each step under its own
 # time limit so that one that hangs leaves the others their time; everything lands in OUT:
 #
-#   1. the tests that need a GPU (bitsandbytes and torchao configuration);
+#   1. the tests that need a GPU (bitsandbytes and torchao configuration, decode steps
+#      replayed from CUDA graphs for every architecture of the generality suite);
 #   2. a decode step two ways: the model's forward over a DynamicCache and djl-stream's
 #      runtime (python -m benchmarks.decode_step --device cuda);
 #   3. make bench's run on the GPU (python -m benchmarks.run --device cuda);
@@ -57,7 +58,7 @@ fi
 # read it from the model directory served, which holds the same tokenizer.
 [ -f model/config.json ] || export DJL_STREAM_TEST_MODEL_DIR=$model
 
-step tests 180 $python -m pytest -q -p no:cacheprovider tests/test_quantization.py
+step tests 240 $python -m pytest -q -p no:cacheprovider tests/test_quantization.py tests/test_cuda_graphs.py
 step decode_step 150 $python -m benchmarks.decode_step --model-dir "$model" --device cuda \
     --rows 1,4,16,64 --steps 40 --repetitions 3
 step bench 300 $python -m benchmarks.run --model-dir "$model" --device cuda \

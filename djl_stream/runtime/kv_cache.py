@@ -217,6 +217,15 @@ class KVCache:
             self._move(handle, target)
         return 0
 
+    def free_row(self) -> int:
+        """A row no handle holds (there always is one: the spare row), the last such.
+
+        >>> KVCache([LayerShape(1, 2, 2)], rows=2, columns=4, dtype=torch.float32,
+        ...         device="cpu").free_row()
+        2
+        """
+        return self._free_row(avoid=self.rows)
+
     def _free_row(self, avoid: int) -> int:
         """A row no handle holds, at or after ``avoid`` where one is (the spare row always
         is)."""

@@ -197,11 +197,25 @@ class AttentionRunner(ModelRunner):
         Returns what is getting it (the same on a second call), ``None`` where nothing is."""
         from djl_stream.runtime.decode_program import ProgramBuilder
 
+        if self.device.type == "cuda":
+            self._record_cuda_graphs()
+            return None
         if self._builder is not None or self.device.type != "cpu" or self.program is not None:
             return self._builder
         self._builder = ProgramBuilder(self.model, self.geometry(), root=root)
         self._builder.start()
         return self._builder
+
+    def _record_cuda_graphs(self) -> None:
+        """On a GPU: decode steps replayed from CUDA graphs, recorded per bucket as steps
+        need them (:mod:`djl_stream.runtime.cuda_graphs`); the first is checked against
+        the eager step as a compiled program is."""
+        from djl_stream.runtime.cuda_graphs import GraphedDecode
+
+        if self.program is None and self._candidate is None:
+            self._candidate = GraphedDecode(self.model, self.cache, self.layer_windows)
+            logger.info("decode steps will be replayed from CUDA graphs, recorded per "
+                        "bucket of rows and columns as steps need them")
 
     def close(self) -> None:
         if self._builder is not None:
@@ -215,12 +229,17 @@ class AttentionRunner(ModelRunner):
             self._candidate, self._builder = self._builder.result(), None
         return self._candidate
 
-    def _run_program(self, program, block: List[Feed], positions: List[int]) -> torch.Tensor:
+    def _run_program(self, program, block: List[Feed],
+                     positions: List[int]) -> Optional[torch.Tensor]:
         """The block's logits (in block order) from the compiled step, its rows ``[0, n)``
-        at ``positions``."""
+        at ``positions``; ``None`` where the program leaves this step to the eager
+        forward."""
         cache = self.cache
         count = len(block)
         ids = [int(f.tokens[0]) for f in block]
+        decode = getattr(program, "decode", None)
+        if decode is not None:  # (CUDA graphs: the program keeps its own inputs)
+            return decode(ids, positions)
         rows = list(range(count))
         device = self.device
         position_tensor = torch.tensor([positions], dtype=torch.long, device=device)
@@ -255,6 +274,8 @@ class AttentionRunner(ModelRunner):
                 logger.warning("the compiled decode step failed (%s: %s); %s",
                                type(error).__name__, error, NOT_USED)
                 return eager
+            if compiled is None:  # (not ready for this step's shape: check at a later one)
+                return eager
             order = [block.index(f) for f in feeds]
             difference = float((compiled[order].float() - eager.float()).abs().max())
             tolerance = (PROBE_TOLERANCE.get(eager.dtype, 5e-2)
@@ -268,7 +289,15 @@ class AttentionRunner(ModelRunner):
                 logger.warning("the compiled decode step's logits differ from the eager "
                                "step's by %.3g: %s", difference, NOT_USED)
             return eager
-        logits = self._run_program(program, block, positions)
+        try:
+            logits = self._run_program(program, block, positions)
+        except Exception as error:  # noqa: BLE001 - the eager step goes on serving
+            self.program = None
+            logger.warning("the compiled decode step failed (%s: %s); %s",
+                           type(error).__name__, error, NOT_USED)
+            return None
+        if logits is None:  # (a step the program leaves to the eager forward)
+            return None
         for feed in feeds:
             cache.set_length(feed.handle, cache.length(feed.handle) + 1)
         where = {id(f): i for i, f in enumerate(block)}
