@@ -140,3 +140,24 @@ def test_prefill_pacing_counts_a_packed_models_weights_as_the_float_ones():
     before = attention_parity_context(model)
     pack_linear_layers(model)
     assert attention_parity_context(model) == before < float("inf")
+
+
+@needs_packing
+def test_packing_lets_go_of_the_checkpoints_memory_mapping(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    build_tiny_llama(64).save_pretrained(tmp_path)
+    weights = str(tmp_path / "model.safetensors")
+
+    def mapped() -> bool:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            return weights in maps.read()
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    if not mapped():
+        pytest.skip("this transformers reads checkpoints into memory: no mapping to let go of")
+    pack_linear_layers(model)
+    assert not mapped()  # (its pages would stay resident beside the packed copies)
+    ids = torch.tensor([[3, 9, 4]])
+    with torch.inference_mode():
+        assert model(ids).logits.shape == (1, 3, 64)

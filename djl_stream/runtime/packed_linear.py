@@ -148,8 +148,20 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
     """Replace each plain float ``nn.Linear`` of ``model`` on the CPU by its
     :class:`PackedLinear`, one at a time (each float weight let go before the next is
     reordered); returns how many were replaced. Layers already packed stay as they are.
+
+    Where any were, the model's other CPU parameters and buffers are copied into memory
+    of their own. A checkpoint's weights are usually views into one memory mapping of its
+    file, which stays mapped while any of them lives (an input embedding, a norm), and
+    reordering read every page of it: those pages would stay resident beside the
+    reordered copies, the weights counted twice.
     """
-    return _replace(model, PackedLinear.from_linear)
+    count = _replace(model, PackedLinear.from_linear)
+    if count:
+        with torch.no_grad():
+            for tensor in list(model.parameters()) + list(model.buffers()):
+                if tensor.device.type == "cpu" and not tensor.is_mkldnn:
+                    tensor.data = tensor.data.clone()
+    return count
 
 
 def pack_structure(model: torch.nn.Module) -> int:
