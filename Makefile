@@ -12,12 +12,13 @@ DEV_STAMP := $(VENV)/.installed-dev
 # `make conformance` runs and reads; see ../shared/djl-serving/README.md.
 DJL_SERVING_SRC ?= ../shared/djl-serving
 
-.PHONY: install model serve test conformance bench bench-peers bench-architectures bench-quantization bench-gpu reliability clean help
+.PHONY: install model serve test conformance browser bench bench-peers bench-architectures bench-quantization bench-gpu reliability clean help
 
 help:
 	@echo "make serve   - set up .venv, prepare the embedded model, serve $(MODEL_DIR)/ on $(HOST):$(PORT)"
 	@echo "make test    - run the whole test suite"
 	@echo "make conformance - run model/ in djl-serving's real Python worker (DJL_SERVING_SRC=$(DJL_SERVING_SRC))"
+	@echo "make browser - the chat page (GET /chat) in a real headless Chromium (Debian: apt-get install chromium chromium-driver)"
 	@echo "make bench   - run the benchmarks and write BENCHMARKS.md"
 	@echo "make bench-peers - djl-stream beside llama.cpp (its C++ server and llama-cpp-python), transformers serve and Ray Serve (sets them up in .peers/); writes BENCHMARKS.md's peers section"
 	@echo "make bench-architectures - the embedded model's shapes as Llama, Qwen2 and Mistral (random weights) served side by side; writes BENCHMARKS.md's architectures section"
@@ -63,6 +64,11 @@ conformance: $(DEV_STAMP) model
 	  echo "make conformance: no djl-serving sources in $(DJL_SERVING_SRC): set DJL_SERVING_SRC" \
 	       "to a folder holding 0.33.0-dlc/ and 0.30.0-dlc/ (see README, Conformance)" >&2; exit 2; }
 	DJL_SERVING_SRC="$(abspath $(DJL_SERVING_SRC))" $(BIN)/python -m pytest -q conformance
+
+# The chat page in a real headless Chromium: Debian's chromium and chromium-driver, driven by
+# Selenium; screenshots into browser/screenshots/. Never passes without the browser.
+browser: $(DEV_STAMP) model
+	$(BIN)/python -m pytest -q browser
 
 # BENCH_FLAGS: more flags for benchmarks.run (--device cuda, --concurrency 1,4,16,64, ...).
 bench: $(DEV_STAMP) model

@@ -187,6 +187,8 @@ SERVE_ROUTES = """routes:
   POST /generate_stream           TGI's server-sent events
   POST /                          TGI's compatibility route (huggingface_hub's InferenceClient)
   WS   /ws/chat                   a conversation over a WebSocket, the answer streamed
+  GET  /chat                      a chat page for a browser, streaming over /ws/chat
+  GET  /                          the same chat page
 """
 
 #: Loggers of libraries whose warnings at import mean nothing to a user of these commands:

@@ -7,7 +7,9 @@ Routes, as djl-serving (and SageMaker) expose them:
 - ``POST /invocations`` and ``POST /predictions/{model_name}``: one request to ``handle()``;
 - ``GET /models``: the management list, ``{"models": [{"modelName", "modelUrl", "status"}]}``;
 - ``GET /metrics``: Prometheus metrics (:mod:`djl_stream.serving.metrics`), djl-stream's own;
-- ``GET /v1/models``: OpenAI's model list, beside the OpenAI routes of :data:`PROTOCOL_ROUTES`.
+- ``GET /v1/models``: OpenAI's model list, beside the OpenAI routes of :data:`PROTOCOL_ROUTES`;
+- ``WS /ws/chat`` (:mod:`~djl_stream.serving.chat_socket`) and its page, ``GET /chat`` and
+  ``GET /`` (:mod:`~djl_stream.serving.chat_page`): djl-stream's own, not djl-serving's.
 
 The server starts answering at once and loads the model in a background thread. Each
 request's ``handle()`` runs in a worker thread, concurrently (djl-serving's synchronous
@@ -59,6 +61,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from djl_stream.protocols.protocol import PROTOCOL_PROPERTY
 from djl_stream.serving.admission import DEFAULT_SHUTDOWN_GRACE, SHUTTING_DOWN, Admission
 from djl_stream.serving.cancellation import Cancellation, attach_cancellation
+from djl_stream.serving.chat_page import CHAT_PAGE_PATHS, chat_page
 from djl_stream.serving.chat_socket import ChatSocket
 from djl_stream.serving.http_errors import error_response
 from djl_stream.serving.http_limits import HttpLimits, RequestConcurrency, RequestLimits
@@ -411,6 +414,7 @@ class ModelServer:
             Route("/metrics", self.prometheus_metrics, methods=["GET"]),
             Route("/v1/models", self.openai_models, methods=["GET"]),
             WebSocketRoute("/ws/chat", ChatSocket(self).serve),
+            *(Route(path, chat_page, methods=["GET"]) for path in CHAT_PAGE_PATHS),
             # Other clients' protocols, answered by the same handle(): the route names the
             # protocol to the handler (PROTOCOL_PROPERTY), as the body's shape would.
             *(Route(path, self._protocol_route(name), methods=["POST"])
