@@ -8,6 +8,7 @@ collection stops with an error that says what to install. Screenshots go to
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import sys
@@ -25,9 +26,7 @@ CHROMEDRIVER = os.environ.get("CHROMEDRIVER", "chromedriver")
 
 def pytest_configure(config: pytest.Config) -> None:
     missing = [name for name in (CHROMIUM, CHROMEDRIVER) if shutil.which(name) is None]
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("selenium") is None:
         missing.append("selenium (pip install -e '.[dev]')")
     if missing:
         raise pytest.UsageError(

@@ -9,10 +9,9 @@ import time
 
 import pytest
 
+from page import (DEADLINE, answer_text, ask, errors, finished, gauge, last_answer, open_page,
+                  streaming, tokens_shown, wait_for)
 from server_process import ServerProcess
-
-#: A deadline for what the page waits on, not a speed target: the machine may be busy.
-DEADLINE = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -24,44 +23,11 @@ def server(embedded_model_dir):
 
 @pytest.fixture()
 def page(browser, server):
-    browser.get(server.url + "/chat")
-    wait_for(lambda: browser.execute_script("return document.body.dataset.streaming") == "no")
-    browser.find_element("id", "reset").click()
-    return browser
-
-
-def wait_for(condition, deadline: float = DEADLINE, every: float = 0.05):
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        value = condition()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"not met within {deadline} s")
-
-
-def ask(page, question: str, *, max_new_tokens: int, temperature: float = 0.0) -> None:
-    for field, value in (("max-new-tokens", max_new_tokens), ("temperature", temperature)):
-        element = page.find_element("id", field)
-        element.clear()
-        element.send_keys(str(value))
-    page.find_element("id", "prompt").send_keys(question)
-    page.find_element("id", "send").click()
-
-
-def last_answer(page):
-    return page.find_elements("css selector", ".assistant")[-1]
-
-
-def finished(page) -> bool:
-    answers = page.find_elements("css selector", ".assistant")
-    return bool(answers) and answers[-1].get_attribute("data-finish") is not None
+    return open_page(browser, server)
 
 
 def running_rows(server) -> float:
-    metrics = server.http.get("/metrics").text
-    match = re.search(r"^djl_stream_batch_rows (\S+)$", metrics, re.MULTILINE)
-    return float(match.group(1)) if match else float("nan")
+    return gauge(server, "djl_stream_batch_rows")
 
 
 def test_an_answer_grows_on_screen_and_shows_its_timings(page, screenshots):
@@ -77,7 +43,7 @@ def test_an_answer_grows_on_screen_and_shows_its_timings(page, screenshots):
     assert finished(page)
     assert len(seen) >= 3, f"the answer appeared in {len(seen)} steps: {sorted(seen)}"
     answer = last_answer(page)
-    assert "Paris" in answer.find_element("css selector", ".text").text
+    assert "Paris" in answer_text(page)
     stats = answer.find_element("css selector", ".stats").text
     assert re.search(r"first token \d+ ms · [\d.]+ tokens/s · \d+ tokens · ended: ", stats), stats
     page.save_screenshot(str(screenshots / "answer.png"))
@@ -85,7 +51,7 @@ def test_an_answer_grows_on_screen_and_shows_its_timings(page, screenshots):
 
 def test_stop_ends_the_answer_and_frees_the_servers_row(page, server, screenshots):
     ask(page, "Write a long story about a dragon who learns to bake bread.", max_new_tokens=400)
-    wait_for(lambda: int(last_answer(page).get_attribute("data-tokens") or 0) >= 3)
+    wait_for(lambda: tokens_shown(page) >= 3)
     assert running_rows(server) == 1
     page.find_element("id", "stop").click()
     wait_for(lambda: finished(page))
@@ -102,16 +68,16 @@ def test_a_follow_up_uses_the_first_answer(page, screenshots):
     wait_for(lambda: finished(page))
     ask(page, "What is my name?", max_new_tokens=16)
     wait_for(lambda: finished(page) and len(page.find_elements("css selector", ".assistant")) == 2)
-    assert "Ada" in last_answer(page).find_element("css selector", ".text").text
+    assert "Ada" in answer_text(page)
     page.save_screenshot(str(screenshots / "conversation.png"))
 
 
 def test_a_bad_parameter_reads_as_a_message_and_the_chat_goes_on(page, screenshots):
     ask(page, "Hello!", max_new_tokens=-5)
-    error = wait_for(lambda: page.find_elements("css selector", ".error"))[-1]
+    error = wait_for(lambda: errors(page))[-1]
     assert "max_new_tokens" in error.text and "Error 400" in error.text
-    assert page.execute_script("return document.body.dataset.streaming") == "no"
+    assert not streaming(page)
     page.save_screenshot(str(screenshots / "error.png"))
     ask(page, "Say hello.", max_new_tokens=8)
     wait_for(lambda: finished(page))
-    assert last_answer(page).find_element("css selector", ".text").text.strip()
+    assert answer_text(page).strip()
