@@ -405,9 +405,10 @@ class Scheduler:
             )
         with self._wakeup:
             if len(self._waiting) >= self.max_queue:
+                waiting = len(self._waiting)
                 raise QueueFullError(
-                    f"{len(self._waiting)} requests are already waiting; the queue holds "
-                    f"{self.max_queue} (job_queue_size)"
+                    f"{waiting} request{'s are' if waiting != 1 else ' is'} already waiting; "
+                    f"the queue holds {self.max_queue} (job_queue_size)"
                 )
             job = _Job(next(self._ids), list(sequences))
             for index, seq in enumerate(job.sequences):
