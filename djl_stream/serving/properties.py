@@ -138,8 +138,9 @@ class ModelProperties:
               "`bitsandbytes4` (CUDA)", shown="unset",
         see="performance.md#precision-and-quantization")
     compile: Optional[bool] = _property(
-        None, "compile the decode step in the background and switch to it when ready: "
-              "`auto` (on a CPU), `true` or `false`", shown="`auto`",
+        None, "compile the decode step in the background (a CPU) or replay it from CUDA "
+              "graphs (a GPU), once it gives the eager step's logits: `auto`, `true` or "
+              "`false`", shown="`auto`",
         see="performance.md#the-compiled-decode-step")
     load_in_8bit: bool = _property(
         False, "deprecated (as in djl-serving): `option.quantize=bitsandbytes8`")
