@@ -391,8 +391,8 @@ class ModelServer:
     """The routes of one served model; :func:`create_app` wraps them in a Starlette app.
 
     >>> server = ModelServer(ModelWorker("model/"))
-    >>> sorted(route.path for route in server.routes())[:5]
-    ['/', '/generate', '/generate_stream', '/invocations', '/metrics']
+    >>> sorted({route.path for route in server.routes()})[:6]
+    ['/', '/chat', '/generate', '/generate_stream', '/invocations', '/metrics']
     """
 
     def __init__(self, worker: ModelWorker, max_threads: int = DEFAULT_MAX_THREADS,
