@@ -12,13 +12,14 @@ DEV_STAMP := $(VENV)/.installed-dev
 # `make conformance` runs and reads; see ../shared/djl-serving/README.md.
 DJL_SERVING_SRC ?= ../shared/djl-serving
 
-.PHONY: install model serve test conformance browser bench bench-peers bench-architectures bench-quantization bench-gpu reliability clean help
+.PHONY: install model serve test conformance browser ray bench bench-peers bench-architectures bench-quantization bench-gpu reliability clean help
 
 help:
 	@echo "make serve   - set up .venv, prepare the embedded model, serve $(MODEL_DIR)/ on $(HOST):$(PORT)"
 	@echo "make test    - run the whole test suite"
 	@echo "make conformance - run model/ in djl-serving's real Python worker (DJL_SERVING_SRC=$(DJL_SERVING_SRC))"
 	@echo "make browser - the chat page (GET /chat) in a real headless Chromium (Debian: apt-get install chromium chromium-driver)"
+	@echo "make ray     - the model directory as 2 Ray Serve replicas on a local Ray cluster (installs the ray extra)"
 	@echo "make bench   - run the benchmarks and write BENCHMARKS.md"
 	@echo "make bench-peers - djl-stream beside llama.cpp (its C++ server and llama-cpp-python), transformers serve and Ray Serve (sets them up in .peers/); writes BENCHMARKS.md's peers section"
 	@echo "make bench-architectures - the embedded model's shapes as Llama, Qwen2 and Mistral (random weights) served side by side; writes BENCHMARKS.md's architectures section"
@@ -69,6 +70,17 @@ conformance: $(DEV_STAMP) model
 # Selenium; screenshots into browser/screenshots/. Never passes without the browser.
 browser: $(DEV_STAMP) model
 	$(BIN)/python -m pytest -q browser
+
+# Scale-out on Ray Serve: a local Ray cluster (127.0.0.1, 2 CPUs) with 2 model replicas,
+# one of them killed mid-run. Ray is the ray extra, installed here on first use (never by
+# make test); without it the suite fails rather than passing.
+RAY_STAMP := $(VENV)/.installed-ray
+$(RAY_STAMP): $(DEV_STAMP)
+	$(BIN)/python -m pip install -q torch==2.13.0 -e '.[dev,ray]'
+	touch $@
+
+ray: $(RAY_STAMP) model
+	$(BIN)/python -m pytest -q scale_out
 
 # BENCH_FLAGS: more flags for benchmarks.run (--device cuda, --concurrency 1,4,16,64, ...).
 bench: $(DEV_STAMP) model

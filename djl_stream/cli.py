@@ -88,6 +88,28 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument("--max-head-size", type=_positive(int), metavar="BYTES",
                         help="largest request head (request line and headers); 431 beyond "
                              "it, 414 for a longer target (default: 16384: 16 KiB)")
+    scale_out = serve.add_argument_group(
+        "scale-out on Ray Serve", "with --ray, the model runs in replicas (each its own "
+        "handle() and continuous batching) behind Ray Serve's HTTP proxy on --host/--port; "
+        "needs pip install 'djl-stream[ray]'")
+    scale_out.add_argument("--ray", action="store_true",
+                     help="serve through Ray Serve instead of one process")
+    scale_out.add_argument("--replicas", type=_positive(int), default=1, metavar="N",
+                     help="model replicas (default: %(default)s)")
+    scale_out.add_argument("--min-replicas", type=int, default=None, metavar="N",
+                     help="with --max-replicas: autoscale between these (default: 1)")
+    scale_out.add_argument("--max-replicas", type=_positive(int), default=None, metavar="N",
+                     help="autoscale up to N replicas on requests in flight")
+    scale_out.add_argument("--target-ongoing-requests", type=_positive(float), default=None,
+                     metavar="N", help="requests in flight per replica that autoscaling "
+                                       "aims at (default: 8)")
+    scale_out.add_argument("--replica-cpus", type=_positive(float), default=1, metavar="N",
+                     help="CPUs Ray reserves for each replica (default: %(default)s)")
+    scale_out.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                     help="a running Ray cluster (default: $RAY_ADDRESS, else a local one)")
+    scale_out.add_argument("--ray-cpus", type=_positive(float), default=None, metavar="N",
+                     help="CPUs of the local cluster started without an address "
+                          "(default: the machine's)")
     serve.set_defaults(run=_serve)
 
     generate = commands.add_parser(
@@ -287,10 +309,50 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"djl-stream serve: {error}", file=sys.stderr)
         return 2
+    if args.ray:
+        return _serve_on_ray(args, limits)
     started = serve(args.model_dir, host=args.host, port=args.port, log_level=args.log_level,
                     shutdown_grace=grace, limits=limits)
     # 3 is uvicorn's own status for a server that could not start (a port in use)
     return 0 if started else 3
+
+
+def scaling_options(args: argparse.Namespace) -> Any:
+    """The :class:`~djl_stream.serving.scaling.ScalingOptions` of ``serve --ray``'s flags."""
+    from djl_stream.serving.scaling import ScalingOptions
+
+    options: dict[str, Any] = {"replicas": args.replicas, "replica_cpus": args.replica_cpus}
+    if args.max_replicas is not None:
+        options["max_replicas"] = args.max_replicas
+        if args.min_replicas is not None:
+            options["min_replicas"] = args.min_replicas
+    elif args.min_replicas is not None:
+        raise ValueError("--min-replicas needs --max-replicas (autoscaling between the two)")
+    if args.target_ongoing_requests is not None:
+        options["target_ongoing_requests"] = args.target_ongoing_requests
+    return ScalingOptions(**options)
+
+
+def _serve_on_ray(args: argparse.Namespace, limits: Any) -> int:
+    import logging
+
+    try:
+        from djl_stream.serving.ray_serve import serve_on_ray
+    except ImportError as error:
+        print(f"djl-stream serve --ray: Ray Serve is not installed ({error}); "
+              "pip install 'djl-stream[ray]'", file=sys.stderr)
+        return 2
+    try:
+        scaling = scaling_options(args)
+    except ValueError as error:
+        print(f"djl-stream serve: {error}", file=sys.stderr)
+        return 2
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=args.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve_on_ray(args.model_dir, args.host, args.port, scaling, limits,
+                 address=args.ray_address, cpus=args.ray_cpus)
+    return 0
 
 
 # -- generate --

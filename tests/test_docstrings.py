@@ -20,9 +20,11 @@ import djl_stream
 #: Benchmark modules that run inside a peer's own virtual environment (``make bench-peers``),
 #: importing what only that environment has (Ray, llama-cpp-python).
 PEER_ONLY = {"benchmarks.peers.ray_app", "benchmarks.peers.llama_cpp_server"}
+#: Modules that import Ray, the ray extra (``make ray`` installs it and runs them for real).
+RAY_ONLY = {"djl_stream.serving.ray_serve"}
 MODULES = sorted(info.name for package in (djl_stream, benchmarks)
                  for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".")
-                 if not info.name.endswith("__main__") and info.name not in PEER_ONLY)
+                 if not info.name.endswith("__main__") and info.name not in PEER_ONLY | RAY_ONLY)
 
 
 def test_every_module_is_looked_at():

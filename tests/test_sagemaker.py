@@ -39,6 +39,8 @@ from djl_stream.shipping.client import (  # noqa: E402
     stream,
 )
 from djl_stream.shipping.sagemaker import (  # noqa: E402
+    SCALING_METRICS,
+    autoscale,
     container_environment,
     deploy,
     parse_s3_uri,
@@ -557,3 +559,46 @@ def test_deploy_refuses_bad_input_before_calling_aws() -> None:
 def test_container_environment_is_strings() -> None:
     assert container_environment({"OPTION_ENABLE_STREAMING": True}) == \
         {"OPTION_ENABLE_STREAMING": "True"}
+
+
+# -- autoscaling, against botocore's Stubber (contract only: no AWS call is made) --
+
+def test_autoscale_registers_the_variant_and_tracks_invocations_per_instance() -> None:
+    client = boto3.client("application-autoscaling", region_name=REGION)
+    resource = "endpoint/djl-stream-smollm2/variant/AllTraffic"
+    dimension = "sagemaker:variant:DesiredInstanceCount"
+    policy = "djl-stream-smollm2-SageMakerVariantInvocationsPerInstance"
+    with Stubber(client) as stub:
+        # The Stubber checks each call against botocore's model of the real API as well.
+        stub.add_response("register_scalable_target", {}, expected_params={
+            "ServiceNamespace": "sagemaker", "ResourceId": resource,
+            "ScalableDimension": dimension, "MinCapacity": 1, "MaxCapacity": 4})
+        stub.add_response("put_scaling_policy", {
+            "PolicyARN": f"arn:aws:autoscaling:{REGION}:123456789012:scalingPolicy:x"},
+            expected_params={
+                "PolicyName": policy, "ServiceNamespace": "sagemaker", "ResourceId": resource,
+                "ScalableDimension": dimension, "PolicyType": "TargetTrackingScaling",
+                "TargetTrackingScalingPolicyConfiguration": {
+                    "TargetValue": 120.0,
+                    "PredefinedMetricSpecification": {
+                        "PredefinedMetricType": "SageMakerVariantInvocationsPerInstance"},
+                    "ScaleInCooldown": 300, "ScaleOutCooldown": 60}})
+        made = autoscale("djl-stream-smollm2", 1, 4, 120, autoscaling_client=client)
+        stub.assert_no_pending_responses()
+    assert made["policy_name"] == policy and made["resource_id"] == resource
+
+
+def test_the_scaling_metrics_are_ones_application_auto_scaling_knows() -> None:
+    model = botocore.session.get_session().get_service_model("application-autoscaling")
+    assert set(SCALING_METRICS) <= set(model.shape_for("MetricType").enum)
+
+
+@pytest.mark.parametrize("args, complaint", [
+    ((0, 4, 120), "min_instances must be at least 1"),
+    ((3, 2, 120), "at most max_instances"),
+    ((1, 4, 0), "target_per_instance must be positive"),
+])
+def test_autoscale_refuses_impossible_bounds_before_calling_aws(args, complaint) -> None:
+    client = boto3.client("application-autoscaling", region_name=REGION)
+    with Stubber(client), pytest.raises(ValueError, match=complaint):
+        autoscale("djl-stream-smollm2", *args, autoscaling_client=client)

@@ -25,12 +25,15 @@ import asyncio
 import dataclasses
 import struct
 from concurrent.futures import Executor
-from typing import Any, AsyncIterator, Dict, Iterator, Mapping, Optional
+from typing import Any, AsyncIterator, Callable, Dict, Iterator, Mapping, Optional
 
 from djl_stream.serving import compat
 from djl_stream.serving.outputs import djl_json
 
 JSON_CONTENT_TYPE = "application/json"
+#: The attribute of a streamed ``Output`` that holds its :attr:`StreamReply.error_record`
+#: (an attribute, not a property: properties become response headers).
+ERROR_RECORD_ATTRIBUTE = "djl_stream_error_record"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,13 +66,17 @@ class StreamReply:
     (a prompt the model cannot prefill, a formatter that raises) be answered with an error
     status: djl-serving's front end sends the 200 head with the first chunk, after which an
     error can only travel inside the stream. Iterating yields the first chunk, then the rest;
-    closing stops generation.
+    closing stops generation. ``error_record`` renders a message as the stream's own error
+    record (an SSE ``error`` event, a JSON line...), for whoever must end the stream where
+    the handler no longer can (a front that lost the process generating it).
     """
 
-    def __init__(self, first: Optional[bytes], rest: Iterator[bytes], content_type: str) -> None:
+    def __init__(self, first: Optional[bytes], rest: Iterator[bytes], content_type: str,
+                 error_record: Optional[Callable[[str], bytes]] = None) -> None:
         self.first = first
         self.rest = rest
         self.content_type = content_type
+        self.error_record = error_record
 
     def chunks(self) -> Iterator[bytes]:
         """Every chunk, first one included; closing the generator closes the stream."""
@@ -110,6 +117,8 @@ def to_output(reply: Reply) -> Any:
         # The chunks are already bytes: no formatter, so the wire does not depend on which
         # Output class (djl_python's default formatter writes {"outputs": ...}) is in use.
         out.add_stream_content(reply.chunks(), output_formatter=None)
+        if reply.error_record is not None:
+            setattr(out, ERROR_RECORD_ATTRIBUTE, reply.error_record)
         return out
     out = compat.Output(code=reply.code, message=reply.message if isinstance(reply, ErrorReply) else "OK")
     body = reply.body

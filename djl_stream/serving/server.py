@@ -546,21 +546,23 @@ async def _internal_error(request: Request, error: Exception) -> Response:
 
 def create_app(model_dir: str | Path, environ: Optional[Mapping[str, str]] = None, *,
                max_threads: int = DEFAULT_MAX_THREADS,
-               limits: HttpLimits = HttpLimits()) -> Starlette:
+               limits: HttpLimits = HttpLimits(), worker: Any = None) -> Starlette:
     """The ASGI app serving ``model_dir``; loading starts when the app starts.
 
     ``environ`` supplies ``OPTION_*`` variables (default ``os.environ``); ``max_threads``
     bounds concurrent ``handle()`` calls and open streams; ``limits`` bounds request bodies
     and requests in progress (the rest of :class:`HttpLimits` is the protocol's,
-    :func:`serve`). ``app.state.worker`` is
-    the :class:`ModelWorker`, ``app.state.admission`` the :class:`Admission` that a graceful
-    shutdown drains.
+    :func:`serve`). ``worker`` replaces the in-process :class:`ModelWorker` with anything
+    that answers the same calls (``load``, ``status``, ``make_input``, ``invoke``...): the
+    Ray Serve front's, whose ``handle()`` runs in other processes. ``app.state.worker`` is
+    the worker, ``app.state.admission`` the :class:`Admission` that a graceful shutdown
+    drains.
 
     >>> app = create_app("model/")
     >>> app.state.worker.status
     'LOADING'
     """
-    server = ModelServer(ModelWorker(model_dir, environ), max_threads)
+    server = ModelServer(worker or ModelWorker(model_dir, environ), max_threads)
     app = Starlette(
         routes=server.routes(),
         lifespan=server.lifespan,

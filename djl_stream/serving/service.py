@@ -342,7 +342,7 @@ class StreamingService:
         if cancellation is not None and cancellation.client_left:
             chunks.close()
             return CLIENT_LEFT
-        return StreamReply(first, chunks, encoder.content_type)
+        return StreamReply(first, chunks, encoder.content_type, encoder.error)
 
     def _collect(self, stream, request: GenerationRequest, prompt_tokens: List[int],
                  protocol: Protocol, cancellation: Optional[Cancellation] = None) -> Reply:

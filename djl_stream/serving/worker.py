@@ -170,6 +170,46 @@ def stream_failure_chunk(error: BaseException) -> bytes:
     return str(error).encode("utf-8")
 
 
+def request_input(body: bytes, headers: HeaderPairs, query: QueryParams = ()) -> Any:
+    """The ``Input`` djl's front end builds for one HTTP request.
+
+    Headers become properties with lower-case names (repeats joined with ``, ``), the
+    body is content ``data`` — even when empty, so a handler never mistakes a request
+    for the init call — query parameters follow as further content entries, and
+    ``requestId`` is a fresh UUID.
+
+    >>> inp = request_input(b"hi", {"X-Trace": "1"}, {"mode": "fast"})
+    >>> inp.get_property("x-trace"), inp.get_as_string(), inp.get_as_string("mode")
+    ('1', 'hi', 'fast')
+    """
+    props: dict[str, str] = {}
+    for name, value in _pairs(headers):
+        name = name.lower()
+        props[name] = f"{props[name]}, {value}" if name in props else value
+    props["requestId"] = str(uuid.uuid4())
+    content = [("data", bytes(body))]
+    content += [(key, value.encode("utf-8")) for key, value in _pairs(query)]
+    return _new_input(props, content)
+
+
+def input_parts(inp: Any) -> tuple[dict[str, str], list[tuple[Optional[str], bytes]]]:
+    """An ``Input``'s properties and content entries, as plain data that can travel to
+    another process (where :func:`input_from_parts` rebuilds it).
+
+    >>> properties, content = input_parts(request_input(b"hi", {"X-Trace": "1"}))
+    >>> properties["x-trace"], content
+    ('1', [('data', b'hi')])
+    """
+    return dict(inp.properties), [(key, _to_bytes(value))
+                                  for key, value in _values(getattr(inp, "content", None))]
+
+
+def input_from_parts(properties: Mapping[str, str],
+                     content: Iterable[tuple[Optional[str], bytes]]) -> Any:
+    """The ``Input`` that :func:`input_parts` took apart."""
+    return _new_input(properties, content)
+
+
 class ModelWorker:
     """One model directory served the way djl-serving's Python engine serves it.
 
@@ -322,25 +362,8 @@ class ModelWorker:
     # -- requests --
 
     def make_input(self, body: bytes, headers: HeaderPairs, query: QueryParams = ()) -> Any:
-        """The ``Input`` djl's front end builds for one HTTP request.
-
-        Headers become properties with lower-case names (repeats joined with ``, ``), the
-        body is content ``data`` — even when empty, so a handler never mistakes a request
-        for the init call — query parameters follow as further content entries, and
-        ``requestId`` is a fresh UUID.
-
-        >>> inp = ModelWorker(".").make_input(b"hi", {"X-Trace": "1"}, {"mode": "fast"})
-        >>> inp.get_property("x-trace"), inp.get_as_string(), inp.get_as_string("mode")
-        ('1', 'hi', 'fast')
-        """
-        props: dict[str, str] = {}
-        for name, value in _pairs(headers):
-            name = name.lower()
-            props[name] = f"{props[name]}, {value}" if name in props else value
-        props["requestId"] = str(uuid.uuid4())
-        content = [("data", bytes(body))]
-        content += [(key, value.encode("utf-8")) for key, value in _pairs(query)]
-        return _new_input(props, content)
+        """The ``Input`` djl's front end builds for one HTTP request (:func:`request_input`)."""
+        return request_input(body, headers, query)
 
     def invoke(self, inp: Any) -> Any:
         """Call ``handle(inp)`` and return an ``Output``, never raising for the handler.

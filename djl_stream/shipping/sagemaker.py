@@ -1,4 +1,5 @@
-"""Shipping a model directory to SageMaker: ``model.tar.gz``, S3 upload, endpoint creation.
+"""Shipping a model directory to SageMaker: ``model.tar.gz``, S3 upload, endpoint creation,
+autoscaling.
 
 SageMaker unpacks the ``ModelDataUrl`` archive into ``/opt/ml/model``, which is where
 djl-serving looks for its model, so the archive holds the *contents* of the model
@@ -19,11 +20,13 @@ boto3 is imported only by the functions that talk to AWS (``pip install djl-stre
 
 Example::
 
-    >>> from djl_stream.shipping.sagemaker import write_package, upload, deploy   # doctest: +SKIP
+    >>> from djl_stream.shipping.sagemaker import write_package, upload, deploy, autoscale  # doctest: +SKIP
     >>> write_package("model/", "model.tar.gz")                          # doctest: +SKIP
     >>> data = upload("model.tar.gz", "s3://my-bucket/djl-stream/")      # doctest: +SKIP
     >>> deploy("123456789012.dkr.ecr.us-west-2.amazonaws.com/djl-stream:lmi", data,
     ...        "arn:aws:iam::123456789012:role/SageMakerRole", "djl-stream-smollm2")  # doctest: +SKIP
+    >>> autoscale("djl-stream-smollm2", min_instances=1, max_instances=4,
+    ...           target_per_instance=120)                               # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -364,3 +367,54 @@ def deploy(
             "endpoint_config_name": endpoint_config_name,
             "endpoint_config_arn": config.get("EndpointConfigArn", ""),
             "endpoint_name": endpoint_name, "endpoint_arn": endpoint.get("EndpointArn", "")}
+
+
+#: Target-tracking metrics an endpoint can scale on: invocations per instance per minute
+#: (SageMaker's classic one), or requests in flight per model copy, sampled every 10 s
+#: (closer to what a streaming LLM's instance can hold, since a stream lasts seconds).
+SCALING_METRICS = ("SageMakerVariantInvocationsPerInstance",
+                   "SageMakerVariantConcurrentRequestsPerModelHighResolution")
+
+
+def autoscale(endpoint_name: str, min_instances: int, max_instances: int,
+              target_per_instance: float, *, variant_name: str = "AllTraffic",
+              metric: str = SCALING_METRICS[0], scale_in_cooldown_s: int = 300,
+              scale_out_cooldown_s: int = 60, autoscaling_client: Any = None,
+              region_name: Optional[str] = None) -> dict[str, str]:
+    """Let Application Auto Scaling change an endpoint's instance count between
+    ``min_instances`` and ``max_instances``, keeping ``metric`` near ``target_per_instance``.
+
+    Each instance runs the same model directory with its own continuous batching, so an
+    endpoint scales out as a Ray Serve deployment does: more copies of one ``handle()``.
+    This registers the variant as a scalable target and puts a target-tracking policy on
+    it (named ``<endpoint>-<metric>``); scaling in waits ``scale_in_cooldown_s`` after the
+    last change, scaling out ``scale_out_cooldown_s``. Returns the policy's ARN and name::
+
+        >>> autoscale("djl-stream-smollm2", 1, 4, target_per_instance=120)  # doctest: +SKIP
+        {'policy_name': 'djl-stream-smollm2-SageMakerVariantInvocationsPerInstance', ...}
+    """
+    endpoint_name = _check_name("endpoint name", endpoint_name)
+    if not 1 <= min_instances <= max_instances:
+        raise ValueError(f"min_instances must be at least 1 and at most max_instances "
+                         f"({max_instances}), got {min_instances}")
+    if target_per_instance <= 0:
+        raise ValueError(f"target_per_instance must be positive, got {target_per_instance}")
+    if metric not in SCALING_METRICS:
+        raise ValueError(f"metric must be one of {', '.join(SCALING_METRICS)}, got {metric!r}")
+    client = _client("application-autoscaling", autoscaling_client, region_name)
+    resource = f"endpoint/{endpoint_name}/variant/{variant_name}"
+    dimension = "sagemaker:variant:DesiredInstanceCount"
+    client.register_scalable_target(
+        ServiceNamespace="sagemaker", ResourceId=resource, ScalableDimension=dimension,
+        MinCapacity=min_instances, MaxCapacity=max_instances)
+    policy_name = f"{endpoint_name}-{metric}"
+    policy = client.put_scaling_policy(
+        PolicyName=policy_name, ServiceNamespace="sagemaker", ResourceId=resource,
+        ScalableDimension=dimension, PolicyType="TargetTrackingScaling",
+        TargetTrackingScalingPolicyConfiguration={
+            "TargetValue": float(target_per_instance),
+            "PredefinedMetricSpecification": {"PredefinedMetricType": metric},
+            "ScaleInCooldown": int(scale_in_cooldown_s),
+            "ScaleOutCooldown": int(scale_out_cooldown_s)})
+    return {"policy_name": policy_name, "policy_arn": policy.get("PolicyARN", ""),
+            "resource_id": resource}
