@@ -203,11 +203,19 @@ SERVE_ROUTES = """routes:
   GET  /models                    the model and its status, as djl-serving lists it
   GET  /metrics                   Prometheus metrics
   GET  /v1/models                 OpenAI's model list
+  GET  /v1/models/{model_id}      one model, as OpenAI's client retrieves it
   POST /v1/chat/completions       OpenAI chat completions (stream with "stream": true)
   POST /v1/completions            OpenAI completions
   POST /generate                  TGI's generate
   POST /generate_stream           TGI's server-sent events
   POST /                          TGI's compatibility route (huggingface_hub's InferenceClient)
+  POST /tokenize                  token ids of a prompt or conversation (vLLM's shape; TGI's with inputs)
+  POST /detokenize                the text of token ids
+  GET  /health                    TGI's health: 200 when ready, 503 before
+  GET  /info                      TGI's description of the model and limits
+  GET  /version                   the server's version
+  GET  /openapi.json              the API as OpenAPI 3.1, from the request models
+  GET  /docs                      a page that reads /openapi.json
   WS   /ws/chat                   a conversation over a WebSocket, the answer streamed
   GET  /chat                      a chat page for a browser, streaming over /ws/chat
   GET  /                          the same chat page

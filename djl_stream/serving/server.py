@@ -58,9 +58,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Match, Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from djl_stream.protocols.model_queries import DETOKENIZE, INFO, TOKENIZE
+from djl_stream.protocols.openai.responses import error_body
 from djl_stream.protocols.protocol import PROTOCOL_PROPERTY
 from djl_stream.serving.admission import DEFAULT_SHUTDOWN_GRACE, SHUTTING_DOWN, Admission
 from djl_stream.serving.cancellation import Cancellation, attach_cancellation
+from djl_stream.serving.api_docs import api_docs_page, openapi_document
 from djl_stream.serving.chat_page import CHAT_PAGE_PATHS, chat_page
 from djl_stream.serving.chat_socket import ChatSocket
 from djl_stream.serving.http_errors import error_response
@@ -413,12 +416,24 @@ class ModelServer:
             Route("/models", self.models, methods=["GET"]),
             Route("/metrics", self.prometheus_metrics, methods=["GET"]),
             Route("/v1/models", self.openai_models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.openai_model, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
+            Route("/info", self._protocol_route(INFO), methods=["GET"]),
+            Route("/tokenize", self._protocol_route(TOKENIZE), methods=["POST"]),
+            Route("/detokenize", self._protocol_route(DETOKENIZE), methods=["POST"]),
+            Route("/openapi.json", self.openapi, methods=["GET"]),
+            Route("/docs", api_docs_page, methods=["GET"]),
             WebSocketRoute("/ws/chat", ChatSocket(self).serve),
             *(Route(path, chat_page, methods=["GET"]) for path in CHAT_PAGE_PATHS),
             # Other clients' protocols, answered by the same handle(): the route names the
             # protocol to the handler (PROTOCOL_PROPERTY), as the body's shape would.
             *(Route(path, self._protocol_route(name), methods=["POST"])
               for path, name in PROTOCOL_ROUTES.items()),
+            # Last: any other path under /v1 is an OpenAI client asking for what this server
+            # does not serve (embeddings, images...), told so in OpenAI's error shape.
+            Route("/v1/{path:path}", self.openai_unknown_route,
+                  methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
         ]
 
     def _protocol_route(self, protocol: str):
@@ -455,10 +470,51 @@ class ModelServer:
     async def openai_models(self, request: Request) -> Response:
         """OpenAI's model list, for clients that look the model up before asking. The id is
         the ``model`` answers carry: ``option.model_id``, else the directory's name."""
-        worker = self.worker
         return JSONResponse({"object": "list", "data": [
-            {"id": worker.properties.get("model_id") or worker.model_dir.name,
-             "object": "model", "created": self.started, "owned_by": "djl-stream"}]})
+            {"id": self._openai_model_id(), "object": "model", "created": self.started,
+             "owned_by": "djl-stream"}]})
+
+    def _openai_model_id(self) -> str:
+        worker = self.worker
+        return worker.properties.get("model_id") or worker.model_dir.name
+
+    async def openai_model(self, request: Request) -> Response:
+        """OpenAI's ``GET /v1/models/{id}`` (``client.models.retrieve``)."""
+        model_id = request.path_params["model_id"]
+        if model_id != self._openai_model_id():
+            return JSONResponse(error_body(
+                f"The model '{model_id}' does not exist; this server serves "
+                f"'{self._openai_model_id()}'", "invalid_request_error", "model",
+                "model_not_found"), status_code=404)
+        return JSONResponse({"id": model_id, "object": "model", "created": self.started,
+                             "owned_by": "djl-stream"})
+
+    async def openai_unknown_route(self, request: Request) -> Response:
+        for route in self.routes()[:-1]:
+            match, _ = route.matches(request.scope)
+            if match == Match.PARTIAL:  # a route of ours, with another method
+                return error_response(405, "Method Not Allowed", path=request.url.path)
+        return JSONResponse(error_body(
+            f"Invalid URL ({request.method} {request.url.path}): djl-stream serves "
+            "/v1/chat/completions, /v1/completions and /v1/models", "invalid_request_error"),
+            status_code=404)
+
+    async def health(self, request: Request) -> Response:
+        """TGI's ``GET /health``: 200 and no body when the model can answer, else 503 with
+        TGI's error record."""
+        worker = self.worker
+        if worker.status == READY and self.admission.open:
+            return Response(status_code=200)
+        message = worker.not_ready_message() if self.admission.open else SHUTTING_DOWN
+        return JSONResponse({"error": message, "error_type": "healthcheck"}, status_code=503)
+
+    async def version(self, request: Request) -> Response:
+        from djl_stream import __version__
+
+        return JSONResponse({"version": __version__})
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(openapi_document(self.routes()))
 
     async def prometheus_metrics(self, request: Request) -> Response:
         body, content_type = self.metrics.exposition(request.headers.get("accept"))

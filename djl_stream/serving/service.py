@@ -43,6 +43,8 @@ from djl_stream.runtime.kv_memory import default_max_request_kv_tokens
 from djl_stream.generation.streaming_utils import StreamingUtils
 from djl_stream.protocols.djl.formatters import StreamFormatter, resolve_formatter
 from djl_stream.protocols.djl.protocol import djl_protocol
+from djl_stream.protocols.model_queries import (DETOKENIZE, INFO, MODEL_QUERIES, TOKENIZE,
+                                              detokenize, query_kind, tokenize)
 from djl_stream.protocols.protocol import (PROTOCOL_PROPERTY, EncodedStream, Failure,
                                            ParseContext, Protocol, StreamEncoder)
 from djl_stream.protocols.request import GenerationRequest
@@ -297,6 +299,9 @@ class StreamingService:
         generation, queued or running: a client that left gets :data:`CLIENT_LEFT`, a
         request the shutting-down server ended gets a 503 before its first chunk, the
         stream's error record after it."""
+        query = str(inputs.get_property(PROTOCOL_PROPERTY) or "").strip().lower()
+        if query in MODEL_QUERIES:
+            return self.answer_query(query, inputs)
         cancellation = cancellation_of(inputs)
         protocol = self.protocols["djl"]
         try:
@@ -357,6 +362,54 @@ class StreamingService:
             # The steps stop wherever the client left: there is no answer to write.
             return CLIENT_LEFT
         return JsonReply(protocol.complete(request, steps, prompt_tokens))
+
+    def answer_query(self, query: str, inputs) -> Reply:
+        """A question about the model (:mod:`~djl_stream.protocols.model_queries`): a
+        tokenization, a detokenization, or TGI's ``/info``. Errors come in the shape of the
+        client that asks (TGI's for a TGI-shaped ``/tokenize``, else OpenAI's, as vLLM)."""
+        if query == INFO:
+            return JsonReply(self.info())
+        protocol = self.protocols["openai-completions"]
+        try:
+            body = self.read_body(inputs)
+            if query == TOKENIZE:
+                if query_kind(body) == "tgi":
+                    protocol = self.protocols["tgi"]
+                render = self.render_chat if self.has_chat_template else None
+                context = getattr(self.model.config, "max_position_embeddings", None)
+                return JsonReply(tokenize(body, self.tokenizer, render, context))
+            assert query == DETOKENIZE
+            return JsonReply(detokenize(body, self.tokenizer))
+        except RequestError as error:
+            return self._error(protocol, Failure.invalid(error))
+
+    def info(self) -> Dict[str, Any]:
+        """TGI's ``GET /info``: the served model and the server's limits.
+
+        ``max_input_tokens`` is ``option.max_input_length``; ``max_total_tokens`` what one
+        sequence may reach (its prompt plus ``option.max_new_tokens_limit``, within the
+        model's context); ``max_client_batch_size`` the prompts one request may carry.
+        """
+        from djl_stream import __version__
+
+        props = self.props
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        total = props.max_input_length + props.max_new_tokens_limit
+        parameters = getattr(self.model, "parameters", None)  # (a Neuron model has none)
+        parameter = next(parameters(), None) if callable(parameters) else None
+        return {
+            "model_id": self.model_name, "model_sha": None,
+            "model_dtype": str(parameter.dtype).removeprefix("torch.") if parameter is not None else None,
+            "model_device_type": parameter.device.type if parameter is not None else None,
+            "model_pipeline_tag": "text-generation",
+            "max_concurrent_requests": props.max_rolling_batch_size + props.job_queue_size,
+            "max_best_of": 1, "max_stop_sequences": None,
+            "max_input_tokens": props.max_input_length,
+            "max_total_tokens": min(total, context) if context else total,
+            "max_client_batch_size": props.max_rolling_batch_size,
+            "validation_workers": 1, "router": "djl-stream", "version": __version__,
+            "sha": None, "docker_label": None,
+        }
 
     @staticmethod
     def _error(protocol: Protocol, failure: Failure) -> ErrorReply:

@@ -71,7 +71,9 @@ class DjlAnswer:
 # validation; RequestError paths are mapped back to what the client sent.
 
 
-class _Parameters(BaseModel):
+class DjlParameters(BaseModel):
+    """Generation parameters of djl-serving's request."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
 
     # The upper bound of max_new_tokens is a model property, checked after validation.
@@ -99,22 +101,27 @@ class _Parameters(BaseModel):
     ANSWER_KEYS: ClassVar[tuple[str, ...]] = ("details", "return_full_text")
 
 
-class _Message(BaseModel):
+class DjlMessage(BaseModel):
+    """One chat message."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool"]
     content: Prompt
 
 
-class _Body(BaseModel):
+class DjlRequest(BaseModel):
+    """djl-serving's request: ``inputs`` (one prompt or several) or ``messages``, with
+    ``parameters``; ``stream`` overrides ``option.enable_streaming``."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
 
     # The length bound inside Optional: around it, pydantic applies it to None and raises
     # a TypeError (a 424) for "inputs": null.
     inputs: Annotated[Optional[Annotated[list[Prompt], Field(min_length=1)]],
                       BeforeValidator(one_or_many)] = None
-    messages: Optional[list[_Message]] = Field(None, min_length=1)
-    parameters: Optional[_Parameters] = None
+    messages: Optional[list[DjlMessage]] = Field(None, min_length=1)
+    parameters: Optional[DjlParameters] = None
     stream: Optional[bool] = None
 
 
@@ -131,10 +138,10 @@ _EXPECTED_BY_FIELD = {
 
 def _known_keys(parent: str) -> tuple[type[BaseModel], str]:
     if parent == "parameters":
-        return _Parameters, "parameter"
+        return DjlParameters, "parameter"
     if parent.startswith("messages"):
-        return _Message, "message key"
-    return _Body, "key"
+        return DjlMessage, "message key"
+    return DjlRequest, "key"
 
 
 # ---------------------------------------------------------------------------------------
@@ -171,13 +178,13 @@ def parse_request(body: Any, *, default_max_new_tokens: int, max_new_tokens_limi
     if body.get("inputs") is not None and body.get("messages") is not None:
         raise RequestError("body", "give either inputs or messages, not both")
     try:
-        parsed = _Body.model_validate(body)
+        parsed = DjlRequest.model_validate(body)
     except ValidationError as err:
         raise request_error(err, body, _known_keys, _EXPECTED_BY_FIELD) from None
     if parsed.inputs is None and parsed.messages is None:
         raise RequestError("inputs", "inputs is required (or messages, for a chat request)")
 
-    params = parsed.parameters or _Parameters()
+    params = parsed.parameters or DjlParameters()
     parameters = _sampling_parameters(params, default_max_new_tokens, max_new_tokens_limit)
     answer = _answer(params, parsed)
 
@@ -198,7 +205,7 @@ def parse_request(body: Any, *, default_max_new_tokens: int, max_new_tokens_limi
                              batched=False, messages=messages, answer=answer)
 
 
-def _sampling_parameters(params: _Parameters, default_max_new_tokens: int,
+def _sampling_parameters(params: DjlParameters, default_max_new_tokens: int,
                          max_new_tokens_limit: int) -> SamplingParameters:
     """The generation parameters of a validated ``parameters`` object, with the limits
     that depend on the model or on other parameters checked."""
@@ -224,7 +231,7 @@ def _sampling_parameters(params: _Parameters, default_max_new_tokens: int,
                            f"parameters.{asked} are written in the per-token details; "
                            f"leave parameters.details true or unset")
 
-    set_values = params.model_dump(exclude_none=True, exclude=set(_Parameters.ANSWER_KEYS))
+    set_values = params.model_dump(exclude_none=True, exclude=set(DjlParameters.ANSWER_KEYS))
     set_values["max_new_tokens"] = max_new_tokens
     set_values["stop"] = tuple(set_values.get("stop", ()))
     if "seed" in set_values:
@@ -234,7 +241,7 @@ def _sampling_parameters(params: _Parameters, default_max_new_tokens: int,
     return SamplingParameters(**set_values)
 
 
-def _answer(params: _Parameters, parsed: _Body) -> DjlAnswer:
+def _answer(params: DjlParameters, parsed: DjlRequest) -> DjlAnswer:
     if params.return_full_text and parsed.messages is not None:
         raise RequestError("parameters.return_full_text",
                            "parameters.return_full_text needs inputs: a messages request's "
