@@ -7,7 +7,11 @@ Routes, as djl-serving (and SageMaker) expose them:
 - ``POST /invocations`` and ``POST /predictions/{model_name}``: one request to ``handle()``;
 - ``GET /models``: the management list, ``{"models": [{"modelName", "modelUrl", "status"}]}``;
 - ``GET /metrics``: Prometheus metrics (:mod:`djl_stream.serving.metrics`), djl-stream's own;
-- ``GET /v1/models``: OpenAI's model list, beside the OpenAI routes of :data:`PROTOCOL_ROUTES`;
+- ``GET /v1/models`` and ``GET /v1/models/{id}``: OpenAI's model list and model, beside the
+  OpenAI routes of :data:`PROTOCOL_ROUTES`; any other ``/v1/`` path is a 404 in OpenAI's shape;
+- ``GET /health`` and ``GET /info`` (TGI's), ``GET /version``, ``POST /tokenize`` and
+  ``POST /detokenize`` (:mod:`~djl_stream.protocols.model_queries`, through ``handle()``);
+- ``GET /openapi.json`` and ``GET /docs`` (:mod:`~djl_stream.serving.api_docs`);
 - ``WS /ws/chat`` (:mod:`~djl_stream.serving.chat_socket`) and its page, ``GET /chat`` and
   ``GET /`` (:mod:`~djl_stream.serving.chat_page`): djl-stream's own, not djl-serving's.
 
@@ -395,7 +399,7 @@ class ModelServer:
 
     >>> server = ModelServer(ModelWorker("model/"))
     >>> sorted({route.path for route in server.routes()})[:6]
-    ['/', '/chat', '/generate', '/generate_stream', '/invocations', '/metrics']
+    ['/', '/chat', '/detokenize', '/docs', '/generate', '/generate_stream']
     """
 
     def __init__(self, worker: ModelWorker, max_threads: int = DEFAULT_MAX_THREADS,
