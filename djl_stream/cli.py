@@ -88,6 +88,20 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument("--max-head-size", type=_positive(int), metavar="BYTES",
                         help="largest request head (request line and headers); 431 beyond "
                              "it, 414 for a longer target (default: 16384: 16 KiB)")
+    access = serve.add_argument_group(
+        "access", "who may call the server; off by default (a warning when it listens beyond "
+                  "loopback without a key)")
+    access.add_argument("--api-key", default=None, metavar="KEY",
+                        help="require Authorization: Bearer KEY on every route but the open "
+                             "ones (default: $DJL_STREAM_API_KEY, else none)")
+    access.add_argument("--open-routes", default=None, metavar="ROUTES",
+                        help="comma-separated routes that need no key, each a path or "
+                             "'METHOD /path'; '' for none (default: $DJL_STREAM_OPEN_ROUTES, "
+                             "else /ping, /health, /metrics and the GET pages)")
+    access.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                        help="comma-separated origins whose pages may call the server (CORS), "
+                             "e.g. https://app.example.com; '*' for any (default: "
+                             "$DJL_STREAM_ALLOWED_ORIGINS, else none)")
     scale_out = serve.add_argument_group(
         "scale-out on Ray Serve", "with --ray, the model runs in replicas (each its own "
         "handle() and continuous batching) behind Ray Serve's HTTP proxy on --host/--port; "
@@ -314,15 +328,36 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         grace = shutdown_grace(args, os.environ)
         limits = http_limits(args, os.environ)
+        access = access_options(args, os.environ)
     except ValueError as error:
         print(f"djl-stream serve: {error}", file=sys.stderr)
         return 2
     if args.ray:
-        return _serve_on_ray(args, limits)
+        return _serve_on_ray(args, limits, access)
     started = serve(args.model_dir, host=args.host, port=args.port, log_level=args.log_level,
-                    shutdown_grace=grace, limits=limits)
+                    shutdown_grace=grace, limits=limits, access=access)
     # 3 is uvicorn's own status for a server that could not start (a port in use)
     return 0 if started else 3
+
+
+def access_options(args: argparse.Namespace, environ: Mapping[str, str]) -> Any:
+    """The :class:`~djl_stream.serving.access.AccessControl` of ``serve``'s access flags,
+    each falling back to its ``DJL_STREAM_`` variable.
+
+    >>> args = build_parser().parse_args(["serve", "model/", "--allowed-origins", "https://a.example"])
+    >>> access = access_options(args, {"DJL_STREAM_API_KEY": "k"})
+    >>> access.api_key, access.allowed_origins
+    ('k', ('https://a.example',))
+    """
+    from djl_stream.serving.access import access_control
+
+    def listed(flag: Optional[str], variable: str) -> Optional[list[str]]:
+        value = flag if flag is not None else environ.get(variable)
+        return None if value is None else value.split(",")
+
+    return access_control(args.api_key, listed(args.open_routes, "DJL_STREAM_OPEN_ROUTES"),
+                          listed(args.allowed_origins, "DJL_STREAM_ALLOWED_ORIGINS") or (),
+                          environ)
 
 
 def scaling_options(args: argparse.Namespace) -> Any:
@@ -341,7 +376,7 @@ def scaling_options(args: argparse.Namespace) -> Any:
     return ScalingOptions(**options)
 
 
-def _serve_on_ray(args: argparse.Namespace, limits: Any) -> int:
+def _serve_on_ray(args: argparse.Namespace, limits: Any, access: Any) -> int:
     import logging
 
     try:
@@ -358,7 +393,7 @@ def _serve_on_ray(args: argparse.Namespace, limits: Any) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=args.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve_on_ray(args.model_dir, args.host, args.port, scaling, limits,
+    serve_on_ray(args.model_dir, args.host, args.port, scaling, limits, access,
                  address=args.ray_address, cpus=args.ray_cpus)
     return 0
 

@@ -31,11 +31,12 @@ class ServerProcess:
     ``serving.properties`` says otherwise: a compile would take a core for the server's
     whole life in a test, and the compiled step has tests of its own.
     ``client_timeout`` is a deadline for each HTTP call of ``http``, not a speed target:
-    the machine that runs the tests may be busy."""
+    the machine that runs the tests may be busy. ``headers`` go with each call of ``http``
+    (an API key's, for a server that protects ``/ping``)."""
 
     def __init__(self, model_dir: Path, *, log_path: Optional[Path] = None,
                  env: Optional[Mapping[str, str]] = None, client_timeout: float = 120.0,
-                 args: Sequence[str] = ()) -> None:
+                 args: Sequence[str] = (), headers: Optional[Mapping[str, str]] = None) -> None:
         self.model_dir = Path(model_dir)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -50,7 +51,7 @@ class ServerProcess:
              *args],
             stdout=self.log, stderr=subprocess.STDOUT,
             env={**os.environ, "OPTION_COMPILE": "false", **(env or {})})
-        self.http = httpx.Client(base_url=self.url, timeout=client_timeout)
+        self.http = httpx.Client(base_url=self.url, timeout=client_timeout, headers=headers)
 
     def first_ping(self, timeout: float = 30.0) -> httpx.Response:
         """The first answer to /ping: the server is up, the model may still be loading."""

@@ -40,6 +40,7 @@ import anyio
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from djl_stream.protocols.protocol import PROTOCOL_PROPERTY
+from djl_stream.serving.access import BEARER_SUBPROTOCOL
 from djl_stream.serving.cancellation import Cancellation, attach_cancellation
 from djl_stream.serving.stream_pump import PumpFailure, StreamPump
 from djl_stream.serving.worker import READY, next_stream_chunk, output_body
@@ -137,7 +138,11 @@ class ChatSocket:
 
     async def serve(self, websocket: WebSocket) -> None:
         """One connection, from its handshake to its close."""
-        await websocket.accept()
+        # A browser that sent the API key as a subprotocol (RequireApiKey checked it) needs
+        # it chosen in the answer, or it drops the connection.
+        offered = websocket.scope.get("subprotocols") or []
+        await websocket.accept(subprotocol=next(
+            (p for p in offered if p.startswith(BEARER_SUBPROTOCOL)), None))
         conversation = Conversation()
         running: Optional[Cancellation] = None
         finished = anyio.Event()

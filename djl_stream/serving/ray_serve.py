@@ -42,6 +42,7 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from djl_stream.serving.access import AccessControl, warn_if_exposed
 from djl_stream.serving.admission import SHUTTING_DOWN
 from djl_stream.serving.cancellation import Cancellation, attach_cancellation, cancellation_of
 from djl_stream.serving.compat import Output
@@ -259,19 +260,21 @@ def _remote_chunks(responses: Iterator[bytes], head: Mapping[str, Any],
 class Front:
     """The front deployment: ``djl-stream serve``'s app on the model replicas."""
 
-    def __init__(self, replicas: DeploymentHandle, limits: HttpLimits = HttpLimits()) -> None:
+    def __init__(self, replicas: DeploymentHandle, limits: HttpLimits = HttpLimits(),
+                 access: AccessControl = AccessControl()) -> None:
         self.worker = RemoteWorker(replicas)
         self.limits = limits
+        self.access = access
 
     def __serve_build_asgi_app__(self) -> Any:
-        return create_app(".", worker=self.worker, limits=self.limits)
+        return create_app(".", worker=self.worker, limits=self.limits, access=self.access)
 
 
 # -- building and running the application -----------------------------------------------
 
 def build_app(model_dir: str | Path, scaling: ScalingOptions = ScalingOptions(),
               environ: Optional[Mapping[str, str]] = None,
-              limits: HttpLimits = HttpLimits()) -> Any:
+              limits: HttpLimits = HttpLimits(), access: AccessControl = AccessControl()) -> Any:
     """The Ray Serve application serving ``model_dir`` (not yet running: ``serve.run`` it).
 
     ``environ`` (default ``os.environ``) gives the replicas their ``OPTION_*`` variables.
@@ -288,7 +291,7 @@ def build_app(model_dir: str | Path, scaling: ScalingOptions = ScalingOptions(),
                              ray_actor_options={"num_cpus": 0},
                              max_ongoing_requests=limits.limit_concurrency or 1000)
     replicas = replica.bind(str(model_dir), passed_environment(environ))
-    return front.bind(replicas, limits)
+    return front.bind(replicas, limits, access)
 
 
 def app_builder(args: Dict[str, str]) -> Any:
@@ -309,20 +312,22 @@ def app_builder(args: Dict[str, str]) -> Any:
 
 def serve_on_ray(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8080,
                  scaling: ScalingOptions = ScalingOptions(),
-                 limits: HttpLimits = HttpLimits(), address: Optional[str] = None,
-                 cpus: Optional[float] = None) -> None:
+                 limits: HttpLimits = HttpLimits(), access: AccessControl = AccessControl(),
+                 address: Optional[str] = None, cpus: Optional[float] = None) -> None:
     """Deploy ``model_dir`` on Ray Serve, HTTP on ``host:port``, until SIGTERM or Ctrl+C.
 
     Connects to the cluster at ``address`` (or ``RAY_ADDRESS``); without one, starts a
     local cluster of ``cpus`` CPUs (default: the machine's) on 127.0.0.1.
     """
+    warn_if_exposed(host, access)
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)
     else:
         ray.init(num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(model_dir, scaling, limits=limits), name=APP_NAME, route_prefix="/")
+    serve.run(build_app(model_dir, scaling, limits=limits, access=access), name=APP_NAME,
+              route_prefix="/")
     logger.info("serving %s on http://%s:%d through Ray Serve", model_dir, host, port)
     stop = threading.Event()
     _on_termination(stop.set)

@@ -57,6 +57,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Match, Route, WebSocketRoute
@@ -65,6 +66,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from djl_stream.protocols.model_queries import DETOKENIZE, INFO, TOKENIZE
 from djl_stream.protocols.openai.responses import error_body
 from djl_stream.protocols.protocol import PROTOCOL_PROPERTY
+from djl_stream.serving.access import AccessControl, RequireApiKey, warn_if_exposed
 from djl_stream.serving.admission import DEFAULT_SHUTDOWN_GRACE, SHUTTING_DOWN, Admission
 from djl_stream.serving.cancellation import Cancellation, attach_cancellation
 from djl_stream.serving.api_docs import api_docs_page, openapi_document
@@ -606,7 +608,8 @@ async def _internal_error(request: Request, error: Exception) -> Response:
 
 def create_app(model_dir: str | Path, environ: Optional[Mapping[str, str]] = None, *,
                max_threads: int = DEFAULT_MAX_THREADS,
-               limits: HttpLimits = HttpLimits(), worker: Any = None) -> Starlette:
+               limits: HttpLimits = HttpLimits(), worker: Any = None,
+               access: AccessControl = AccessControl()) -> Starlette:
     """The ASGI app serving ``model_dir``; loading starts when the app starts.
 
     ``environ`` supplies ``OPTION_*`` variables (default ``os.environ``); ``max_threads``
@@ -614,7 +617,8 @@ def create_app(model_dir: str | Path, environ: Optional[Mapping[str, str]] = Non
     and requests in progress (the rest of :class:`HttpLimits` is the protocol's,
     :func:`serve`). ``worker`` replaces the in-process :class:`ModelWorker` with anything
     that answers the same calls (``load``, ``status``, ``make_input``, ``invoke``...): the
-    Ray Serve front's, whose ``handle()`` runs in other processes. ``app.state.worker`` is
+    Ray Serve front's, whose ``handle()`` runs in other processes. ``access`` is the API key
+    and the origins allowed by CORS (:mod:`~djl_stream.serving.access`). ``app.state.worker`` is
     the worker, ``app.state.admission`` the :class:`Admission` that a graceful shutdown
     drains.
 
@@ -627,9 +631,15 @@ def create_app(model_dir: str | Path, environ: Optional[Mapping[str, str]] = Non
         routes=server.routes(),
         lifespan=server.lifespan,
         middleware=[Middleware(AccessLog, metrics=server.metrics),
+                    # Before the key: a browser sends its preflight without credentials.
+                    *([Middleware(CORSMiddleware, allow_origins=list(access.allowed_origins),
+                                  allow_methods=["GET", "POST", "OPTIONS"],
+                                  allow_headers=["*"], expose_headers=["x-request-id"])]
+                      if access.allowed_origins else []),
                     Middleware(RequestConcurrency, limits=limits),
                     Middleware(RequestLimits, limits=limits),
-                    Middleware(TrailingSlash)],
+                    Middleware(TrailingSlash),
+                    Middleware(RequireApiKey, access=access)],
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},
     )
     app.router.redirect_slashes = False  # see TrailingSlash
@@ -699,8 +709,9 @@ class GracefulServer(uvicorn.Server):
 
 def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8080,
           log_level: str = "info", shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
-          limits: HttpLimits = HttpLimits()) -> bool:
-    """Serve ``model_dir`` with uvicorn until SIGTERM or Ctrl+C, within ``limits``; return
+          limits: HttpLimits = HttpLimits(), access: AccessControl = AccessControl()) -> bool:
+    """Serve ``model_dir`` with uvicorn until SIGTERM or Ctrl+C, within ``limits`` and
+    ``access`` (a warning when it listens beyond loopback without a key); return
     whether the server started (False: it could not, e.g. the port is taken). On SIGTERM,
     running requests get ``shutdown_grace`` seconds to finish (:class:`GracefulServer`).
 
@@ -709,7 +720,8 @@ def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8080,
     if not logging.getLogger().handlers:
         logging.basicConfig(level=log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(model_dir, limits=limits)
+    warn_if_exposed(host, access)
+    app = create_app(model_dir, limits=limits, access=access)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             **limits.uvicorn_options(),
                             # Our AccessLog line has timings; uvicorn's would be a second,
