@@ -214,6 +214,8 @@ SERVE_ROUTES = """routes:
   GET  /ping                      health: 200 once the model is loaded, 503 before
   POST /invocations               djl's request (or OpenAI's, by its keys); SageMaker's route
   POST /predictions/{model}       the same, for the model named by the directory
+  POST /endpoints/{endpoint_name}/invocations  SageMaker's InvokeEndpoint (boto3's endpoint_url)
+  POST /endpoints/{endpoint_name}/invocations-response-stream  ... WithResponseStream
   GET  /models                    the model and its status, as djl-serving lists it
   GET  /metrics                   Prometheus metrics
   GET  /v1/models                 OpenAI's model list

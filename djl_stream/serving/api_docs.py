@@ -39,6 +39,13 @@ OPERATIONS: Dict[Tuple[str, str], Tuple[str, Tuple[type[BaseModel], ...], str]] 
                                "application/jsonlines"),
     ("/predictions/{model_name}", "post"): ("Generate, for the model named", (DjlRequest,),
                                             "application/jsonlines"),
+    ("/endpoints/{endpoint_name}/invocations", "post"): (
+        "SageMaker's InvokeEndpoint (boto3's endpoint_url pointed here)",
+        (DjlRequest, ChatCompletionRequest, CompletionRequest), "application/json"),
+    ("/endpoints/{endpoint_name}/invocations-response-stream", "post"): (
+        "SageMaker's InvokeEndpointWithResponseStream: each chunk a PayloadPart event",
+        (DjlRequest, ChatCompletionRequest, CompletionRequest),
+        "application/vnd.amazon.eventstream"),
     ("/v1/chat/completions", "post"): ("OpenAI chat completions", (ChatCompletionRequest,),
                                        "text/event-stream"),
     ("/v1/completions", "post"): ("OpenAI completions", (CompletionRequest,),

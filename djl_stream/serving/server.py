@@ -5,6 +5,8 @@ Routes, as djl-serving (and SageMaker) expose them:
 - ``GET /ping``: 200 ``{"status": "Healthy"}`` once the model is loaded, 503 with the
   reason while it loads or after the load failed;
 - ``POST /invocations`` and ``POST /predictions/{model_name}``: one request to ``handle()``;
+- ``POST /endpoints/{name}/invocations`` and ``.../invocations-response-stream``: the same,
+  answered as SageMaker's runtime API answers boto3 (:mod:`~djl_stream.serving.sagemaker_runtime`);
 - ``GET /models``: the management list, ``{"models": [{"modelName", "modelUrl", "status"}]}``;
 - ``GET /metrics``: Prometheus metrics (:mod:`djl_stream.serving.metrics`), djl-stream's own;
 - ``GET /v1/models`` and ``GET /v1/models/{id}``: OpenAI's model list and model, beside the
@@ -75,6 +77,7 @@ from djl_stream.serving.chat_socket import ChatSocket
 from djl_stream.serving.http_errors import error_response
 from djl_stream.serving.http_limits import HttpLimits, RequestConcurrency, RequestLimits
 from djl_stream.serving.metrics import PrometheusMetrics, record_request, server_metrics
+from djl_stream.serving.sagemaker_runtime import AsSageMaker
 from djl_stream.serving.stream_pump import FINISHED, PumpFailure, StreamPump
 from djl_stream.serving.worker import (
     READY,
@@ -400,8 +403,8 @@ class ModelServer:
     """The routes of one served model; :func:`create_app` wraps them in a Starlette app.
 
     >>> server = ModelServer(ModelWorker("model/"))
-    >>> sorted({route.path for route in server.routes()})[:6]
-    ['/', '/chat', '/detokenize', '/docs', '/generate', '/generate_stream']
+    >>> sorted({route.path for route in server.routes()})[:4]
+    ['/', '/chat', '/detokenize', '/docs']
     """
 
     def __init__(self, worker: ModelWorker, max_threads: int = DEFAULT_MAX_THREADS,
@@ -419,6 +422,11 @@ class ModelServer:
             Route("/ping", self.ping, methods=["GET"]),
             Route("/invocations", self.invocations, methods=["POST"]),
             Route("/predictions/{model_name}", self.predictions, methods=["POST"]),
+            # SageMaker's runtime API (boto3's endpoint_url pointed here): any endpoint name.
+            Route("/endpoints/{endpoint_name}/invocations", self.sagemaker_invocations,
+                  methods=["POST"]),
+            Route("/endpoints/{endpoint_name}/invocations-response-stream",
+                  self.sagemaker_invocations_stream, methods=["POST"]),
             Route("/models", self.models, methods=["GET"]),
             Route("/metrics", self.prometheus_metrics, methods=["GET"]),
             Route("/v1/models", self.openai_models, methods=["GET"]),
@@ -528,6 +536,14 @@ class ModelServer:
 
     async def invocations(self, request: Request) -> Response | StreamingOutputResponse:
         return await self._predict(request)
+
+    async def sagemaker_invocations(self, request: Request) -> ASGIApp:
+        """SageMaker's ``InvokeEndpoint``: ``/invocations``, errors as ``ModelError``."""
+        return AsSageMaker(await self._predict(request), stream=False)
+
+    async def sagemaker_invocations_stream(self, request: Request) -> ASGIApp:
+        """SageMaker's ``InvokeEndpointWithResponseStream``: each chunk a ``PayloadPart``."""
+        return AsSageMaker(await self._predict(request), stream=True)
 
     async def predictions(self, request: Request) -> Response | StreamingOutputResponse:
         name = request.path_params["model_name"]
