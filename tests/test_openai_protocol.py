@@ -77,7 +77,9 @@ def test_temperature_0_is_greedy_and_the_other_parameters_map_to_the_engines():
     ({"top_p": 0}, "top_p", "top_p must be greater than 0, got 0"),
     ({"n": "2"}, "n", "n must be an integer, got \"2\" (a string)"),
     ({"n": 5}, "n", "n (5) is 5 sequences; the limit (option.max_rolling_batch_size) is 4"),
-    ({"n": 2, "seed": 1}, "seed", "n identical choices"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be at most 2, got 2.5"),
+    ({"logit_bias": {"hello": 1}}, "logit_bias", "logit_bias keys must be token ids"),
+    ({"logit_bias": {"42": 101}}, "logit_bias.42", "must be at most 100, got 101"),
     ({"stop": [""]}, "stop[0]", "must not be empty"),
     ({"stop": ["a"] * 17}, "stop", "at most 16 entries, got 17"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "at most 20, got 21"),
@@ -101,7 +103,6 @@ def test_a_bad_chat_request_is_refused_naming_the_field_and_the_limit(body, fiel
 
 
 @pytest.mark.parametrize("field, value", [
-    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"42": 5}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
     ("response_format", {"type": "json_object"}), ("reasoning_effort", "low"),
     ("modalities", ["text", "audio"]), ("functions", [{"name": "f"}]),
@@ -117,6 +118,16 @@ def test_what_clients_send_by_default_is_accepted():
                    logit_bias={}, tools=[], tool_choice="none", response_format={"type": "text"},
                    metadata={"k": "v"}, store=False, parallel_tool_calls=True, n=1)
     assert request.prompts == ("<user>Hi<assistant>",)
+
+
+def test_penalties_and_biases_reach_the_engine_and_n_seeded_choices_get_seeds_of_their_own():
+    request = chat(presence_penalty=0.5, frequency_penalty=-1, logit_bias={"42": 5, "7": -100},
+                   n=3, seed=11)
+    parameters = request.parameters
+    assert (parameters.presence_penalty, parameters.frequency_penalty) == (0.5, -1.0)
+    assert parameters.logit_bias == ((42, 5.0), (7, -100.0))
+    assert parameters.manual_seed == (11, 12, 13)
+    assert chat(seed=11).parameters.manual_seed == 11
 
 
 def test_messages_reach_the_template_as_roles_and_strings():

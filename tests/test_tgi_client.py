@@ -105,6 +105,22 @@ def test_a_stop_sequence_ends_the_text_before_it(client):
     assert detailed.generated_text == full[:full.index(stop)]
 
 
+def test_the_token_of_a_stop_string_is_neither_listed_nor_counted(client):
+    full = client.text_generation(PROMPT, max_new_tokens=12, details=True, **VARIED)
+    texts = [token.text for token in full.details.tokens]
+    # a whole token's text, first seen at position k, as the stop string
+    k = next(i for i, text in enumerate(texts) if i > 1 and text.strip()
+             and text not in "".join(texts[:i]))
+    detailed = client.text_generation(PROMPT, max_new_tokens=12, stop=[texts[k]],
+                                      details=True, **VARIED)
+    assert detailed.details.finish_reason == "stop_sequence"
+    assert [token.text for token in detailed.details.tokens] == texts[:k]
+    assert detailed.details.generated_tokens == k
+    assert "".join(texts[:k]) == detailed.generated_text
+    streamed = stream_details(client, PROMPT, max_new_tokens=12, stop=[texts[k]], **VARIED)
+    assert streamed[-1].details.generated_tokens == k
+
+
 def test_a_seed_replays_a_sampled_generation(client):
     drawn = stream_details(client, PROMPT, max_new_tokens=8, do_sample=True)
     seed = drawn[-1].details.seed

@@ -136,7 +136,6 @@ def test_top_n_tokens_shares_the_engines_limit():
 @pytest.mark.parametrize("name, value", [
     ("best_of", 2), ("decoder_input_details", True), ("truncate", 10), ("watermark", True),
     ("grammar", {"type": "regex", "value": "[0-9]+"}), ("adapter_id", "my-lora"),
-    ("frequency_penalty", 0.5),
 ])
 def test_a_parameter_we_cannot_honour_is_refused_by_name(name, value):
     error = refusal({"inputs": "Hi", "parameters": {name: value}})
@@ -145,11 +144,14 @@ def test_a_parameter_we_cannot_honour_is_refused_by_name(name, value):
     assert error.message.endswith(f"got {describe(value)}")
 
 
+def test_frequency_penalty_reaches_the_engine():
+    assert parse({"frequency_penalty": 0.5}).parameters.frequency_penalty == 0.5
+
+
 def test_the_same_parameters_at_their_defaults_are_accepted():
     neutral = {name: allowed[-1] for name, (allowed, _, _) in UNSUPPORTED.items()}
     assert neutral == {"best_of": 1, "decoder_input_details": False, "truncate": None,
-                       "watermark": False, "grammar": None, "adapter_id": None,
-                       "frequency_penalty": 0}
+                       "watermark": False, "grammar": None, "adapter_id": None}
     assert parse(neutral).parameters.max_new_tokens == 50
 
 

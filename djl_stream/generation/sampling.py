@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple
+from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from transformers import (
+    LogitsProcessor,
     LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -65,12 +67,38 @@ def check_scores(scores: torch.Tensor) -> None:
                              "infinite): use a larger temperature or repetition_penalty")
 
 
+class PresenceFrequencyPenalty(LogitsProcessor):
+    """OpenAI's ``presence_penalty`` and ``frequency_penalty``, over the tokens generated so
+    far (never the prompt's, as vLLM counts them): each token's logit loses ``presence``
+    once it has appeared, and ``frequency`` for every time it has. transformers has no
+    processor for these additive penalties (its repetition penalty scales instead).
+
+    >>> penalty = PresenceFrequencyPenalty(presence=0.5, frequency=1.0, prompt_length=1)
+    >>> penalty(torch.tensor([[0, 2, 2]]), torch.zeros(1, 3)).tolist()
+    [[0.0, 0.0, -2.5]]
+    """
+
+    def __init__(self, presence: float, frequency: float, prompt_length: int) -> None:
+        self.presence, self.frequency = float(presence), float(frequency)
+        self.prompt_length = prompt_length
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids[:, self.prompt_length:]
+        if generated.shape[1] == 0:
+            return scores
+        counts = torch.zeros_like(scores).scatter_add_(
+            1, generated, torch.ones(generated.shape, dtype=scores.dtype, device=scores.device))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
 class TokenChooser:
     """Next-token choice for one sequence: processors, then argmax or a seeded draw.
 
     ``do_sample=False`` means greedy decoding, as in transformers' ``generate()``: the
     sampling warpers (temperature, top-k, top-p, typical-p) only apply when sampling; the
-    repetition penalty applies in both modes.
+    penalties (``repetition_penalty``, OpenAI's ``presence_penalty`` and
+    ``frequency_penalty``) and ``logit_bias`` (token id -> a number added to its logit, as
+    OpenAI's: -100 bars a token, 100 all but forces it) apply in both modes.
 
     ``min_new_tokens`` keeps every id of ``eos_token_ids`` from being chosen before that
     many tokens follow the prompt, through transformers'
@@ -105,6 +133,9 @@ class TokenChooser:
         top_p: float = 1.0,
         typical_p: float = 1.0,
         repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: Optional[Mapping[int, float]] = None,
         manual_seed: Optional[int] = None,
         min_new_tokens: int = 0,
         eos_token_ids: AbstractSet[int] = frozenset(),
@@ -124,6 +155,14 @@ class TokenChooser:
         # transformers' generate() order: penalties, length constraints, then the warpers.
         if repetition_penalty != 1.0:
             processors.append(RepetitionPenaltyLogitsProcessor(penalty=repetition_penalty))
+        counted = bool(presence_penalty or frequency_penalty)
+        if counted:
+            processors.append(PresenceFrequencyPenalty(presence_penalty, frequency_penalty,
+                                                       prompt_length))
+        if logit_bias:
+            # One-token sequences only: the processor then never reads the input ids.
+            processors.append(SequenceBiasLogitsProcessor(
+                sequence_bias=[[[int(token)], float(bias)] for token, bias in logit_bias.items()]))
         self._min_new_tokens: Optional[MinNewTokensLengthLogitsProcessor] = None
         self.min_new_tokens = min_new_tokens if eos_token_ids else 0
         self._eos_ids = tuple(sorted(int(i) for i in eos_token_ids))
@@ -146,7 +185,9 @@ class TokenChooser:
                 processors.append(TypicalLogitsWarper(mass=typical_p))
         self.processors = processors
         self._warpers = (temperature, top_k, top_p, typical_p) if do_sample else None
-        self._repetition_penalty = repetition_penalty != 1.0
+        self._biased = bool(logit_bias)  # (its own processor: never shared with others)
+        # Processors that read the sequence so far, not only its scores.
+        self._repetition_penalty = repetition_penalty != 1.0 or counted
         self.needs_input_ids = self._repetition_penalty or self._min_new_tokens is not None
         self.top_logprobs = top_logprobs
         self.logprobs = bool(logprobs) or top_logprobs > 0
@@ -180,7 +221,7 @@ class TokenChooser:
         rows with the same warping share one pass of the warpers in
         :func:`choose_next_tokens`, each drawing from its own row with its own generator.
         ``None`` for every other row."""
-        if self._warpers is None or self.needs_input_ids:
+        if self._warpers is None or self.needs_input_ids or self._biased:
             return None
         return self._warpers
 

@@ -17,7 +17,8 @@ from typing import Any
 #: Parameters a stream generator is given only when they differ from their default, so
 #: that an engine written before they existed (a custom one) is not handed unknown ones.
 OPTIONAL_PARAMETERS = {"manual_seed": None, "min_new_tokens": 0, "ignore_eos": False,
-                       "logprobs": False, "top_logprobs": 0}
+                       "logprobs": False, "top_logprobs": 0, "presence_penalty": 0.0,
+                       "frequency_penalty": 0.0, "logit_bias": ()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +32,9 @@ class SamplingParameters:
     token from being chosen before that many tokens; ``ignore_eos`` lets generation run on
     past it to ``max_new_tokens`` (both for benchmarks of fixed lengths). ``logprobs`` asks
     for each chosen token's log-probability, ``top_logprobs`` for that many most likely
-    alternatives too.
+    alternatives too. ``presence_penalty``, ``frequency_penalty`` (OpenAI's, -2 to 2) and
+    ``logit_bias`` (``(token id, bias)`` pairs) shape the logits in both modes;
+    ``manual_seed`` may also give one seed per prompt (OpenAI's ``n`` seeded choices).
 
     >>> SamplingParameters(max_new_tokens=16, do_sample=True, stop=("\\n\\n",)).as_kwargs()["stop"]
     ['\\n\\n']
@@ -45,8 +48,11 @@ class SamplingParameters:
     top_p: float = 1.0
     typical_p: float = 1.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     do_sample: bool = False
-    manual_seed: int | None = None
+    manual_seed: int | tuple[int, ...] | None = None
     stop: tuple[str, ...] = ()
     min_new_tokens: int = 0
     ignore_eos: bool = False

@@ -494,6 +494,11 @@ class StreamingService:
         :class:`RequestError`."""
         protocol = protocol or self.protocols["djl"]
         request = protocol.parse(body, self.parse_context)
+        vocabulary = getattr(self.model.config, "vocab_size", None) or len(self.tokenizer)
+        for token, _ in request.parameters.logit_bias:
+            if token >= vocabulary:
+                raise RequestError("logit_bias", f"logit_bias names token {token}; the model's "
+                                                 f"ids go from 0 to {vocabulary - 1}")
         if len(request.prompts) > self.props.max_rolling_batch_size:
             field = protocol.prompt_field(request, 0).split("[")[0]
             raise RequestError(

@@ -36,7 +36,8 @@ from djl_stream.runtime.runner import RunnerSettings, load_runner
 DEFAULT_MAX_NEW_TOKENS = 50
 _CHOOSER_PARAMETERS = (
     "do_sample", "temperature", "top_k", "top_p", "typical_p",
-    "repetition_penalty", "manual_seed", "min_new_tokens", "logprobs", "top_logprobs",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
+    "manual_seed", "min_new_tokens", "logprobs", "top_logprobs",
 )
 _PARAMETERS = frozenset(_CHOOSER_PARAMETERS + ("max_new_tokens", "stop", "ignore_eos"))
 
@@ -97,6 +98,9 @@ def build_sequences(
     if isinstance(stop, str):
         stop = (stop,)
     chooser_kwargs = {k: v for k, v in parameters.items() if k in _CHOOSER_PARAMETERS and v is not None}
+    if "logit_bias" in chooser_kwargs:
+        chooser_kwargs["logit_bias"] = dict(chooser_kwargs["logit_bias"])
+    seeds = _seeds(chooser_kwargs.pop("manual_seed", None), len(prompt_ids))
     max_new_tokens = parameters.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
     request_ids = list(range(len(prompt_ids))) if request_ids is None else list(request_ids)
     return [
@@ -108,11 +112,27 @@ def build_sequences(
             eos_token_ids=eos_ids,
             stop=tuple(stop),
             chooser=TokenChooser(device=device, eos_token_ids=eos_ids, prompt_length=len(ids),
-                                 **chooser_kwargs),
+                                 manual_seed=seed, **chooser_kwargs),
             ignore_eos=bool(parameters.get("ignore_eos")),
         )
-        for request_id, ids in zip(request_ids, prompt_ids)
+        for request_id, ids, seed in zip(request_ids, prompt_ids, seeds)
     ]
+
+
+def _seeds(manual_seed: Any, count: int) -> List[Optional[int]]:
+    """Each sequence's seed: one seed for all (each prompt's draw then does not depend on
+    its batch mates), or one per sequence (OpenAI's ``n`` choices of one seeded request,
+    which must differ).
+
+    >>> _seeds(7, 2), _seeds((7, 8), 2), _seeds(None, 1)
+    ([7, 7], [7, 8], [None])
+    """
+    if manual_seed is None or isinstance(manual_seed, int):
+        return [manual_seed] * count
+    seeds = [int(seed) for seed in manual_seed]
+    if len(seeds) != count:
+        raise ValueError(f"manual_seed has {len(seeds)} seeds for {count} prompts")
+    return seeds
 
 
 @dataclasses.dataclass(frozen=True)

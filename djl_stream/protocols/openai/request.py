@@ -14,13 +14,17 @@ worded as on djl's routes. What OpenAI's parameters become:
   ``option.max_rolling_batch_size``);
 - ``logprobs`` / ``top_logprobs`` (chat: a bool and 0–20; completions: an int 0–20) →
   the engine's ``logprobs`` / ``top_logprobs``;
+- ``presence_penalty`` and ``frequency_penalty`` (-2 to 2) and ``logit_bias`` (token id
+  strings to -100..100) → the engine's parameters of those names;
+- ``n`` with ``seed``: one seed per choice (``seed``, ``seed + 1``...), so the choices
+  differ and the whole answer repeats;
 - vLLM's extensions ``top_k``, ``repetition_penalty``, ``min_tokens`` and ``ignore_eos``
   map to the engine's parameters of those names.
 
 Parameters this server cannot honour (``tools``, ``response_format`` other than text,
-``presence_penalty`` ≠ 0, ``logit_bias``, ``echo``...) are accepted only at the value that
-asks for nothing, and refused otherwise: never silently ignored. What changes nothing
-about the answer (``model``, ``user``, ``metadata``, ``store``...) is accepted.
+``echo``...) are accepted only at the value that asks for nothing, and refused otherwise:
+never silently ignored. What changes nothing about the answer (``model``, ``user``,
+``metadata``, ``store``...) is accepted.
 
     >>> from djl_stream.protocols.protocol import ParseContext
     >>> context = ParseContext(default_max_new_tokens=50, max_new_tokens_limit=2048,
@@ -29,10 +33,10 @@ about the answer (``model``, ``user``, ``metadata``, ``store``...) is accepted.
     ...                             "n": 2}, context)
     >>> request.prompts, request.parameters.max_new_tokens, request.parameters.do_sample
     (('Once', 'Once'), 8, False)
-    >>> parse_completion({"prompt": "Once", "presence_penalty": 0.5}, context)
+    >>> parse_completion({"prompt": "Once", "echo": True}, context)
     Traceback (most recent call last):
     ...
-    djl_stream.generation.errors.RequestError: presence_penalty is not supported by this server: leave it out or set it to 0, got 0.5
+    djl_stream.generation.errors.RequestError: echo is not supported by this server: leave it out or set it to false, got true
 """
 
 from __future__ import annotations
@@ -145,10 +149,10 @@ class _Common(_Closed):
                                                 le=MAX_REPETITION_PENALTY, **FINITE)
     min_tokens: Optional[int] = Field(None, ge=0)
     ignore_eos: Optional[bool] = None
-    # Only at the value that asks for nothing (see _UNSUPPORTED).
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    logit_bias: Any = None
+    # OpenAI's additive penalties, and its biases by token id (a string key, as JSON has).
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, **FINITE)
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2, **FINITE)
+    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100, **FINITE)]]] = None
 
 
 class ChatCompletionRequest(_Common):
@@ -194,9 +198,6 @@ class CompletionRequest(_Common):
 #: an absent key, always does). Any other value is a 400: a client that asks for tools or
 #: a JSON schema must not get plain text as if it had been honoured.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
-    "logit_bias": ({},),
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": ([],),
@@ -284,8 +285,26 @@ def _max_new_tokens(field: str, value: Optional[int], context: ParseContext) -> 
     return value
 
 
+def _logit_bias(parsed: _Common) -> tuple[tuple[int, float], ...]:
+    pairs = []
+    for key, bias in (parsed.logit_bias or {}).items():
+        if not key.strip().isdigit():
+            raise RequestError("logit_bias", f"logit_bias keys must be token ids (\"15339\"), "
+                                             f"got {describe(key)}")
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
+
+
+def _seeds(seed: Optional[int], sequences: int) -> Optional[int | tuple[int, ...]]:
+    """``seed`` for one sequence; one seed per sequence for several (``n`` choices, or
+    several prompts), so that the choices differ and the whole answer repeats."""
+    if seed is None or sequences == 1:
+        return seed
+    return tuple((seed + i) % 2**63 for i in range(sequences))
+
+
 def _sampling(parsed: _Common, max_new_tokens: int, logprobs: bool,
-              top_logprobs: int) -> SamplingParameters:
+              top_logprobs: int, sequences: int = 1) -> SamplingParameters:
     temperature = 1.0 if parsed.temperature is None else parsed.temperature
     sample = temperature >= MIN_TEMPERATURE
     if parsed.min_tokens is not None and parsed.min_tokens > max_new_tokens:
@@ -299,7 +318,10 @@ def _sampling(parsed: _Common, max_new_tokens: int, logprobs: bool,
         # vLLM's -1 and 0 both mean "no top-k"; ours is 0.
         top_k=max(parsed.top_k or 0, 0),
         repetition_penalty=parsed.repetition_penalty or 1.0,
-        manual_seed=parsed.seed,
+        presence_penalty=parsed.presence_penalty or 0.0,
+        frequency_penalty=parsed.frequency_penalty or 0.0,
+        logit_bias=_logit_bias(parsed),
+        manual_seed=_seeds(parsed.seed, sequences),
         stop=tuple(parsed.stop or ()),
         min_new_tokens=parsed.min_tokens or 0,
         ignore_eos=bool(parsed.ignore_eos),
@@ -315,11 +337,6 @@ def _answer_options(parsed: _Common, prompt_count: int,
         what = f"n ({n})" if prompt_count == 1 else f"n ({n}) × {prompt_count} prompts"
         raise RequestError("n", f"{what} is {n * prompt_count} sequences; the limit "
                                 f"(option.max_rolling_batch_size) is {context.max_batch_size}")
-    if n > 1 and parsed.seed is not None and (parsed.temperature is None or parsed.temperature > 0):
-        # The engine seeds every sequence of a request alike: the n choices would be
-        # n copies of one sample, which is not what a client asking for n gets elsewhere.
-        raise RequestError("seed", "seed with n > 1 would give n identical choices: "
-                                   "leave seed out, or ask for one choice per request")
     stream = bool(parsed.stream)
     if parsed.stream_options is not None and not stream:
         raise RequestError("stream_options", "stream_options is only allowed with "
@@ -369,7 +386,7 @@ def parse_chat(body: Any, context: ParseContext) -> GenerationRequest:
         raise RequestError("messages", f"the chat template rejected the messages: {err}") from None
     return GenerationRequest(
         prompts=(prompt,) * n,
-        parameters=_sampling(parsed, max_new_tokens, logprobs, top),
+        parameters=_sampling(parsed, max_new_tokens, logprobs, top, n),
         stream=bool(parsed.stream),
         messages=messages,
         answer=Answer(n=n, include_usage=include_usage, logprobs=logprobs, top_logprobs=top,
@@ -398,7 +415,8 @@ def parse_completion(body: Any, context: ParseContext) -> GenerationRequest:
     n, include_usage = _answer_options(parsed, len(parsed.prompt), context)
     return GenerationRequest(
         prompts=tuple(prompt for prompt in parsed.prompt for _ in range(n)),
-        parameters=_sampling(parsed, max_new_tokens, logprobs, parsed.logprobs or 0),
+        parameters=_sampling(parsed, max_new_tokens, logprobs, parsed.logprobs or 0,
+                             n * len(parsed.prompt)),
         stream=bool(parsed.stream),
         batched=isinstance(body["prompt"], list),
         answer=Answer(n=n, include_usage=include_usage, logprobs=logprobs,

@@ -82,7 +82,8 @@ class TgiParameters(BaseModel):
     watermark: Optional[bool] = None
     grammar: Optional[Any] = None
     adapter_id: Optional[str] = None
-    frequency_penalty: Optional[float] = Field(None, **FINITE)
+    # TGI's (and OpenAI's) additive penalty on tokens already generated, -2 to 2.
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, **FINITE)
 
 
 class TgiBody(BaseModel):
@@ -107,8 +108,6 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str, str]] = {
     "watermark": ((None, False), "null or false", "it has no watermarking"),
     "grammar": ((None,), "null", "it has no constrained decoding"),
     "adapter_id": ((None,), "null", "it serves one model, without LoRA adapters"),
-    "frequency_penalty": ((None, 0), "null or 0",
-                          "it has no frequency penalty; repetition_penalty is honoured"),
 }
 
 
@@ -210,6 +209,7 @@ def parse_request(body: Any, context: ParseContext, *, route_stream: Optional[bo
         typical_p=params.typical_p if params.typical_p is not None else 1.0,
         repetition_penalty=(params.repetition_penalty
                             if params.repetition_penalty is not None else 1.0),
+        frequency_penalty=params.frequency_penalty or 0.0,
         do_sample=sampling,
         manual_seed=seed,
         stop=tuple(params.stop or ()),

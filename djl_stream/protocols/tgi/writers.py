@@ -129,6 +129,13 @@ class _Token:
                    FINISH_REASONS.get(generation.finish_reason or "", None))
 
 
+def _is_stop_string_token(token: _Token) -> bool:
+    """The token that completed a stop string and added no text of its own: the stop string
+    is no part of the answer, so neither is this token (TGI's details neither list it nor
+    count it)."""
+    return token.finish_reason == "stop_sequence" and not token.record["text"]
+
+
 def _guessed_finish_reason(generated: int, max_new_tokens: int) -> str:
     return "length" if generated >= max_new_tokens else "eos_token"
 
@@ -196,8 +203,10 @@ class TgiStreamEncoder(StreamEncoder):
             record["generated_text"] = (self.answer.inputs + text
                                         if self.answer.return_full_text else text)
             if self.answer.details:
+                # (the event itself must still carry the end; its token is not counted)
+                counted = self.index - 1 if _is_stop_string_token(token) else self.index
                 record["details"] = {"finish_reason": token.finish_reason,
-                                     "generated_tokens": self.index,
+                                     "generated_tokens": counted,
                                      "seed": self.answer.seed,
                                      "input_length": self.input_length}
         return event(record)
@@ -224,6 +233,8 @@ def generate_response(answer: TgiAnswer, steps: Sequence[Step], *,
     if answer.details:
         finish_reason = next((t.finish_reason for t in reversed(tokens) if t.finish_reason),
                              None) or _guessed_finish_reason(len(tokens), max_new_tokens)
+        if tokens and _is_stop_string_token(tokens[-1]):
+            tokens = tokens[:-1]
         details: Dict[str, Any] = {"finish_reason": finish_reason,
                                    "generated_tokens": len(tokens),
                                    "seed": answer.seed,

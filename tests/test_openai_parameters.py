@@ -1,0 +1,66 @@
+"""OpenAI's sampling parameters beyond temperature and top-p, through the real ``openai``
+SDK against a real server on the tiny model: ``logit_bias``, ``presence_penalty`` and
+``frequency_penalty``, and ``n`` seeded choices."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from server_process import serving
+
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir):
+    with serving(tiny_model_dir) as process:
+        yield openai.OpenAI(base_url=process.url + "/v1", api_key="unused")
+
+
+def tokens(client, **parameters) -> list[str]:
+    """The greedy completion's tokens, as its logprobs name them."""
+    answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12,
+                                       temperature=0, logprobs=0, **parameters)
+    return answer.choices[0].logprobs.tokens
+
+
+def token_id(text: str, tokenizer) -> int:
+    (only,) = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return only
+
+
+def test_logit_bias_forces_and_bars_tokens(client, smollm2_tokenizer):
+    plain = tokens(client)
+    forced = token_id(" lighthouse", smollm2_tokenizer)
+    assert set(tokens(client, logit_bias={str(forced): 100})) == {" lighthouse"}
+    barred = token_id(plain[0], smollm2_tokenizer)
+    assert tokens(client, logit_bias={str(barred): -100})[0] != plain[0]
+
+
+def test_frequency_and_presence_penalties_make_repeats_rarer(client):
+    plain = tokens(client)
+    assert len(set(plain)) < len(plain)  # the tiny random model repeats itself
+    for penalty in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}):
+        penalised = tokens(client, **penalty)
+        assert len(set(penalised)) > len(set(plain)), (penalty, penalised, plain)
+    # a negative penalty rewards repeats instead
+    assert len(set(tokens(client, presence_penalty=-2.0))) <= len(set(plain))
+
+
+def test_n_seeded_choices_differ_and_repeat_as_a_whole(client):
+    def choices():
+        answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8,
+                                           temperature=1.0, n=3, seed=42)
+        return [choice.text for choice in sorted(answer.choices, key=lambda c: c.index)]
+
+    first = choices()
+    assert len(set(first)) > 1
+    assert choices() == first
+
+
+def test_a_logit_bias_beyond_the_vocabulary_is_a_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2,
+                                  logit_bias={"99999999": 5})
+    assert refused.value.body["param"] == "logit_bias"
+    assert "logit_bias names token 99999999" in refused.value.body["message"]
