@@ -489,11 +489,16 @@ def main(argv: List[str] | None = None) -> None:
                         help="loop (a call per row), batch (the library's batch call), or both")
     parser.add_argument("--whitespace", choices=("compact", "flexible"), default="compact",
                         help="JSON between tokens: none (compact) or any (the libraries' default)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="torch threads, for the apply step (default: the CPUs, %(default)s)")
+    parser.add_argument("--show-outputs", action="store_true",
+                        help="print one finished row's text per configuration")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    # As many torch threads as the machine has (the apply step is a torch kernel).
-    torch.set_num_threads(os.cpu_count() or 1)
+    # As many torch threads as the machine has, as the server runs (the apply step is a
+    # torch kernel; on a machine other work keeps busy, fewer threads wait less).
+    torch.set_num_threads(args.threads)
     from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
@@ -519,7 +524,8 @@ def main(argv: List[str] | None = None) -> None:
     print(f"CPU: {cpu_model()}, {os.cpu_count()} logical CPUs, torch threads "
           f"{torch.get_num_threads()}; torch {torch.__version__}, transformers "
           f"{metadata.version('transformers')}; vocab {vocab}; JSON whitespace {args.whitespace}; "
-          f"steps <= {args.steps}, {args.repeats} repeats, medians shown\n")
+          f"steps <= {args.steps}, {args.repeats} repeats, medians shown; "
+          f"load average {os.getloadavg()[0]:.2f}\n")
 
     results = []
     setups = []
@@ -536,7 +542,12 @@ def main(argv: List[str] | None = None) -> None:
                             for k in range(args.repeats)]
                     results.append((adapter, kind, mode, rows,
                                     summarize(runs, kind, token_bytes)))
+                    if args.show_outputs:
+                        done = [t for r in runs for t, f in zip(r.tokens, r.finished) if f]
+                        text = token_bytes(done[0]).decode("utf-8", "replace") if done else None
+                        print(f"{adapter.name} {kind} {mode} B={rows}: {text!r}")
 
+    print(f"\nload average at the end {os.getloadavg()[0]:.2f}\n")
     print("| library | version | tokenizer setup ms |\n|---|---|---:|")
     for name, version, ms in setups:
         print(f"| {name} | {version} | {ms:.0f} |")

@@ -64,3 +64,26 @@ def test_a_logit_bias_beyond_the_vocabulary_is_a_400_naming_it(client):
                                   logit_bias={"99999999": 5})
     assert refused.value.body["param"] == "logit_bias"
     assert "logit_bias names token 99999999" in refused.value.body["message"]
+
+
+def test_a_prompt_of_token_ids_is_answered_as_its_text(client, smollm2_tokenizer):
+    ids = smollm2_tokenizer(PROMPT)["input_ids"]
+    as_text = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+    as_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0)
+    assert as_ids.choices[0].text == as_text.choices[0].text
+    assert as_ids.usage.prompt_tokens == len(ids)
+    several = client.completions.create(model="tiny", prompt=[ids, ids[:2]], max_tokens=4,
+                                        temperature=0)
+    assert len(several.choices) == 2
+
+
+@pytest.mark.parametrize("prompt, param, message", [
+    ([1, 99999999], "prompt", "prompt holds token 99999999"),
+    ([1, -3], "prompt[1]", "prompt[1] must be a token id"),
+    ([[1], "text"], "prompt", "not a mix of them"),
+])
+def test_bad_token_id_prompts_are_400s_naming_the_field(client, prompt, param, message):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    assert refused.value.body["param"] == param
+    assert message in refused.value.body["message"]

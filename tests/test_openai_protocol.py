@@ -159,9 +159,9 @@ def test_n_repeats_each_prompt_side_by_side():
 
 
 @pytest.mark.parametrize("body, field, words", [
-    ({"prompt": [1, 2, 3]}, "prompt", "token ids is not supported"),
+    ({"prompt": [1, 2.5]}, "prompt[1]", "must be a token id"),
     ({"prompt": ""}, "prompt", "must not be empty"),
-    ({"prompt": ["a", 5]}, "prompt", "token ids"),
+    ({"prompt": ["a", 5]}, "prompt", "not a mix of them"),
     ({"logprobs": 21}, "logprobs", "at most 20, got 21"),
     ({"logprobs": True}, "logprobs", "must be an integer"),
     ({"echo": True}, "echo", "not supported"),

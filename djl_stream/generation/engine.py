@@ -33,12 +33,14 @@ class EngineCapabilities:
     ``scores``: each step's :class:`~djl_stream.generation.step.Generation` carries the
     token, its log-probabilities when asked, and why a sequence finished. ``seeds``: it
     takes ``manual_seed`` for reproducible sampling. ``continuous_batching``: requests
-    join and leave a running batch between two decode steps.
+    join and leave a running batch between two decode steps. ``token_prompts``: its
+    ``generate`` takes prompts as token id lists as well as text.
     """
 
     scores: bool = False
     seeds: bool = False
     continuous_batching: bool = False
+    token_prompts: bool = False
 
 
 class Engine:

@@ -83,7 +83,9 @@ class GenerationRequest:
     ``stream`` is ``None`` when the client left it to the server's default.
     ``answer`` holds what only the protocol needs to write its answer (OpenAI's ``n`` and
     ``stream_options``, TGI's ``details``, ``return_full_text`` and the original inputs...);
-    the service passes it through untouched.
+    the service passes it through untouched. ``prompt_ids``, when the client sent token ids
+    (OpenAI's completions take them), holds each prompt's ids; ``prompts`` then holds empty
+    strings, one per sequence.
     """
 
     prompts: tuple[str, ...]
@@ -92,5 +94,6 @@ class GenerationRequest:
     batched: bool = False
     messages: tuple[dict[str, str], ...] | None = None
     answer: Any = None
+    prompt_ids: tuple[tuple[int, ...], ...] | None = None
 
 

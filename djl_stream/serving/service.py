@@ -315,9 +315,10 @@ class StreamingService:
             return self._error(protocol, Failure.invalid(error))
         if cancellation is not None and cancellation.client_left:
             return CLIENT_LEFT
+        inputs = ([list(ids) for ids in request.prompt_ids] if request.prompt_ids is not None
+                  else list(request.prompts))
         try:
-            stream = self.engine.generate(list(request.prompts),
-                                          **request.parameters.as_kwargs())
+            stream = self.engine.generate(inputs, **request.parameters.as_kwargs())
         except QueueFullError as error:
             return self._error(protocol, Failure("busy", str(error)))
         except RequestError as error:
@@ -506,11 +507,14 @@ class StreamingService:
                 f"{field} has {len(request.prompts)} prompts; the limit "
                 f"(option.max_rolling_batch_size) is {self.props.max_rolling_batch_size}",
             )
-        for i, prompt in enumerate(request.prompts):
-            check_input_characters(protocol.prompt_field(request, i), len(prompt),
-                                   self.props.max_input_length, self.characters_per_token)
         context = getattr(self.model.config, "max_position_embeddings", None)
-        lengths = [len(ids) for ids in self.tokenizer(list(request.prompts))["input_ids"]]
+        if request.prompt_ids is not None:
+            lengths = self._check_token_prompts(request, protocol, vocabulary)
+        else:
+            for i, prompt in enumerate(request.prompts):
+                check_input_characters(protocol.prompt_field(request, i), len(prompt),
+                                       self.props.max_input_length, self.characters_per_token)
+            lengths = [len(ids) for ids in self.tokenizer(list(request.prompts))["input_ids"]]
         for i, n in enumerate(lengths):
             check_input_length(protocol.prompt_field(request, i), n, self.props.max_input_length)
         # Before any model work: together, a request's prompts may not bring more than
@@ -534,6 +538,20 @@ class StreamingService:
                     f"context (max_position_embeddings) is {context}",
                 )
         return request, lengths
+
+    def _check_token_prompts(self, request: GenerationRequest, protocol: Protocol,
+                             vocabulary: int) -> List[int]:
+        """The lengths of prompts given as token ids, once each id is one of the model's."""
+        if not self.engine.capabilities.token_prompts:
+            raise RequestError(protocol.prompt_field(request, 0).split("[")[0],
+                               f"the {self.engine.name} engine takes prompts as text only")
+        for i, ids in enumerate(request.prompt_ids or ()):
+            for token in ids:
+                if token >= vocabulary:
+                    field = protocol.prompt_field(request, i)
+                    raise RequestError(field, f"{field} holds token {token}; the model's ids "
+                                              f"go from 0 to {vocabulary - 1}")
+        return [len(ids) for ids in request.prompt_ids or ()]
 
     @functools.cached_property
     def characters_per_token(self) -> int:

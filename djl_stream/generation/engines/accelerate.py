@@ -167,7 +167,8 @@ class AccelerateEngine(Engine):
     """
 
     name = "Accelerate"
-    capabilities = EngineCapabilities(scores=True, seeds=True, continuous_batching=True)
+    capabilities = EngineCapabilities(scores=True, seeds=True, continuous_batching=True,
+                                      token_prompts=True)
 
     def __init__(self, model, tokenizer, settings: AccelerateSettings = AccelerateSettings(),
                  **scheduler_options: Any) -> None:
@@ -186,11 +187,17 @@ class AccelerateEngine(Engine):
             prefill_stall_steps=settings.prefill_stall_steps,
             max_input_length=settings.max_input_length, **scheduler_options)
 
-    def generate(self, inputs: List[str], **parameters: Any) -> GenerationStream:
+    def generate(self, inputs: List[str] | List[List[int]], **parameters: Any) -> GenerationStream:
+        """Queue ``inputs`` (texts, or token id lists) as one request; see
+        :func:`accelerate_stream_generator` for the parameters."""
         if isinstance(inputs, str):
             inputs = [inputs]
+        ids = [list(prompt) if isinstance(prompt, (list, tuple)) else None for prompt in inputs]
+        texts = [prompt for prompt in inputs if not isinstance(prompt, (list, tuple))]
+        encoded = iter(encode_prompts(self.tokenizer, texts) if texts else [])
         sequences = build_sequences(self.model, self.tokenizer,
-                                    encode_prompts(self.tokenizer, inputs), **parameters)
+                                    [given if given is not None else next(encoded)
+                                     for given in ids], **parameters)
         return self.submit(sequences)
 
     def submit(self, sequences: List[GenerationSequence]) -> GenerationStream:

@@ -394,6 +394,37 @@ def parse_chat(body: Any, context: ParseContext) -> GenerationRequest:
     )
 
 
+def _token_prompts(body: Any) -> Optional[tuple[tuple[int, ...], ...]]:
+    """The prompts of a completions body given as token ids (one list of ids, or a list of
+    them), as OpenAI's API takes them; ``None`` for text prompts. Raises
+    :class:`RequestError` for ids mixed with text, or that are not whole numbers.
+
+    >>> _token_prompts({"prompt": [1, 2]}), _token_prompts({"prompt": [[1], [2, 3]]})
+    (((1, 2),), ((1,), (2, 3)))
+    >>> _token_prompts({"prompt": "Hi"}) is None
+    True
+    """
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if not isinstance(prompt, list) or not prompt or all(isinstance(p, str) for p in prompt):
+        return None
+
+    def ids(items: list, field: str) -> tuple[int, ...]:
+        if not items:
+            raise RequestError(field, f"{field} must not be empty")
+        for i, item in enumerate(items):
+            if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+                raise RequestError(f"{field}[{i}]", f"{field}[{i}] must be a token id (a whole "
+                                                    f"number of at least 0), got {describe(item)}")
+        return tuple(items)
+
+    if all(isinstance(p, list) for p in prompt):
+        return tuple(ids(p, f"prompt[{i}]") for i, p in enumerate(prompt))
+    if any(isinstance(p, (str, list)) for p in prompt):
+        raise RequestError("prompt", "prompt must be text, a list of texts, token ids or a "
+                                     "list of token id lists, not a mix of them")
+    return (ids(prompt, "prompt"),)
+
+
 def parse_completion(body: Any, context: ParseContext) -> GenerationRequest:
     """Validate a completions body; prompts are sent to the model as they are (no chat
     template), each repeated ``n`` times.
@@ -405,20 +436,25 @@ def parse_completion(body: Any, context: ParseContext) -> GenerationRequest:
     ...
     djl_stream.generation.errors.RequestError: max_tokens must be at most 2048, got 4096
     """
-    if isinstance(body, dict) and isinstance(body.get("prompt"), list) and any(
-            isinstance(item, (int, list)) and not isinstance(item, bool) for item in body["prompt"]):
-        raise RequestError("prompt", "prompt as token ids is not supported: send text")
+    token_prompts = _token_prompts(body)
+    if token_prompts is not None:
+        # The rest of the body validates as usual, around a stand-in text per prompt.
+        body = {**body, "prompt": ["ids"] * len(token_prompts)}
     parsed = _validate(CompletionRequest, body, "\"prompt\"")
     _refuse_unsupported(parsed)
     max_new_tokens = _max_new_tokens("max_tokens", parsed.max_tokens, context)
     logprobs = parsed.logprobs is not None
     n, include_usage = _answer_options(parsed, len(parsed.prompt), context)
     return GenerationRequest(
-        prompts=tuple(prompt for prompt in parsed.prompt for _ in range(n)),
+        prompts=tuple("" if token_prompts is not None else prompt
+                      for prompt in parsed.prompt for _ in range(n)),
+        prompt_ids=(None if token_prompts is None
+                    else tuple(ids for ids in token_prompts for _ in range(n))),
         parameters=_sampling(parsed, max_new_tokens, logprobs, parsed.logprobs or 0,
                              n * len(parsed.prompt)),
         stream=bool(parsed.stream),
-        batched=isinstance(body["prompt"], list),
+        batched=isinstance(body["prompt"], list) and (token_prompts is None
+                                                      or len(token_prompts) > 1),
         answer=Answer(n=n, include_usage=include_usage, logprobs=logprobs,
                       top_logprobs=parsed.logprobs or 0, prompt_count=len(parsed.prompt)),
     )
