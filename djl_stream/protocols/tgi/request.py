@@ -7,10 +7,10 @@
 Every parameter of TGI's ``GenerateParameters`` is known, and may be ``null``
 (``huggingface_hub`` and the ``text-generation`` client send many keys that way).
 Those djl-stream honours: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``,
-``top_p``, ``typical_p``, ``repetition_penalty``, ``seed``, ``stop``, ``details``,
-``return_full_text`` and ``top_n_tokens``. The others (``best_of``, ``truncate``,
-``watermark``, ``grammar``, ``adapter_id``, ``frequency_penalty``,
-``decoder_input_details``) are accepted at their defaults and refused otherwise, naming
+``top_p``, ``typical_p``, ``repetition_penalty``, ``frequency_penalty``, ``seed``, ``stop``,
+``details``, ``return_full_text`` and ``top_n_tokens``. The others (``best_of``,
+``truncate``, ``watermark``, ``grammar``, ``adapter_id``, ``decoder_input_details``) are
+accepted at their defaults and refused otherwise, naming
 the parameter. An unknown key is refused too (TGI ignores it; a typo would change nothing
 silently).
 
