@@ -465,6 +465,17 @@ def summarize(runs: List[Run], kind: str, token_bytes: Callable[[List[int]], byt
     }
 
 
+def cpu_ticks() -> Optional[tuple]:
+    """(busy ticks of the whole machine, ticks of this process) so far, from /proc (Linux)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        # user nice system idle iowait irq softirq steal ...; own: utime, stime at 12, 13.
+        return sum(fields[:8]) - fields[3] - fields[4], int(own[11]) + int(own[12])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -524,8 +535,10 @@ def main(argv: List[str] | None = None) -> None:
     print(f"CPU: {cpu_model()}, {os.cpu_count()} logical CPUs, torch threads "
           f"{torch.get_num_threads()}; torch {torch.__version__}, transformers "
           f"{metadata.version('transformers')}; vocab {vocab}; JSON whitespace {args.whitespace}; "
-          f"steps <= {args.steps}, {args.repeats} repeats, medians shown; "
-          f"load average {os.getloadavg()[0]:.2f}\n")
+          f"steps <= {args.steps}, {args.repeats} repeats, medians shown\n")
+    # A busy machine stretches the multi-threaded steps (a thread waits for a CPU), so the
+    # CPU time that other processes took during the run is reported with the results.
+    ticks_before, wall_before = cpu_ticks(), time.monotonic()
 
     results = []
     setups = []
@@ -547,7 +560,12 @@ def main(argv: List[str] | None = None) -> None:
                         text = token_bytes(done[0]).decode("utf-8", "replace") if done else None
                         print(f"{adapter.name} {kind} {mode} B={rows}: {text!r}")
 
-    print(f"\nload average at the end {os.getloadavg()[0]:.2f}\n")
+    ticks_after, wall = cpu_ticks(), time.monotonic() - wall_before
+    if ticks_before and ticks_after:
+        others = (ticks_after[0] - ticks_before[0]) - (ticks_after[1] - ticks_before[1])
+        share = others / os.sysconf("SC_CLK_TCK") / wall / (os.cpu_count() or 1)
+        print(f"\nOther processes used {100 * share:.0f}% of the machine's CPU time "
+              f"during the {wall:.0f} s run.\n")
     print("| library | version | tokenizer setup ms |\n|---|---|---:|")
     for name, version, ms in setups:
         print(f"| {name} | {version} | {ms:.0f} |")

@@ -67,7 +67,8 @@ def streaming(page) -> bool:
 
 
 def gauge(server, name: str) -> float:
-    """One of the server's Prometheus gauges (``djl_stream_batch_rows``, say)."""
+    """One of the server's Prometheus gauges (``djl_stream_batch_rows``, say), summed over
+    its labels (the model's)."""
     metrics = server.http.get("/metrics").text
-    match = re.search(rf"^{name} (\S+)$", metrics, re.MULTILINE)
-    return float(match.group(1)) if match else float("nan")
+    values = re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", metrics, re.MULTILINE)
+    return sum(float(value) for value in values) if values else float("nan")

@@ -132,10 +132,12 @@ def test_a_bad_parameter_is_an_error_message_and_the_socket_stays_usable(server)
 
 
 def running_rows(server) -> float:
-    for line in httpx.get(server.url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("djl_stream_batch_rows "):
-            return float(line.split()[1])
-    raise AssertionError("no djl_stream_batch_rows gauge")
+    """The running rows, over every model the server names (one here)."""
+    rows = [float(line.split()[-1])
+            for line in httpx.get(server.url + "/metrics", timeout=30).text.splitlines()
+            if line.startswith(("djl_stream_batch_rows ", "djl_stream_batch_rows{"))]
+    assert rows, "no djl_stream_batch_rows gauge"
+    return sum(rows)
 
 
 def test_cancel_stops_the_running_turn(server):

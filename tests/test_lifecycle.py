@@ -61,14 +61,17 @@ Figures = Dict[str, float]
 
 
 def figures(server: ServerProcess) -> Figures:
-    """Every sample of ``GET /metrics``, by name (labels folded in as ``name{k=v}``)."""
+    """Every sample of ``GET /metrics``, by name (labels folded in as ``name{k=v}``; the
+    ``model`` label, the same on every generation figure here, summed away)."""
     response = server.http.get("/metrics")
     assert response.status_code == 200
     samples: Figures = {}
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
+                              if k != "model")
+            key = f"{sample.name}{{{labels}}}" if labels else sample.name
+            samples[key] = samples.get(key, 0.0) + sample.value
     return samples
 
 

@@ -38,12 +38,19 @@ class Scrape:
                         for f in self.families.values() for s in f.samples}
 
     def __call__(self, name: str, **labels) -> float:
-        return self.samples.get((name, frozenset((k, str(v)) for k, v in labels.items())), 0.0)
+        """The sum of ``name``'s samples that carry ``labels`` (and any others, such as
+        ``model``)."""
+        wanted = {(k, str(v)) for k, v in labels.items()}
+        return sum(value for (sample, have), value in self.samples.items()
+                   if sample == name and wanted <= have)
 
     def buckets(self, histogram: str) -> list[tuple[float, float]]:
-        return sorted((float(dict(labels)["le"]), value)
-                      for (name, labels), value in self.samples.items()
-                      if name == histogram + "_bucket")
+        summed: dict[float, float] = {}
+        for (name, labels), value in self.samples.items():
+            if name == histogram + "_bucket":
+                le = float(dict(labels)["le"])
+                summed[le] = summed.get(le, 0.0) + value
+        return sorted(summed.items())
 
     def minus(self, before: "Scrape", name: str, **labels) -> float:
         return self(name, **labels) - before(name, **labels)
@@ -415,3 +422,30 @@ def test_scrapes_are_counted_by_route(server):
     second = scrape_when(server, lambda s: s.minus(
         first, "djl_stream_http_requests_total", route="/metrics", status=200) >= 1)
     assert second("djl_stream_http_requests_total", route="/metrics", status=200) >= 1
+
+
+def test_figures_carry_the_model_and_finished_sequences_are_counted_by_reason(
+        server, tiny_model_dir):
+    model = {"model": tiny_model_dir.name}
+    before = scrape_when(server, idle)
+    full = "".join(streamed(server, "Once upon a time", 6))
+    stop = next(full[i:i + 3] for i in range(2, len(full) - 3) if full[i:i + 3].strip())
+    stopped = server.http.post("/invocations", json={
+        "inputs": "Once upon a time", "stream": False,
+        "parameters": {"max_new_tokens": 6, "stop": [stop]}})
+    assert stopped.status_code == 200
+    two = server.http.post("/invocations", json={
+        "inputs": ["Hi", "Hello"], "stream": False, "parameters": {"max_new_tokens": 3}})
+    assert two.status_code == 200
+
+    def reasons(current: Scrape) -> dict:
+        return {reason: current.minus(before, "djl_stream_requests_finished_total",
+                                      finish_reason=reason, **model)
+                for reason in ("length", "stop", "cancelled", "error")}
+
+    after = scrape_when(server, lambda s: idle(s) and sum(reasons(s).values()) >= 4)
+    assert reasons(after) == {"length": 3, "stop": 1, "cancelled": 0, "error": 0}
+    # every generation figure names the model it is about
+    assert after.minus(before, "djl_stream_prompt_tokens_total", **model) > 0
+    assert after("djl_stream_batch_rows", **model) == 0
+    assert after("djl_stream_generation_tokens_total", model="another") == 0

@@ -134,6 +134,11 @@ class RequestStats:
     generated_tokens: int = 0
     steps: int = 0
     outcome: Optional[str] = None
+    #: The served model's name (the scheduler's ``model_name``), for metrics' labels.
+    model: str = ""
+    #: Why each of its sequences ended (``eos``, ``length``, ``stop``; ``cancelled`` or
+    #: ``error`` for those that did not finish), once it has left.
+    finish_reasons: Tuple[str, ...] = ()
 
     @property
     def queue_time(self) -> Optional[float]:
@@ -169,6 +174,7 @@ class BatchState:
     running_rows: int = 0
     waiting_requests: int = 0
     kv_cache_tokens: int = 0
+    model: str = ""
 
 
 class SchedulerObserver:
@@ -320,7 +326,8 @@ class Scheduler:
     ``max_input_length`` is the longest prompt a request may send
     (``option.max_input_length``).
     ``observers`` are told what happens (see :class:`SchedulerObserver`); by default, the
-    process-wide ones of :func:`add_observer`.
+    process-wide ones of :func:`add_observer`. ``model_name`` names the served model in what
+    they are told (metrics label their figures with it).
     """
 
     def __init__(
@@ -335,6 +342,7 @@ class Scheduler:
         prefill_stall_steps: Optional[float] = DEFAULT_PREFILL_STALL_STEPS,
         pacer: Optional[PrefillPacer] = None,
         observers: Optional[Sequence[SchedulerObserver]] = None,
+        model_name: str = "",
     ):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
@@ -376,7 +384,8 @@ class Scheduler:
         # wherever it waits, so that it never reaches a prefill.
         self._queue_has_cancelled = False
         self._observers = _OBSERVERS if observers is None else list(observers)
-        self._state = BatchState()
+        self.model_name = model_name
+        self._state = BatchState(model=model_name)
         self._thread = threading.Thread(target=self._loop, name="djl-stream-scheduler", daemon=True)
         self._thread.start()
         _LIVE_SCHEDULERS.append(self)
@@ -411,6 +420,7 @@ class Scheduler:
                     f"the queue holds {self.max_queue} (job_queue_size)"
                 )
             job = _Job(next(self._ids), list(sequences))
+            job.stats.model = self.model_name
             for index, seq in enumerate(job.sequences):
                 seq.request_id = (job.job_id, index)
             # In the caller's thread, before the loop can see the job: an observer may
@@ -825,6 +835,9 @@ class Scheduler:
         if job.stats.outcome is None:
             job.stats.outcome = outcome
             job.stats.ended_at = time.perf_counter()
+            job.stats.finish_reasons = tuple(
+                seq.finish_reason or ("error" if seq.error or outcome == FAILED else "cancelled")
+                for seq in job.sequences)
             self._notify("request_ended", job.stats)
         job.finish(error)
         self._jobs.pop(job.job_id, None)
@@ -850,7 +863,7 @@ class Scheduler:
 
     def _publish(self, rows: int, kv_tokens: int) -> None:
         # Under self._wakeup, so that states reach observers in the order they happened.
-        self._state = BatchState(rows, len(self._waiting), kv_tokens)
+        self._state = BatchState(rows, len(self._waiting), kv_tokens, self.model_name)
         self._notify("batch_changed", self._state)
 
     def _notify(self, event: str, *args) -> None:

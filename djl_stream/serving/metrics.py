@@ -156,45 +156,50 @@ class PrometheusMetrics(SchedulerObserver):
             ["route", "status"], registry=registry)
         self.prompt_tokens = Counter(
             "djl_stream_prompt_tokens", "Prompt tokens prefilled (counted when a request is "
-            "admitted to the running batch).", registry=registry)
+            "admitted to the running batch).", ["model"], registry=registry)
         self.generation_tokens = Counter(
             "djl_stream_generation_tokens", "Tokens generated: one per prompt per decode step "
-            "that advanced it, end-of-sequence tokens included.", registry=registry)
+            "that advanced it, end-of-sequence tokens included.", ["model"], registry=registry)
         self.cancelled = Counter(
             "djl_stream_requests_cancelled", "Requests whose generation stopped early because "
             "their stream was closed: the client left (the server closes the stream) or the "
-            "caller closed it, while waiting or running.", registry=registry)
+            "caller closed it, while waiting or running.", ["model"], registry=registry)
         self.failed = Counter(
             "djl_stream_requests_failed", "Requests whose generation failed (the model raised "
-            "in a step, or the scheduler shut down).", registry=registry)
+            "in a step, or the scheduler shut down).", ["model"], registry=registry)
+        self.finished = Counter(
+            "djl_stream_requests_finished", "Sequences (a request's prompts, OpenAI's n "
+            "choices) that left the scheduler, by why: eos, length, stop (a stop string), "
+            "cancelled or error.", ["model", "finish_reason"], registry=registry)
 
         self.queue_time = Histogram(
             "djl_stream_request_queue_time_seconds", "Seconds a request waited in the "
             "scheduler's queue: submitted -> admitted to the running batch.",
-            buckets=QUEUE_TIME_BUCKETS, registry=registry)
+            ["model"], buckets=QUEUE_TIME_BUCKETS, registry=registry)
         self.ttft = Histogram(
             "djl_stream_time_to_first_token_seconds", "Seconds from a request's submission to "
             "the scheduler to its first token: queue time plus prefill (excludes parsing and "
             "tokenizing before, detokenizing and sending after).",
-            buckets=TTFT_BUCKETS, registry=registry)
+            ["model"], buckets=TTFT_BUCKETS, registry=registry)
         self.itl = Histogram(
             "djl_stream_inter_token_latency_seconds", "Seconds between consecutive decode "
             "steps that gave one request new tokens (one observation per step after its "
-            "first).", buckets=ITL_BUCKETS, registry=registry)
+            "first).", ["model"], buckets=ITL_BUCKETS, registry=registry)
         self.e2e = Histogram(
             "djl_stream_e2e_request_latency_seconds", "Seconds from a request's submission to "
             "the scheduler to its last token, for requests that finished (eos, "
-            "max_new_tokens or a stop string).", buckets=E2E_BUCKETS, registry=registry)
+            "max_new_tokens or a stop string).", ["model"], buckets=E2E_BUCKETS,
+            registry=registry)
 
         self.batch_rows = Gauge(
-            "djl_stream_batch_rows", "Rows (prompts) in the running batch.",
+            "djl_stream_batch_rows", "Rows (prompts) in the running batch.", ["model"],
             registry=registry)
         self.waiting = Gauge(
             "djl_stream_requests_waiting", "Requests queued for room in the running batch.",
-            registry=registry)
+            ["model"], registry=registry)
         self.kv_cache_tokens = Gauge(
             "djl_stream_kv_cache_tokens", "Token positions the KV cache holds, over every "
-            "running row and prompt being read.", registry=registry)
+            "running row and prompt being read.", ["model"], registry=registry)
 
     # -- fed by the server --
 
@@ -217,29 +222,31 @@ class PrometheusMetrics(SchedulerObserver):
             record.generations.append(stats)
 
     def request_admitted(self, stats: RequestStats) -> None:
-        self.queue_time.observe(stats.queue_time)
-        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.queue_time.labels(stats.model).observe(stats.queue_time)
+        self.prompt_tokens.labels(stats.model).inc(stats.prompt_tokens)
 
     def request_advanced(self, stats: RequestStats, tokens: int,
                          interval: Optional[float]) -> None:
-        self.generation_tokens.inc(tokens)
+        self.generation_tokens.labels(stats.model).inc(tokens)
         if interval is None:
-            self.ttft.observe(stats.time_to_first_token)
+            self.ttft.labels(stats.model).observe(stats.time_to_first_token)
         else:
-            self.itl.observe(interval)
+            self.itl.labels(stats.model).observe(interval)
 
     def request_ended(self, stats: RequestStats) -> None:
         if stats.outcome == FINISHED:
-            self.e2e.observe(stats.e2e_latency)
+            self.e2e.labels(stats.model).observe(stats.e2e_latency)
         elif stats.outcome == CANCELLED:
-            self.cancelled.inc()
+            self.cancelled.labels(stats.model).inc()
         elif stats.outcome == FAILED:
-            self.failed.inc()
+            self.failed.labels(stats.model).inc()
+        for reason in stats.finish_reasons:
+            self.finished.labels(stats.model, reason).inc()
 
     def batch_changed(self, state: BatchState) -> None:
-        self.batch_rows.set(state.running_rows)
-        self.waiting.set(state.waiting_requests)
-        self.kv_cache_tokens.set(state.kv_cache_tokens)
+        self.batch_rows.labels(state.model).set(state.running_rows)
+        self.waiting.labels(state.model).set(state.waiting_requests)
+        self.kv_cache_tokens.labels(state.model).set(state.kv_cache_tokens)
 
 
 _SERVER_METRICS: Optional[PrometheusMetrics] = None

@@ -140,8 +140,9 @@ class AccelerateSettings:
     """The limits of an :class:`AccelerateEngine` (``option.max_rolling_batch_size``,
     ``job_queue_size``, ``option.max_batch_prefill_tokens`` with ``None`` for the device's
     default, ``option.prefill_stall_steps``, ``option.max_input_length`` and
-    ``option.max_new_tokens_limit``), and whether decode steps run a compiled program once it
-    is ready (``option.compile``: see :mod:`djl_stream.runtime.decode_program`)."""
+    ``option.max_new_tokens_limit``), whether decode steps run a compiled program once it
+    is ready (``option.compile``: see :mod:`djl_stream.runtime.decode_program`), and the
+    name metrics give the model (``model_name``)."""
 
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     max_queue: int = DEFAULT_MAX_QUEUE
@@ -150,6 +151,7 @@ class AccelerateSettings:
     max_input_length: int = DEFAULT_MAX_INPUT_LENGTH
     max_new_tokens: int = 2048
     compile: bool = False
+    model_name: str = ""
 
 
 class AccelerateEngine(Engine):
@@ -185,7 +187,8 @@ class AccelerateEngine(Engine):
             self.runner, max_batch_size=settings.max_batch_size, max_queue=settings.max_queue,
             max_batch_prefill_tokens=settings.max_batch_prefill_tokens,
             prefill_stall_steps=settings.prefill_stall_steps,
-            max_input_length=settings.max_input_length, **scheduler_options)
+            max_input_length=settings.max_input_length, model_name=settings.model_name,
+            **scheduler_options)
 
     def generate(self, inputs: List[str] | List[List[int]], **parameters: Any) -> GenerationStream:
         """Queue ``inputs`` (texts, or token id lists) as one request; see
