@@ -135,7 +135,7 @@ def test_top_n_tokens_shares_the_engines_limit():
 
 @pytest.mark.parametrize("name, value", [
     ("best_of", 2), ("decoder_input_details", True), ("truncate", 10), ("watermark", True),
-    ("grammar", {"type": "regex", "value": "[0-9]+"}), ("adapter_id", "my-lora"),
+    ("adapter_id", "my-lora"),
 ])
 def test_a_parameter_we_cannot_honour_is_refused_by_name(name, value):
     error = refusal({"inputs": "Hi", "parameters": {name: value}})
@@ -151,7 +151,7 @@ def test_frequency_penalty_reaches_the_engine():
 def test_the_same_parameters_at_their_defaults_are_accepted():
     neutral = {name: allowed[-1] for name, (allowed, _, _) in UNSUPPORTED.items()}
     assert neutral == {"best_of": 1, "decoder_input_details": False, "truncate": None,
-                       "watermark": False, "grammar": None, "adapter_id": None}
+                       "watermark": False, "adapter_id": None}
     assert parse(neutral).parameters.max_new_tokens == 50
 
 

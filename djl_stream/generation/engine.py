@@ -34,13 +34,16 @@ class EngineCapabilities:
     token, its log-probabilities when asked, and why a sequence finished. ``seeds``: it
     takes ``manual_seed`` for reproducible sampling. ``continuous_batching``: requests
     join and leave a running batch between two decode steps. ``token_prompts``: its
-    ``generate`` takes prompts as token id lists as well as text.
+    ``generate`` takes prompts as token id lists as well as text. ``grammars``: it takes a
+    ``grammar`` parameter and keeps each answer to it
+    (:mod:`~djl_stream.generation.grammar`).
     """
 
     scores: bool = False
     seeds: bool = False
     continuous_batching: bool = False
     token_prompts: bool = False
+    grammars: bool = False
 
 
 class Engine:

@@ -97,8 +97,10 @@ class TokenChooser:
     ``do_sample=False`` means greedy decoding, as in transformers' ``generate()``: the
     sampling warpers (temperature, top-k, top-p, typical-p) only apply when sampling; the
     penalties (``repetition_penalty``, OpenAI's ``presence_penalty`` and
-    ``frequency_penalty``) and ``logit_bias`` (token id -> a number added to its logit, as
-    OpenAI's: -100 bars a token, 100 all but forces it) apply in both modes.
+    ``frequency_penalty``), ``logit_bias`` (token id -> a number added to its logit, as
+    OpenAI's: -100 bars a token, 100 all but forces it) and ``grammar`` (a
+    :class:`~djl_stream.generation.grammar.RowGrammar`: only what it allows next) apply in
+    both modes.
 
     ``min_new_tokens`` keeps every id of ``eos_token_ids`` from being chosen before that
     many tokens follow the prompt, through transformers'
@@ -136,6 +138,7 @@ class TokenChooser:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         logit_bias: Optional[Mapping[int, float]] = None,
+        grammar: Optional[LogitsProcessor] = None,
         manual_seed: Optional[int] = None,
         min_new_tokens: int = 0,
         eos_token_ids: AbstractSet[int] = frozenset(),
@@ -163,6 +166,11 @@ class TokenChooser:
             # One-token sequences only: the processor then never reads the input ids.
             processors.append(SequenceBiasLogitsProcessor(
                 sequence_bias=[[[int(token)], float(bias)] for token, bias in logit_bias.items()]))
+        # The grammar bars tokens after the biases (a bias cannot lift a barred token) and
+        # before the warpers (which then share the probability among allowed tokens only).
+        self.grammar = grammar
+        if grammar is not None:
+            processors.append(grammar)
         self._min_new_tokens: Optional[MinNewTokensLengthLogitsProcessor] = None
         self.min_new_tokens = min_new_tokens if eos_token_ids else 0
         self._eos_ids = tuple(sorted(int(i) for i in eos_token_ids))
@@ -185,7 +193,8 @@ class TokenChooser:
                 processors.append(TypicalLogitsWarper(mass=typical_p))
         self.processors = processors
         self._warpers = (temperature, top_k, top_p, typical_p) if do_sample else None
-        self._biased = bool(logit_bias)  # (its own processor: never shared with others)
+        # Processors of its own (state or values no other row shares).
+        self._biased = bool(logit_bias) or grammar is not None
         # Processors that read the sequence so far, not only its scores.
         self._repetition_penalty = repetition_penalty != 1.0 or counted
         self.needs_input_ids = self._repetition_penalty or self._min_new_tokens is not None
@@ -224,6 +233,11 @@ class TokenChooser:
         if self._warpers is None or self.needs_input_ids or self._biased:
             return None
         return self._warpers
+
+    def note_token(self, token_id: int) -> None:
+        """The sequence took ``token_id``: its grammar, if any, follows it."""
+        if self.grammar is not None:
+            self.grammar.advance(token_id)
 
     def note_generated(self, count: int) -> None:
         """The sequence now holds ``count`` new tokens: drop the ``min_new_tokens``

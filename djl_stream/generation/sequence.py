@@ -115,6 +115,7 @@ class GenerationSequence:
         """
         if self.finished:
             raise RuntimeError(f"sequence {self.request_id!r} already finished")
+        self.chooser.note_token(token_id)
         eos = token_id in self.eos_token_ids
         if eos and not self.ignore_eos:
             # The end-of-sequence token is special: it adds no text, only releases what

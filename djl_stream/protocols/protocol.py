@@ -27,7 +27,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 from djl_stream.generation.errors import ShuttingDown
 from djl_stream.generation.step import Step
@@ -54,6 +54,33 @@ class ParseContext:
     render_chat: Optional[Callable[[List[dict]], str]] = None
     #: wrap plain prompts as one user turn of the chat template (option.apply_chat_template)
     wrap_prompts_in_chat: bool = False
+    #: raises ValueError, with why, for a grammar the model cannot follow (a
+    #: :data:`~djl_stream.generation.grammar.GrammarSpec`); None when the engine constrains
+    #: nothing, and a request with a grammar is refused
+    check_grammar: Optional[Callable[[Tuple[str, str]], None]] = None
+
+
+def checked_grammar(spec: Optional[Tuple[str, str]], field: str, context: ParseContext,
+                    engine: str = "this") -> Optional[Tuple[str, str]]:
+    """``spec`` once the model can follow it; a :class:`RequestError` naming ``field``
+    otherwise (a bad schema or regex, or an engine that constrains nothing).
+
+    >>> context = ParseContext(16, 64, 4, "m")
+    >>> checked_grammar(("regex", "a+"), "response_format", context)
+    Traceback (most recent call last):
+    ...
+    djl_stream.generation.errors.RequestError: response_format is not supported by this engine: it has no constrained decoding
+    """
+    if spec is None:
+        return None
+    if context.check_grammar is None:
+        raise RequestError(field, f"{field} is not supported by {engine} engine: it has no "
+                                  "constrained decoding")
+    try:
+        context.check_grammar(spec)
+    except ValueError as error:
+        raise RequestError(field, f"{field} cannot be followed: {error}") from None
+    return spec
 
 
 @dataclasses.dataclass(frozen=True)

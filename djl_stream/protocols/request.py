@@ -18,7 +18,7 @@ from typing import Any
 #: that an engine written before they existed (a custom one) is not handed unknown ones.
 OPTIONAL_PARAMETERS = {"manual_seed": None, "min_new_tokens": 0, "ignore_eos": False,
                        "logprobs": False, "top_logprobs": 0, "presence_penalty": 0.0,
-                       "frequency_penalty": 0.0, "logit_bias": ()}
+                       "frequency_penalty": 0.0, "logit_bias": (), "grammar": None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +35,8 @@ class SamplingParameters:
     alternatives too. ``presence_penalty``, ``frequency_penalty`` (OpenAI's, -2 to 2) and
     ``logit_bias`` (``(token id, bias)`` pairs) shape the logits in both modes;
     ``manual_seed`` may also give one seed per prompt (OpenAI's ``n`` seeded choices).
+    ``grammar`` keeps the answer to a JSON schema, a regex or a Lark grammar
+    (:mod:`djl_stream.generation.grammar`).
 
     >>> SamplingParameters(max_new_tokens=16, do_sample=True, stop=("\\n\\n",)).as_kwargs()["stop"]
     ['\\n\\n']
@@ -51,6 +53,7 @@ class SamplingParameters:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: tuple[str, str] | None = None
     do_sample: bool = False
     manual_seed: int | tuple[int, ...] | None = None
     stop: tuple[str, ...] = ()

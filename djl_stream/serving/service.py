@@ -29,6 +29,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import logging
 import sys
 import threading
@@ -466,7 +467,23 @@ class StreamingService:
             model_name=self.model_name,
             render_chat=self.render_chat if self.has_chat_template else None,
             wrap_prompts_in_chat=self.wraps_inputs_in_chat_template,
+            check_grammar=self._grammars.check if self._grammars is not None else None,
         )
+
+    @functools.cached_property
+    def _grammars(self) -> Optional[Any]:
+        """The model's :class:`~djl_stream.generation.grammar.Grammars`, where the engine
+        follows grammars (to check a request's before it is queued)."""
+        if not self.engine.capabilities.grammars:
+            return None
+        from djl_stream.generation.engines.accelerate import logits_width, eos_token_ids
+        from djl_stream.generation.grammar import Grammars, GrammarsUnavailable
+
+        if importlib.util.find_spec("llguidance") is None:
+            return GrammarsUnavailable()
+
+        return Grammars(self.tokenizer, eos_token_ids(self.model, self.tokenizer),
+                        logits_width(self.model))
 
     @property
     def model_name(self) -> str:

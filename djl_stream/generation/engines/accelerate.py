@@ -29,6 +29,7 @@ from djl_stream.generation.scheduler import (
     GenerationStream,
     Scheduler,
 )
+from djl_stream.generation.grammar import Grammars
 from djl_stream.generation.sequence import GenerationSequence
 from djl_stream.generation.streaming_utils import register_engine
 from djl_stream.runtime.runner import RunnerSettings, load_runner
@@ -39,7 +40,8 @@ _CHOOSER_PARAMETERS = (
     "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
     "manual_seed", "min_new_tokens", "logprobs", "top_logprobs",
 )
-_PARAMETERS = frozenset(_CHOOSER_PARAMETERS + ("max_new_tokens", "stop", "ignore_eos"))
+_PARAMETERS = frozenset(_CHOOSER_PARAMETERS + ("max_new_tokens", "stop", "ignore_eos",
+                                               "grammar"))
 
 
 def model_input_device(model) -> torch.device:
@@ -101,6 +103,9 @@ def build_sequences(
     if "logit_bias" in chooser_kwargs:
         chooser_kwargs["logit_bias"] = dict(chooser_kwargs["logit_bias"])
     seeds = _seeds(chooser_kwargs.pop("manual_seed", None), len(prompt_ids))
+    grammar = parameters.get("grammar")
+    grammars = (Grammars(tokenizer, eos_ids, logits_width(model))
+                if grammar is not None else None)
     max_new_tokens = parameters.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
     request_ids = list(range(len(prompt_ids))) if request_ids is None else list(request_ids)
     return [
@@ -112,11 +117,20 @@ def build_sequences(
             eos_token_ids=eos_ids,
             stop=tuple(stop),
             chooser=TokenChooser(device=device, eos_token_ids=eos_ids, prompt_length=len(ids),
-                                 manual_seed=seed, **chooser_kwargs),
+                                 manual_seed=seed, **chooser_kwargs,
+                                 grammar=grammars.row(tuple(grammar)) if grammars else None),
             ignore_eos=bool(parameters.get("ignore_eos")),
         )
         for request_id, ids, seed in zip(request_ids, prompt_ids, seeds)
     ]
+
+
+def logits_width(model) -> Optional[int]:
+    """How many columns the model's logits have (its output embeddings' rows)."""
+    try:
+        return int(model.get_output_embeddings().weight.shape[0])
+    except (AttributeError, TypeError):
+        return getattr(model.config, "vocab_size", None)
 
 
 def _seeds(manual_seed: Any, count: int) -> List[Optional[int]]:
@@ -170,7 +184,7 @@ class AccelerateEngine(Engine):
 
     name = "Accelerate"
     capabilities = EngineCapabilities(scores=True, seeds=True, continuous_batching=True,
-                                      token_prompts=True)
+                                      token_prompts=True, grammars=True)
 
     def __init__(self, model, tokenizer, settings: AccelerateSettings = AccelerateSettings(),
                  **scheduler_options: Any) -> None:

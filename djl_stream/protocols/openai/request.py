@@ -21,12 +21,16 @@ worded as on djl's routes. What OpenAI's parameters become:
 - vLLM's extensions ``top_k``, ``repetition_penalty``, ``min_tokens`` and ``ignore_eos``
   map to the engine's parameters of those names.
 
-Parameters this server cannot honour (``tools``, ``response_format`` other than text,
-``echo``...) are accepted only at the value that asks for nothing, and refused otherwise:
+- ``response_format`` (chat) → a grammar the answer follows: any JSON object for
+  ``json_object``, the schema for ``json_schema``
+  (:mod:`djl_stream.generation.grammar`);
+
+Parameters this server cannot honour (``tools``, ``echo``...) are accepted only at the
+value that asks for nothing, and refused otherwise:
 never silently ignored. What changes nothing about the answer (``model``, ``user``,
 ``metadata``, ``store``...) is accepted.
 
-    >>> from djl_stream.protocols.protocol import ParseContext
+    >>> from djl_stream.protocols.protocol import ParseContext, checked_grammar
     >>> context = ParseContext(default_max_new_tokens=50, max_new_tokens_limit=2048,
     ...                        max_batch_size=32, model_name="model")
     >>> request = parse_completion({"prompt": "Once", "max_tokens": 8, "temperature": 0,
@@ -48,7 +52,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticCustomError
 
-from djl_stream.protocols.protocol import ParseContext
+from djl_stream.protocols.protocol import ParseContext, checked_grammar
 from djl_stream.protocols.request import GenerationRequest, SamplingParameters
 from djl_stream.protocols.schema import (FINITE, MAX_REPETITION_PENALTY,
                                          MIN_REPETITION_PENALTY, MIN_TEMPERATURE, Prompt,
@@ -202,7 +206,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "audio": (),
     "prediction": (),
@@ -285,6 +288,37 @@ def _max_new_tokens(field: str, value: Optional[int], context: ParseContext) -> 
     return value
 
 
+def _response_grammar(value: Any, context: ParseContext) -> Optional[tuple[str, str]]:
+    """The grammar ``response_format`` asks for: none for ``text``, any JSON object for
+    ``json_object``, the schema for ``json_schema`` (``strict`` or not, the schema is
+    followed)."""
+    if value is None:
+        return None
+    kinds = "text, json_object or json_schema"
+    if not isinstance(value, dict) or "type" not in value:
+        raise RequestError("response_format", "response_format must be an object with a type "
+                                              f"({kinds}), got {describe(value)}")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return checked_grammar(("json_object", ""), "response_format", context)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise RequestError("response_format.json_schema", "response_format.json_schema "
+                               "must be an object with name and schema, got " + describe(spec))
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise RequestError("response_format.json_schema.schema",
+                               "response_format.json_schema.schema must be a JSON schema "
+                               f"object, got {describe(schema)}")
+        return checked_grammar(("json_schema", json.dumps(schema)),
+                               "response_format.json_schema.schema", context)
+    raise RequestError("response_format.type", f"response_format.type must be one of {kinds}, "
+                                               f"got {describe(kind)}")
+
+
 def _logit_bias(parsed: _Common) -> tuple[tuple[int, float], ...]:
     pairs = []
     for key, bias in (parsed.logit_bias or {}).items():
@@ -304,7 +338,8 @@ def _seeds(seed: Optional[int], sequences: int) -> Optional[int | tuple[int, ...
 
 
 def _sampling(parsed: _Common, max_new_tokens: int, logprobs: bool,
-              top_logprobs: int, sequences: int = 1) -> SamplingParameters:
+              top_logprobs: int, sequences: int = 1,
+              grammar: Optional[tuple[str, str]] = None) -> SamplingParameters:
     temperature = 1.0 if parsed.temperature is None else parsed.temperature
     sample = temperature >= MIN_TEMPERATURE
     if parsed.min_tokens is not None and parsed.min_tokens > max_new_tokens:
@@ -321,6 +356,7 @@ def _sampling(parsed: _Common, max_new_tokens: int, logprobs: bool,
         presence_penalty=parsed.presence_penalty or 0.0,
         frequency_penalty=parsed.frequency_penalty or 0.0,
         logit_bias=_logit_bias(parsed),
+        grammar=grammar,
         manual_seed=_seeds(parsed.seed, sequences),
         stop=tuple(parsed.stop or ()),
         min_new_tokens=parsed.min_tokens or 0,
@@ -349,7 +385,7 @@ def _answer_options(parsed: _Common, prompt_count: int,
 def parse_chat(body: Any, context: ParseContext) -> GenerationRequest:
     """Validate a chat completions body; the messages go through the chat template.
 
-    >>> from djl_stream.protocols.protocol import ParseContext
+    >>> from djl_stream.protocols.protocol import ParseContext, checked_grammar
     >>> context = ParseContext(50, 2048, 32, "model",
     ...                        render_chat=lambda ms: "".join(m["content"] for m in ms))
     >>> request = parse_chat({"model": "any", "messages": [{"role": "user", "content": "Hi"}],
@@ -386,7 +422,8 @@ def parse_chat(body: Any, context: ParseContext) -> GenerationRequest:
         raise RequestError("messages", f"the chat template rejected the messages: {err}") from None
     return GenerationRequest(
         prompts=(prompt,) * n,
-        parameters=_sampling(parsed, max_new_tokens, logprobs, top, n),
+        parameters=_sampling(parsed, max_new_tokens, logprobs, top, n,
+                             _response_grammar(parsed.response_format, context)),
         stream=bool(parsed.stream),
         messages=messages,
         answer=Answer(n=n, include_usage=include_usage, logprobs=logprobs, top_logprobs=top,
@@ -429,7 +466,7 @@ def parse_completion(body: Any, context: ParseContext) -> GenerationRequest:
     """Validate a completions body; prompts are sent to the model as they are (no chat
     template), each repeated ``n`` times.
 
-    >>> from djl_stream.protocols.protocol import ParseContext
+    >>> from djl_stream.protocols.protocol import ParseContext, checked_grammar
     >>> context = ParseContext(50, 2048, 32, "model")
     >>> parse_completion({"prompt": "Hi", "max_tokens": 4096}, context)
     Traceback (most recent call last):

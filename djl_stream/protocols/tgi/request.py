@@ -8,8 +8,9 @@ Every parameter of TGI's ``GenerateParameters`` is known, and may be ``null``
 (``huggingface_hub`` and the ``text-generation`` client send many keys that way).
 Those djl-stream honours: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``,
 ``top_p``, ``typical_p``, ``repetition_penalty``, ``frequency_penalty``, ``seed``, ``stop``,
-``details``, ``return_full_text`` and ``top_n_tokens``. The others (``best_of``,
-``truncate``, ``watermark``, ``grammar``, ``adapter_id``, ``decoder_input_details``) are
+``details``, ``return_full_text``, ``top_n_tokens`` and ``grammar`` (``json`` or ``regex``,
+followed while decoding). The others (``best_of``, ``truncate``, ``watermark``,
+``adapter_id``, ``decoder_input_details``) are
 accepted at their defaults and refused otherwise, naming
 the parameter. An unknown key is refused too (TGI ignores it; a typo would change nothing
 silently).
@@ -33,11 +34,12 @@ As in TGI, setting a sampling warper (``temperature`` other than 1, ``top_k``, `
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Callable, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from djl_stream.protocols.protocol import ParseContext
+from djl_stream.protocols.protocol import ParseContext, checked_grammar
 from djl_stream.protocols.request import GenerationRequest, SamplingParameters
 from djl_stream.protocols.schema import (FINITE, MAX_REPETITION_PENALTY, MAX_TEMPERATURE,
                                          MIN_REPETITION_PENALTY, MIN_TEMPERATURE, Prompt,
@@ -106,9 +108,38 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str, str]] = {
     "truncate": ((None,), "null", "prompts are never truncated; one longer than "
                                   "option.max_input_length is refused"),
     "watermark": ((None, False), "null or false", "it has no watermarking"),
-    "grammar": ((None,), "null", "it has no constrained decoding"),
     "adapter_id": ((None,), "null", "it serves one model, without LoRA adapters"),
 }
+
+
+def _grammar(value: Any, context: ParseContext) -> Optional[tuple[str, str]]:
+    """TGI's ``grammar``: ``{"type": "json", "value": schema}`` (``json_object`` is its
+    alias) or ``{"type": "regex", "value": pattern}``."""
+    if value is None:
+        return None
+    field = "parameters.grammar"
+    if not isinstance(value, dict) or set(value) != {"type", "value"}:
+        raise RequestError(field, f"{field} must be {{\"type\": \"json\" or \"regex\", "
+                                  f"\"value\": ...}}, got {describe(value)}")
+    kind, text = value["type"], value["value"]
+    if kind in ("json", "json_object"):
+        if isinstance(text, str):
+            try:
+                text = json.loads(text)
+            except ValueError:
+                raise RequestError(f"{field}.value", f"{field}.value must be a JSON schema, "
+                                                     "got a string that is not JSON") from None
+        if not isinstance(text, dict):
+            raise RequestError(f"{field}.value", f"{field}.value must be a JSON schema object, "
+                                                 f"got {describe(text)}")
+        return checked_grammar(("json_schema", json.dumps(text)), f"{field}.value", context)
+    if kind == "regex":
+        if not isinstance(text, str) or not text:
+            raise RequestError(f"{field}.value", f"{field}.value must be a regular expression, "
+                                                 f"got {describe(text)}")
+        return checked_grammar(("regex", text), f"{field}.value", context)
+    raise RequestError(f"{field}.type", f"{field}.type must be json or regex, "
+                                        f"got {describe(kind)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +241,7 @@ def parse_request(body: Any, context: ParseContext, *, route_stream: Optional[bo
         repetition_penalty=(params.repetition_penalty
                             if params.repetition_penalty is not None else 1.0),
         frequency_penalty=params.frequency_penalty or 0.0,
+        grammar=_grammar(params.grammar, context),
         do_sample=sampling,
         manual_seed=seed,
         stop=tuple(params.stop or ()),
