@@ -12,7 +12,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 # `make conformance` runs and reads; see ../shared/djl-serving/README.md.
 DJL_SERVING_SRC ?= ../shared/djl-serving
 
-.PHONY: install model serve test conformance browser ray bench bench-peers bench-architectures bench-quantization bench-gpu reliability clean help
+.PHONY: install model serve test conformance browser ray bench bench-peers bench-architectures bench-quantization bench-grammar bench-gpu reliability clean help
 
 help:
 	@echo "make serve   - set up .venv, prepare the embedded model, serve $(MODEL_DIR)/ on $(HOST):$(PORT)"
@@ -24,6 +24,7 @@ help:
 	@echo "make bench-peers - djl-stream beside llama.cpp (its C++ server and llama-cpp-python), transformers serve and Ray Serve (sets them up in .peers/); writes BENCHMARKS.md's peers section"
 	@echo "make bench-architectures - the embedded model's shapes as Llama, Qwen2 and Mistral (random weights) served side by side; writes BENCHMARKS.md's architectures section"
 	@echo "make bench-quantization - option.quantize's methods against float32 (speed, greedy agreement); writes BENCHMARKS.md's quantization section"
+	@echo "make bench-grammar - llguidance, xgrammar and outlines-core: a grammar's cost per decode step; writes BENCHMARKS.md's grammar section"
 	@echo "make bench-gpu - on a CUDA machine, with GPU_PYTHON's CUDA torch: GPU tests and benchmarks into GPU_OUT (benchmarks/on_a_gpu.sh)"
 	@echo "make reliability - hostile clients against a real server; writes RELIABILITY.md"
 
@@ -97,6 +98,14 @@ bench-architectures: $(DEV_STAMP) model
 # option.quantize's methods against float32, into BENCHMARKS.md's quantization section.
 bench-quantization: $(DEV_STAMP) model
 	$(BIN)/python -m benchmarks.quantization --model-dir $(MODEL_DIR)
+
+# The constrained-decoding libraries side by side, into BENCHMARKS.md's grammar section:
+# xgrammar without its dependencies but the one it needs on a CPU (its triton is a GPU
+# compiler of a gigabyte).
+bench-grammar: $(DEV_STAMP) model
+	$(BIN)/python -m pip install -q outlines-core apache-tvm-ffi
+	$(BIN)/python -m pip install -q --no-deps xgrammar
+	$(BIN)/python -m benchmarks.grammar_masks --model-dir $(MODEL_DIR) --output BENCHMARKS.md
 
 # On a machine with a CUDA GPU: .venv holds torch's CPU build, so this runs GPU_PYTHON, an
 # interpreter with a CUDA build of torch and djl-stream's dependencies (RANDOM_WEIGHTS=1

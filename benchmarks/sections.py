@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import List, Optional
 
 #: The sections ``make bench`` keeps, by name.
-KEPT = ("peers", "architectures", "quantization", "gpu")
+KEPT = ("peers", "architectures", "quantization", "grammar", "gpu")
 
 
 def markers(name: str) -> tuple:
