@@ -127,6 +127,10 @@ def record_request() -> Iterator[RequestRecord]:
         _CURRENT_RECORD.reset(token)
 
 
+#: How a sequence leaves the scheduler (``djl_stream_requests_finished_total``'s label).
+FINISH_REASONS = ("eos", "length", "stop", "cancelled", "error")
+
+
 # -- Prometheus -------------------------------------------------------------------------
 
 class PrometheusMetrics(SchedulerObserver):
@@ -200,6 +204,7 @@ class PrometheusMetrics(SchedulerObserver):
         self.kv_cache_tokens = Gauge(
             "djl_stream_kv_cache_tokens", "Token positions the KV cache holds, over every "
             "running row and prompt being read.", ["model"], registry=registry)
+        self._models: set = set()
 
     # -- fed by the server --
 
@@ -216,7 +221,21 @@ class PrometheusMetrics(SchedulerObserver):
 
     # -- fed by the scheduler --
 
+    def _meet(self, model: str) -> None:
+        """A model's series start at 0 the first time it is seen, as unlabelled ones
+        would: a scraper sees a counter before it first moves (a rate needs two samples)."""
+        if model in self._models:
+            return
+        self._models.add(model)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.cancelled,
+                       self.failed, self.queue_time, self.ttft, self.itl, self.e2e,
+                       self.batch_rows, self.waiting, self.kv_cache_tokens):
+            metric.labels(model)
+        for reason in FINISH_REASONS:
+            self.finished.labels(model, reason)
+
     def request_submitted(self, stats: RequestStats) -> None:
+        self._meet(stats.model)
         record = _CURRENT_RECORD.get()
         if record is not None:
             record.generations.append(stats)
@@ -244,6 +263,7 @@ class PrometheusMetrics(SchedulerObserver):
             self.finished.labels(stats.model, reason).inc()
 
     def batch_changed(self, state: BatchState) -> None:
+        self._meet(state.model)
         self.batch_rows.labels(state.model).set(state.running_rows)
         self.waiting.labels(state.model).set(state.waiting_requests)
         self.kv_cache_tokens.labels(state.model).set(state.kv_cache_tokens)
