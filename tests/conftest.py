@@ -151,3 +151,15 @@ def tiny_model_dir(tmp_path_factory, tiny_model, smollm2_tokenizer) -> Path:
         "option.compile=false\n"
     )
     return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir):
+    """One running server on the tiny model, shared by the test files that only ask it
+    questions (the clients' protocols, the routes): a server start is seconds of a test
+    process's time, and these files change nothing a later one would see. Files that count
+    what the server did (metrics), stop it, or change its options start their own."""
+    from server_process import serving
+
+    with serving(tiny_model_dir) as process:
+        yield process

@@ -9,14 +9,11 @@ import re
 import pytest
 
 from djl_stream.serving.chat_page import page_html
-from server_process import ServerProcess
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    process = ServerProcess(tiny_model_dir).wait_ready(timeout=120)
-    yield process
-    process.stop()
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.mark.parametrize("path", ["/", "/chat"])

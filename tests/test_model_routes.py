@@ -8,16 +8,14 @@ from __future__ import annotations
 import re
 
 import pytest
-from server_process import serving
 
 from djl_stream import __version__
 from djl_stream.protocols.openai.request import ChatCompletionRequest
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with serving(tiny_model_dir) as process:
-        yield process
+def server(tiny_server):
+    return tiny_server
 
 
 def test_tgi_health_and_info_through_huggingface_hub(server):

@@ -22,9 +22,8 @@ def client_of(server: ServerProcess) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with serving(tiny_model_dir) as process:
-        yield process
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture(scope="module")

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import openai
 import pytest
-from server_process import serving
 
 PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def client(tiny_model_dir):
-    with serving(tiny_model_dir) as process:
-        yield openai.OpenAI(base_url=process.url + "/v1", api_key="unused")
+def client(tiny_server):
+    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused")
 
 
 def tokens(client, **parameters) -> list[str]:

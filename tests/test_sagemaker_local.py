@@ -9,7 +9,6 @@ import json
 
 import boto3
 import pytest
-from server_process import serving
 
 from djl_stream.shipping.client import StreamingError, invoke_stream, stream
 
@@ -17,9 +16,8 @@ GREEDY = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 8}}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with serving(tiny_model_dir) as process:
-        yield process
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture(scope="module")

@@ -91,9 +91,8 @@ def test_a_schema_the_grammar_library_refuses_is_a_400_with_its_words(client):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with serving(tiny_model_dir) as process:
-        yield process
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture(scope="module")

@@ -42,9 +42,8 @@ def assert_adds_up(outputs) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with serving(tiny_model_dir) as process:
-        yield process
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture(scope="module")
