@@ -446,6 +446,6 @@ def test_figures_carry_the_model_and_finished_sequences_are_counted_by_reason(
     after = scrape_when(server, lambda s: idle(s) and sum(reasons(s).values()) >= 4)
     assert reasons(after) == {"length": 3, "stop": 1, "cancelled": 0, "error": 0}
     # every generation figure names the model it is about
-    assert after.minus(before, "djl_stream_prompt_tokens_total", **model) > 0
+    assert after.minus(before, "djl_stream_prompt_tokens_total", **model) != 0
     assert after("djl_stream_batch_rows", **model) == 0
     assert after("djl_stream_generation_tokens_total", model="another") == 0
