@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -73,11 +72,4 @@ def ray_server(tiny_model_dir):
     try:
         yield server.wait_ready(timeout=600)
     finally:
-        server.http.close()
-        server.process.terminate()  # SIGTERM: Serve and the local cluster shut down
-        try:
-            server.process.wait(120)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
-            server.process.wait()
-        server.log.close()
+        server.stop(grace=120)  # SIGTERM: Serve and the local cluster shut down first

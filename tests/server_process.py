@@ -99,11 +99,12 @@ class ServerProcess:
             time.sleep(0.05)
         return new
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL if the server has not exited within ``grace`` seconds."""
         self.http.close()
         self.process.terminate()
         try:
-            self.process.wait(10)
+            self.process.wait(grace)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()

@@ -38,6 +38,9 @@ GrammarSpec = Tuple[str, str]
 KINDS = ("json_schema", "json_object", "regex", "lark")
 #: JSON without whitespace between its tokens (llguidance's default allows any amount).
 _COMPACT = {"whitespace_flexible": False}
+#: Each bit's place in an int32 word of llguidance's bitmask (made once: the mask is
+#: unpacked for every constrained row at every step).
+_BITS = torch.arange(32, dtype=torch.int32)
 
 
 class GrammarError(ValueError):
@@ -143,8 +146,7 @@ class RowGrammar(LogitsProcessor):
         self.matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), words * 4)
         if self.matcher.is_error():
             raise GrammarError(f"the grammar failed: {self.matcher.get_error()}")
-        shifts = torch.arange(32, dtype=torch.int32)
-        allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten()[:vocab].bool()
+        allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).flatten()[:vocab].bool()
         return scores.masked_fill(~allowed.to(scores.device), float("-inf"))
 
     def advance(self, token_id: int) -> None:
