@@ -134,7 +134,8 @@ def test_a_stop_string_ends_the_text_before_it(client):
 @pytest.mark.parametrize("params, param, message", [
     ({"max_tokens": 1000}, "max_tokens", "max_tokens must be at most 256, got 1000"),
     ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be at most 2, got 2.5"),
-    ({"tool_choice": "required"}, "tool_choice", "tool_choice is not supported by this server"),
+    ({"tool_choice": "required"}, "tool_choice",
+     "tool_choice 'required' needs tools, and the request offers none"),
     ({"extra_body": {"top_q": 0.5}}, "top_q", "top_q is not a known parameter; did you mean top_"),
     ({"n": 40}, "n", "n (40) is 40 sequences; the limit (option.max_rolling_batch_size) is 32"),
 ])

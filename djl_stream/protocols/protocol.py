@@ -50,8 +50,12 @@ class ParseContext:
     max_new_tokens_limit: int
     max_batch_size: int
     model_name: str
-    #: renders chat messages into a prompt; None when the tokenizer has no chat template
-    render_chat: Optional[Callable[[List[dict]], str]] = None
+    #: renders chat messages (and, as a second argument, the tools they may call) into a
+    #: prompt; None when the tokenizer has no chat template
+    render_chat: Optional[Callable[..., str]] = None
+    #: whether the chat template shows tools to the model itself (else a system message
+    #: does: :func:`djl_stream.protocols.openai.tools.chat_for_template`)
+    renders_tools: bool = False
     #: wrap plain prompts as one user turn of the chat template (option.apply_chat_template)
     wrap_prompts_in_chat: bool = False
     #: raises ValueError, with why, for a grammar the model cannot follow (a

@@ -46,6 +46,7 @@ from djl_stream.protocols.djl.formatters import StreamFormatter, resolve_formatt
 from djl_stream.protocols.djl.protocol import djl_protocol
 from djl_stream.protocols.model_queries import (DETOKENIZE, INFO, MODEL_QUERIES, TOKENIZE,
                                               detokenize, query_kind, tokenize)
+from djl_stream.protocols.openai.tools import template_renders_tools
 from djl_stream.protocols.protocol import (PROTOCOL_PROPERTY, EncodedStream, Failure,
                                            ParseContext, Protocol, StreamEncoder)
 from djl_stream.protocols.request import GenerationRequest
@@ -466,6 +467,7 @@ class StreamingService:
             max_batch_size=props.max_rolling_batch_size,
             model_name=self.model_name,
             render_chat=self.render_chat if self.has_chat_template else None,
+            renders_tools=self._template_renders_tools,
             wrap_prompts_in_chat=self.wraps_inputs_in_chat_template,
             check_grammar=self._grammars.check if self._grammars is not None else None,
         )
@@ -586,18 +588,31 @@ class StreamingService:
         choice = self.props.apply_chat_template
         return self.has_chat_template if choice is None else choice
 
-    def render_chat(self, messages: List[dict]) -> str:
-        """The prompt text for ``messages``, ending with the assistant's turn opening.
+    def render_chat(self, messages: List[dict], tools: Optional[List[dict]] = None) -> str:
+        """The prompt text for ``messages``, ending with the assistant's turn opening;
+        ``tools`` (OpenAI's function specs) go to the template as transformers' ``tools=``.
 
         A template that writes the BOS token itself would get a second one when the prompt
         is tokenized, so a leading BOS is dropped here."""
         if not self.has_chat_template:
             raise RequestError("messages", "the model's tokenizer has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                  add_generation_prompt=True)
         bos = getattr(self.tokenizer, "bos_token", None)
         if bos and text.startswith(bos) and self._tokenizer_adds_bos:
             text = text[len(bos):]
         return text
+
+    @functools.cached_property
+    def _template_renders_tools(self) -> bool:
+        """Whether the chat template used with tools (a ``tool_use`` one, where the
+        tokenizer has several) shows them to the model."""
+        if not self.has_chat_template:
+            return False
+        try:
+            return template_renders_tools(self.tokenizer.get_chat_template(tools=[]))
+        except ValueError:  # several templates and none for tools or by default
+            return False
 
     @functools.cached_property
     def _tokenizer_adds_bos(self) -> bool:

@@ -26,10 +26,12 @@ route) with ``messages`` or ``prompt`` selects them by its shape.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, List, Sequence
 
 from djl_stream.generation.step import Step
 from djl_stream.protocols.openai.request import Answer, parse_chat, parse_completion
+from djl_stream.protocols.openai.tools import ToolCallReader
 from djl_stream.protocols.openai.responses import (ERRORS, SSE_CONTENT_TYPE, SSE_DONE,
                                                    Choices, TokenText, Update, chat_logprobs,
                                                    completion_logprobs, error_body, new_id,
@@ -173,19 +175,73 @@ class ChatCompletionsProtocol(OpenAIProtocol):
     def parse(self, body: Any, context: ParseContext) -> GenerationRequest:
         return parse_chat(body, context)
 
+    def stream_encoder(self, request: GenerationRequest,
+                       prompt_tokens: Sequence[int]) -> StreamEncoder:
+        return ChatStream(self, request, prompt_tokens)
+
     def chunk_choice(self, update: Update) -> Dict[str, Any]:
         delta: Dict[str, Any] = {"role": "assistant"} if update.first else {}
-        if update.text or update.first:
+        if update.text or (update.first and not update.tool_calls):
             delta["content"] = update.text
+        if update.tool_calls:
+            delta["tool_calls"] = update.tool_calls
         return {"index": update.index, "delta": delta,
                 "logprobs": chat_logprobs(update.logprobs) if update.logprobs else None,
                 "finish_reason": update.finish_reason}
 
     def response_choice(self, index: int, choices: Choices, answer: Answer) -> Dict[str, Any]:
-        return {"index": index,
-                "message": {"role": "assistant", "content": choices.texts()[index]},
+        message: Dict[str, Any] = {"role": "assistant", "content": choices.texts()[index]}
+        finish_reason = choices.finish_reasons()[index]
+        if answer.tools is not None:
+            reader = ToolCallReader(answer.tools)
+            content = reader.feed(message["content"])[0] + reader.finish()[0]
+            if reader.called:
+                calls = [{key: value for key, value in call.items() if key != "index"}
+                         for call in reader.calls]
+                message = {"role": "assistant", "content": content or None,
+                           "tool_calls": calls}
+                finish_reason = _with_calls(finish_reason)
+        return {"index": index, "message": message,
                 "logprobs": chat_logprobs(choices.logprobs(index)) if answer.logprobs else None,
-                "finish_reason": choices.finish_reasons()[index]}
+                "finish_reason": finish_reason}
+
+
+def _with_calls(finish_reason: Any) -> Any:
+    """A choice that called tools and ended of itself finished for ``tool_calls``."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+class ChatStream(OpenAIStream):
+    """A chat answer's events; with tools, each choice's text goes through a
+    :class:`~djl_stream.protocols.openai.tools.ToolCallReader`, so calls stream as
+    ``tool_calls`` entries and the rest as ``content``."""
+
+    def __init__(self, protocol: OpenAIProtocol, request: GenerationRequest,
+                 prompt_tokens: Sequence[int]) -> None:
+        super().__init__(protocol, request, prompt_tokens)
+        use = request.answer.tools
+        self.readers = (None if use is None
+                        else [ToolCallReader(use) for _ in request.prompts])
+
+    def _events(self, updates: List[Update]) -> bytes:
+        if self.readers is not None:
+            # A piece the reader holds back (a call being written) leaves nothing to send.
+            updates = [update for update in map(self._read, updates)
+                       if update.text or update.tool_calls or update.first
+                       or update.logprobs or update.finish_reason is not None]
+        return super()._events(updates)
+
+    def _read(self, update: Update) -> Update:
+        reader = self.readers[update.index]
+        content, calls = reader.feed(update.text)
+        finish_reason = update.finish_reason
+        if finish_reason is not None:
+            more, last = reader.finish()
+            content, calls = content + more, calls + last
+            if reader.called:
+                finish_reason = _with_calls(finish_reason)
+        return dataclasses.replace(update, text=content, tool_calls=calls,
+                                   finish_reason=finish_reason)
 
 
 class CompletionsProtocol(OpenAIProtocol):

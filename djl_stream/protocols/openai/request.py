@@ -25,8 +25,12 @@ worded as on djl's routes. What OpenAI's parameters become:
   ``json_object``, the schema for ``json_schema``
   (:mod:`djl_stream.generation.grammar`);
 
-Parameters this server cannot honour (``tools``, ``echo``...) are accepted only at the
-value that asks for nothing, and refused otherwise:
+- ``tools`` and ``tool_choice`` (chat) → the tools shown to the model through its chat
+  template, and the calls read back from its answer; a forced choice decodes under a
+  grammar (:mod:`djl_stream.protocols.openai.tools`).
+
+Parameters this server cannot honour (``functions``, ``echo``...) are accepted only at
+the value that asks for nothing, and refused otherwise:
 never silently ignored. What changes nothing about the answer (``model``, ``user``,
 ``metadata``, ``store``...) is accepted.
 
@@ -52,6 +56,8 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticCustomError
 
+from djl_stream.protocols.openai.tools import (CalledFunction, FunctionSpec, ToolCall,
+                                               ToolSpec, ToolUse, chat_for_template)
 from djl_stream.protocols.protocol import ParseContext, checked_grammar
 from djl_stream.protocols.request import GenerationRequest, SamplingParameters
 from djl_stream.protocols.schema import (FINITE, MAX_REPETITION_PENALTY,
@@ -81,6 +87,8 @@ class Answer:
     top_logprobs: int = 0
     prompt_count: int = 1
     max_tokens_field: str = "max_tokens"
+    #: the tools the answer may call, and how (chat only; None: its text is the answer)
+    tools: Optional[ToolUse] = None
 
 
 # ---------------------------------------------------------------------------------------
@@ -119,13 +127,17 @@ def _content(value: Any) -> Any:
 
 
 class ChatMessage(_Closed):
-    """One turn. ``developer`` is OpenAI's newer name for ``system``; ``name`` and
-    ``tool_call_id`` are accepted and not shown to the chat template."""
+    """One turn. ``developer`` is OpenAI's newer name for ``system``; an assistant turn
+    may carry the ``tool_calls`` it made, and a ``tool`` turn the result of the call its
+    ``tool_call_id`` names. A ``name`` is accepted and not shown to the chat template."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[Optional[list[TextPart]], BeforeValidator(_content)] = None
     name: Optional[str] = None
     tool_call_id: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    # What reasoning models' clients send back with an assistant turn: not shown.
+    refusal: Optional[str] = None
 
     def text(self) -> str:
         """The content as one string (parts joined by newlines, as vLLM and djl-serving's
@@ -173,9 +185,11 @@ class ChatCompletionRequest(_Common):
     safety_identifier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     parallel_tool_calls: Optional[bool] = None
-    # Only at the value that asks for nothing.
-    tools: Any = None
+    tools: Optional[list[ToolSpec]] = None
+    # "none", "auto", "required" or a named function: checked by ToolUse.of, whose
+    # errors name the field better than a union's would.
     tool_choice: Any = None
+    # Only at the value that asks for nothing.
     functions: Any = None
     function_call: Any = None
     response_format: Any = None
@@ -202,8 +216,6 @@ class CompletionRequest(_Common):
 #: an absent key, always does). Any other value is a 400: a client that asks for tools or
 #: a JSON schema must not get plain text as if it had been honoured.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
     "modalities": (["text"],),
@@ -233,8 +245,16 @@ def _known_keys(model: type[BaseModel]):
     def known(parent: str) -> tuple[type[BaseModel], str]:
         if parent.startswith("messages") and ".content" in parent:
             return TextPart, "content part key"
+        if parent.startswith("messages") and parent.endswith(".function"):
+            return CalledFunction, "function key"
+        if parent.startswith("messages") and ".tool_calls" in parent:
+            return ToolCall, "tool call key"
         if parent.startswith("messages"):
             return ChatMessage, "message key"
+        if parent.startswith("tools") and parent.endswith(".function"):
+            return FunctionSpec, "function key"
+        if parent.startswith("tools"):
+            return ToolSpec, "tool key"
         if parent == "stream_options":
             return StreamOptions, "stream option"
         return model, "parameter"
@@ -411,24 +431,49 @@ def parse_chat(body: Any, context: ParseContext) -> GenerationRequest:
     if context.render_chat is None:
         raise RequestError("messages", "messages need a chat template and this model has "
                                        "none; use /v1/completions instead")
-    # The template sees what every chat template knows: a role and a string.
-    messages = tuple({"role": "system" if m.role == "developer" else m.role,
-                      "content": m.text()} for m in parsed.messages)
+    use = ToolUse.of(parsed.tools or (), parsed.tool_choice,
+                     parsed.parallel_tool_calls)
+    grammar = _response_grammar(parsed.response_format, context)
+    if use is not None and use.grammar() is not None:
+        if grammar is not None:
+            raise RequestError("response_format", "response_format cannot be combined with a "
+                               f"tool_choice that forces a call ({describe(parsed.tool_choice)})"
+                               ": the call's arguments follow the tool's schema")
+        field = "tools" if use.mode == "required" else \
+            f"tools[{use.names.index(use.name)}].function.parameters"
+        grammar = checked_grammar(use.grammar(), field, context)
+    messages = tuple(_turn(m) for m in parsed.messages)
+    turns, tools = chat_for_template(messages, use, context.renders_tools)
     try:
-        prompt = context.render_chat([dict(m) for m in messages])
+        prompt = (context.render_chat(turns) if tools is None
+                  else context.render_chat(turns, tools))
     except RequestError:
         raise
     except Exception as err:  # a template raising on odd turn orders is the client's to fix
         raise RequestError("messages", f"the chat template rejected the messages: {err}") from None
     return GenerationRequest(
         prompts=(prompt,) * n,
-        parameters=_sampling(parsed, max_new_tokens, logprobs, top, n,
-                             _response_grammar(parsed.response_format, context)),
+        parameters=_sampling(parsed, max_new_tokens, logprobs, top, n, grammar),
         stream=bool(parsed.stream),
         messages=messages,
         answer=Answer(n=n, include_usage=include_usage, logprobs=logprobs, top_logprobs=top,
-                      max_tokens_field=length_field),
+                      max_tokens_field=length_field, tools=use),
     )
+
+
+def _turn(message: ChatMessage) -> dict[str, Any]:
+    """A message as the chat template sees it: a role and a string, and an assistant's
+    calls or a tool result's call id where there are some."""
+    turn: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
+                            "content": message.text()}
+    if message.tool_calls:
+        turn["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+    if message.role == "tool":
+        if message.tool_call_id is not None:
+            turn["tool_call_id"] = message.tool_call_id
+        if message.name is not None:
+            turn["name"] = message.name
+    return turn
 
 
 def _token_prompts(body: Any) -> Optional[tuple[tuple[int, ...], ...]]:

@@ -169,13 +169,15 @@ def _finite(logprob: Optional[float]) -> float:
 class Update:
     """What one choice has to send after a step: new ``text``, the log-probabilities of
     the tokens behind it, and ``finish_reason`` once it is done. ``first`` marks the
-    choice's first update (chat sends the assistant role with it)."""
+    choice's first update (chat sends the assistant role with it); ``tool_calls`` holds
+    the streamed entries of the tool calls read from the text (chat with tools)."""
 
     index: int
     text: str
     logprobs: List[TokenLogprob]
     finish_reason: Optional[str]
     first: bool
+    tool_calls: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
