@@ -190,6 +190,40 @@ def test_an_openai_chat_body_is_a_chat_completion_on_every_target(embedded, gree
     assert_same_answer(answers, targets=(SYNC_030, ASYNC_033, LOCAL))
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_tool_call_is_read_back_on_every_target(embedded, stream):
+    """A chat body with tools, through the real workers: the call comes back as OpenAI's
+    tool_calls, the same from every target but for ids and times."""
+    body = {"model": "model", "stream": stream, "max_tokens": 40, "temperature": 0,
+            "messages": [{"role": "user", "content": "What's the weather like in Paris today?"}],
+            "tools": [WEATHER], "tool_choice": "required"}
+    answers = embedded.ask_all(body)
+    for target, answer in answers.items():
+        assert answer.status == 200, (target.name, answer.body)
+        if stream:
+            deltas = [(record["choices"][0]["delta"], record["choices"][0]["finish_reason"])
+                      for record in sse_records(answer)]
+            calls = [call for delta, _ in deltas for call in delta.get("tool_calls", ())]
+            finish = deltas[-1][1]
+        else:
+            choice = answer.json()["choices"][0]
+            calls, finish = choice["message"]["tool_calls"], choice["finish_reason"]
+        assert finish == "tool_calls", target.name
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                for c in calls] == [("get_weather", {"city": "Paris"})], target.name
+    call_ids = re.compile(rb'"id":"[A-Za-z0-9]{9}"')
+    answers = {target: dataclasses.replace(
+        normalised(answer), chunks=[call_ids.sub(b'"id":"CALL"', normalised(answer).body)])
+        for target, answer in answers.items()}
+    assert_same_answer(answers, targets=(SYNC_030, ASYNC_033, LOCAL))
+
+
 def test_several_prompts_stream_side_by_side(tiny):
     body = {"inputs": ["Hello there", "Once upon a time"], "parameters": {"max_new_tokens": 6}}
     streamed = tiny.ask_all({**body, "stream": True})
