@@ -316,6 +316,12 @@ def largest_request(server: ServerProcess, rows: int, prompt_words: int,
                                                      "option.max_request_kv_tokens)"})
         prompt_tokens, limit = int(found.group(2)), int(found.group(3))
         tokens = min(max_new_tokens_limit, (limit - prompt_tokens) // rows)
+        if tokens < 1:
+            return Finding("largest request the limits allow", "peak RSS < 2 × RSS once loaded",
+                           False, {"request": f"{rows} prompts of {prompt_tokens} tokens in "
+                                              f"all leave no room in the bound ({limit} "
+                                              "KV-cache positions): the scenario's prompts "
+                                              "are too long for this model's bound"})
         answer = client.post(server.url, json=body(tokens))
     time.sleep(0.5)
     after = server.memory()

@@ -57,6 +57,20 @@ def test_a_model_keeps_one_copy_of_each_weight_and_its_tied_embedding():
 
 
 @needs_packing
+def test_packing_leaves_the_request_kv_bound_the_weights_set():
+    # The bound is a share of the model's weights: packed weights, which are no
+    # parameters, still count, and the tied LM head's packed copy does not count twice.
+    from djl_stream.runtime.kv_memory import default_max_request_kv_tokens
+
+    model = build_tiny_llama(64)
+    before = default_max_request_kv_tokens(model, 1, 1)
+    pack_linear_layers(model)
+    assert model.lm_head.duplicates_a_weight
+    assert not model.model.layers[0].mlp.up_proj.duplicates_a_weight
+    assert default_max_request_kv_tokens(model, 1, 1) == before > 2
+
+
+@needs_packing
 def test_a_packed_model_computes_the_logits_of_the_float_one():
     model = build_tiny_llama(64)
     reference = copy.deepcopy(model)

@@ -439,11 +439,14 @@ def test_option_max_request_kv_tokens_bounds_prompts_times_their_whole_length(
 
 
 def test_max_request_kv_tokens_defaults_to_what_fits_in_the_weights_size(handler):
+    from transformers import AutoModelForCausalLM
+
     service = handler._service
-    # a tied LM head quantized on a CPU is a second copy of the embedding, not a weight
-    # of its own: quantizing marks it, and the bound counts the model's weights once
-    weights = sum(p.numel() * p.element_size() for p in service.model.parameters()
-                  if not getattr(p, "duplicates_a_weight", False))
+    # The model's weights as its checkpoint holds them, each once (a tied LM head is the
+    # embedding): the served model's may be packed, or quantized with the LM head as a
+    # second copy, and the bound must not change with that.
+    checkpoint = AutoModelForCausalLM.from_pretrained(service.props.model_dir)
+    weights = sum(p.numel() * p.element_size() for p in checkpoint.parameters())
     assert weights > 0
     config = service.model.config
     per_position = (config.num_hidden_layers * 2 * config.num_key_value_heads

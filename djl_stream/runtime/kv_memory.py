@@ -95,6 +95,9 @@ def default_max_request_kv_tokens(model, max_input_length: int,
     >>> default_max_request_kv_tokens(tiny, 4096, 2048)   # never below one long request
     6144
     """
+    # (imported here: it imports torch, which model.py's import must not pull in)
+    from djl_stream.runtime.packed_linear import packed_weight_count
+
     try:
         parameters = list(model.parameters())
     except (AttributeError, TypeError):
@@ -105,9 +108,12 @@ def default_max_request_kv_tokens(model, max_input_length: int,
     per_position = kv_bytes_per_position(getattr(model, "config", None), element_size)
     if not per_position:
         return None
-    # parameters() yields tied embeddings once; an int8 copy of a tied weight is not a
-    # weight of the model's
+    # parameters() yields tied embeddings once; an int8 or packed copy of a tied weight
+    # is not a weight of the model's; packed weights are not among the parameters
     weight_bytes = sum(parameter.numel() * parameter.element_size() for parameter in parameters
                        if not getattr(parameter, "duplicates_a_weight", False))
+    copies = [module for module in model.modules()
+              if getattr(module, "duplicates_a_weight", False)]
+    weight_bytes += packed_weight_count(model, leaving_out=copies) * element_size
     return max(max_input_length + max_new_tokens_limit,
                int(KV_SHARE_OF_WEIGHTS * weight_bytes) // per_position)

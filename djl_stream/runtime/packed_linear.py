@@ -177,11 +177,16 @@ def is_packed(model: torch.nn.Module) -> bool:
 
 def _replace(model: torch.nn.Module, make) -> int:
     start = sum(1 for m in model.modules() if isinstance(m, PackedLinear))
+    # A weight another module still uses (a tied input embedding) is packed as a copy,
+    # which says so: the model's weights are not counted twice.
+    kept = {id(p) for module in model.modules() if type(module) is not torch.nn.Linear
+            for p in module.parameters(recurse=False)}
     count = 0
     for parent, name, layer in linear_layers(model):
         replacement = make(layer, start + count)
         if replacement is None:
             continue
+        replacement.duplicates_a_weight = id(layer.weight) in kept
         setattr(parent, name, replacement)
         count += 1
     return count
