@@ -165,15 +165,19 @@ def dequantized_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
 
 
 def _whole_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    # What a compiled step uses for several rows: blocks of a large weight, each a product
-    # of its own, make the compile take many times as long.
     return torch.nn.functional.linear(rows, weight.to(rows.dtype))
 
 
-def one_row_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The same product written as a reduction, for a compiler: for one row it becomes a
-    single loop that reads each int8 weight once and multiplies it as it converts it,
-    where the BLAS would need the whole weight as floats first (four times the bytes)."""
+def converting_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The same product written as a reduction, for a compiler: it becomes one loop that
+    reads each int8 weight once and converts it as it multiplies it by every row, where
+    the BLAS would need the whole weight as floats first (four times the bytes, written
+    and read again at every step).
+
+    >>> rows, weight = torch.randn(3, 8), torch.randint(-127, 128, (5, 8), dtype=torch.int8)
+    >>> torch.allclose(converting_product(rows, weight), rows @ weight.float().T, atol=1e-4)
+    True
+    """
     return (rows[:, None, :] * weight[None].to(rows.dtype)).sum(-1)
 
 
@@ -184,11 +188,10 @@ class Int8WeightOnlyLinear(_Int8Weights):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if torch.compiler.is_compiling():
-            # A compiled decode step serves one row as often as many: both products are
-            # compiled and the row count picks one at each call (a reduction over many
-            # rows would read the weight once per row)
-            out = torch.cond(rows.shape[0] == 1, one_row_product, _whole_product,
-                             (rows, self.weight))
+            # A compiled decode step has a few rows (one per running sequence): reading
+            # the weight is its cost, which the converting reduction pays once. Prompts,
+            # of many rows each, run eagerly and multiply by the BLAS.
+            out = converting_product(rows, self.weight)
         else:
             out = dequantized_product(rows, self.weight)
         return self._finish(out * self.weight_scale.to(out.dtype), x)
