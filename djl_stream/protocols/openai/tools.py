@@ -56,7 +56,8 @@ NAME_PATTERN = r"[a-zA-Z0-9_.-]{1,64}"
 #: A call's id: nine letters and digits, the one shape every template accepts (Mistral's
 #: refuses any other).
 _ID_ALPHABET = string.ascii_letters + string.digits
-#: What every call reading starts from: the markers of the families above.
+#: The families' markers: Hermes' tags around each call, and what may open a message of
+#: calls written as JSON (Llama 3's tag, Mistral's).
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _JSON_PREFIXES = ("<|python_tag|>", "[TOOL_CALLS]")
 
