@@ -226,7 +226,13 @@ def packed_weights(weights: Sequence[torch.Tensor]) -> Iterator[None]:
         _CURRENT.weights = previous
 
 
-@torch.library.custom_op("djl_stream::packed_linear", mutates_args=())
+# The operator is defined with torch.library's plain registration, not ``custom_op``: a
+# compiled step calls it once per linear layer, and ``custom_op``'s wrapper (an aliasing
+# check and a dynamo guard at every call) is a tenth of a small model's float32 step.
+_LIBRARY = torch.library.Library("djl_stream", "DEF")
+_LIBRARY.define("packed_linear(Tensor x, Tensor? bias, int index, int out_features) -> Tensor")
+
+
 def _packed_linear(x: torch.Tensor, bias: Optional[torch.Tensor], index: int,
                    out_features: int) -> torch.Tensor:
     weights = getattr(_CURRENT, "weights", None)
@@ -236,6 +242,9 @@ def _packed_linear(x: torch.Tensor, bias: Optional[torch.Tensor], index: int,
     return _product(x, weights[index], bias, out_features)
 
 
-@_packed_linear.register_fake
+_LIBRARY.impl("packed_linear", _packed_linear, "CPU")
+
+
+@torch.library.register_fake("djl_stream::packed_linear")
 def _packed_linear_shape(x, bias, index, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
