@@ -31,11 +31,11 @@ from typing import Any, Dict, List, Sequence
 
 from djl_stream.generation.step import Step
 from djl_stream.protocols.openai.request import Answer, parse_chat, parse_completion
-from djl_stream.protocols.openai.tools import ToolCallReader
 from djl_stream.protocols.openai.responses import (ERRORS, SSE_CONTENT_TYPE, SSE_DONE,
                                                    Choices, TokenText, Update, chat_logprobs,
                                                    completion_logprobs, error_body, new_id,
                                                    now, sse)
+from djl_stream.protocols.openai.tools import ToolCallReader
 from djl_stream.protocols.protocol import (ErrorAnswer, Failure, ParseContext, Protocol,
                                            StreamEncoder)
 from djl_stream.protocols.request import GenerationRequest

@@ -129,14 +129,15 @@ def _content(value: Any) -> Any:
 class ChatMessage(_Closed):
     """One turn. ``developer`` is OpenAI's newer name for ``system``; an assistant turn
     may carry the ``tool_calls`` it made, and a ``tool`` turn the result of the call its
-    ``tool_call_id`` names. A ``name`` is accepted and not shown to the chat template."""
+    ``tool_call_id`` names. A ``name`` goes to the chat template with a tool result only."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[Optional[list[TextPart]], BeforeValidator(_content)] = None
     name: Optional[str] = None
     tool_call_id: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
-    # What reasoning models' clients send back with an assistant turn: not shown.
+    # OpenAI's answers carry it, so a client that appends an answer to the conversation
+    # sends it back; not shown to the template.
     refusal: Optional[str] = None
 
     def text(self) -> str:
