@@ -10,6 +10,8 @@ A random model calls no tool by itself, so the served calls are the forced ones
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import shutil
 
@@ -212,6 +214,42 @@ def test_a_template_that_knows_no_tools_gets_them_in_a_system_message(smollm2_to
     assert json.dumps(TIME) in prompt and "<tool_call>" in prompt
     assert "<tool_response>\nSunny, 24 degrees\n</tool_response>" in prompt
     assert '{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}' in prompt
+
+
+#: A template that refuses a system turn and knows no tools, as Gemma's do (written here).
+GEMMA_LIKE_TEMPLATE = """\
+{%- for message in messages %}
+{%- if message.role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}
+<start_of_turn>{{ 'model' if message.role == 'assistant' else message.role }}
+{{ message.content }}<end_of_turn>
+{%- endfor %}
+{%- if add_generation_prompt %}
+<start_of_turn>model
+{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def gemma_like_tokenizer(hermes_tokenizer):
+    tokenizer = copy.copy(hermes_tokenizer)
+    tokenizer.chat_template = GEMMA_LIKE_TEMPLATE
+    return tokenizer
+
+
+def test_a_template_that_refuses_a_system_turn_gets_the_tools_in_the_first_user_turn(
+        gemma_like_tokenizer, hermes_tokenizer):
+    from djl_stream.serving.service import StreamingService
+
+    def takes_system(tokenizer) -> bool:  # the served model's own check
+        service = StreamingService.__new__(StreamingService)
+        service.tokenizer = tokenizer
+        return service._template_takes_system
+
+    assert takes_system(hermes_tokenizer) and not takes_system(gemma_like_tokenizer)
+    context = dataclasses.replace(context_of(gemma_like_tokenizer), takes_system=False)
+    prompt = parse_chat({"messages": ASK, "tools": [WEATHER]}, context).prompts[0]
+    assert prompt.startswith("<start_of_turn>user\nYou may call one or more functions")
+    assert json.dumps(WEATHER) in prompt
+    assert "<tool_call>" in prompt and "What is the weather in Paris?<end_of_turn>" in prompt
 
 
 def test_tool_choice_none_shows_no_tools_and_reads_no_calls(hermes_tokenizer):

@@ -56,6 +56,8 @@ class ParseContext:
     #: whether the chat template shows tools to the model itself (else a system message
     #: does: :func:`djl_stream.protocols.openai.tools.chat_for_template`)
     renders_tools: bool = False
+    #: whether the chat template takes a system turn (Gemma's refuse one)
+    takes_system: bool = True
     #: wrap plain prompts as one user turn of the chat template (option.apply_chat_template)
     wrap_prompts_in_chat: bool = False
     #: raises ValueError, with why, for a grammar the model cannot follow (a

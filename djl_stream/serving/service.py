@@ -468,6 +468,7 @@ class StreamingService:
             model_name=self.model_name,
             render_chat=self.render_chat if self.has_chat_template else None,
             renders_tools=self._template_renders_tools,
+            takes_system=self._template_takes_system,
             wrap_prompts_in_chat=self.wraps_inputs_in_chat_template,
             check_grammar=self._grammars.check if self._grammars is not None else None,
         )
@@ -613,6 +614,17 @@ class StreamingService:
             return template_renders_tools(self.tokenizer.get_chat_template(tools=[]))
         except ValueError:  # several templates and none for tools or by default
             return False
+
+    @functools.cached_property
+    def _template_takes_system(self) -> bool:
+        """Whether the chat template renders a system turn (Gemma's raise on one)."""
+        if not self.has_chat_template:
+            return False
+        try:
+            self.render_chat([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+        except Exception:  # noqa: BLE001 - a template's own refusal, whatever it raises
+            return False
+        return True
 
     @functools.cached_property
     def _tokenizer_adds_bos(self) -> bool:

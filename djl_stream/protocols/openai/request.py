@@ -444,7 +444,8 @@ def parse_chat(body: Any, context: ParseContext) -> GenerationRequest:
             f"tools[{use.names.index(use.name)}].function.parameters"
         grammar = checked_grammar(use.grammar(), field, context)
     messages = tuple(_turn(m) for m in parsed.messages)
-    turns, tools = chat_for_template(messages, use, context.renders_tools)
+    turns, tools = chat_for_template(messages, use, context.renders_tools,
+                                     context.takes_system)
     try:
         prompt = (context.render_chat(turns) if tools is None
                   else context.render_chat(turns, tools))

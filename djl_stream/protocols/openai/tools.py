@@ -268,16 +268,18 @@ def _tools_system_prompt(tools: Sequence[Dict[str, Any]]) -> str:
 
 
 def chat_for_template(messages: Sequence[Dict[str, Any]], use: Optional[ToolUse],
-                      renders_tools: bool) -> Tuple[List[Dict[str, Any]], Optional[list]]:
+                      renders_tools: bool, takes_system: bool = True
+                      ) -> Tuple[List[Dict[str, Any]], Optional[list]]:
     """The messages and ``tools`` to hand the chat template.
 
     ``messages`` are OpenAI's turns as dicts (``role``, ``content`` text, an assistant's
     ``tool_calls``, a tool result's ``tool_call_id`` and ``name``). A template that
     ``renders_tools`` gets them as transformers documents (calls' arguments as objects)
     and the tools as ``tools=``. Any other template gets plain turns: the tools in a
-    system message, earlier calls as Hermes blocks in the assistant's text, and results
-    as a user turn of ``<tool_response>`` blocks (templates that know only ``user`` and
-    ``assistant`` alternate them).
+    system message (or at the start of the first user turn, where the template takes no
+    system turn: ``takes_system`` false), earlier calls as Hermes blocks in the assistant's text,
+    and results as a user turn of ``<tool_response>`` blocks (templates that know only
+    ``user`` and ``assistant`` alternate them).
 
     >>> use = ToolUse.of([{"type": "function", "function": {"name": "f"}}])
     >>> turns, tools = chat_for_template([{"role": "user", "content": "Hi"}], use, False)
@@ -320,8 +322,16 @@ def chat_for_template(messages: Sequence[Dict[str, Any]], use: Optional[ToolUse]
         prompt = _tools_system_prompt(tools)
         if turns and turns[0]["role"] == "system":
             turns[0] = {"role": "system", "content": f"{turns[0]['content']}\n\n{prompt}"}
-        else:
+        elif takes_system:
             turns.insert(0, {"role": "system", "content": prompt})
+        else:
+            # (Gemma's templates refuse a system turn: the tools open the first user turn)
+            first = next((i for i, turn in enumerate(turns) if turn["role"] == "user"), None)
+            if first is None:
+                turns.insert(0, {"role": "user", "content": prompt})
+            else:
+                turns[first] = {"role": "user",
+                                "content": f"{prompt}\n\n{turns[first]['content']}"}
     return turns, None
 
 
