@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from djl_stream.generation.errors import RequestError
+from djl_stream.protocols.schema import Closed
 from djl_stream.protocols.validation import describe, request_error
 
 #: The names of the queries, as the ``djl_stream_protocol`` property carries them.
@@ -27,11 +28,8 @@ TOKENIZE, DETOKENIZE, INFO = "tokenize", "detokenize", "info"
 MODEL_QUERIES = frozenset({TOKENIZE, DETOKENIZE, INFO})
 
 
-class _Closed(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
 
-
-class TokenizeRequest(_Closed):
+class TokenizeRequest(Closed):
     """vLLM's ``POST /tokenize`` for a prompt: its tokens as the model reads them."""
 
     model: Optional[str] = None
@@ -39,7 +37,7 @@ class TokenizeRequest(_Closed):
     add_special_tokens: bool = True
 
 
-class ChatTokenizeRequest(_Closed):
+class ChatTokenizeRequest(Closed):
     """vLLM's ``POST /tokenize`` for a conversation: rendered through the chat template."""
 
     model: Optional[str] = None
@@ -47,14 +45,14 @@ class ChatTokenizeRequest(_Closed):
     add_generation_prompt: bool = True
 
 
-class TgiTokenizeRequest(_Closed):
+class TgiTokenizeRequest(Closed):
     """TGI's ``POST /tokenize``: each token with the characters it covers."""
 
     inputs: str
     parameters: Optional[Dict[str, Any]] = None
 
 
-class DetokenizeRequest(_Closed):
+class DetokenizeRequest(Closed):
     """vLLM's ``POST /detokenize``: the text of token ids."""
 
     model: Optional[str] = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Optional
 
-from pydantic import AfterValidator, BeforeValidator, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
 #: Stop strings one request may give, and the longest one.
@@ -33,6 +33,13 @@ MAX_REPETITION_PENALTY = 10.0
 
 #: Field options for a float a client sends: NaN and infinities are refused.
 FINITE = dict(allow_inf_nan=False)
+
+
+class Closed(BaseModel):
+    """A request object that is strict (``"5"`` is not an integer) and closed (an unknown
+    key is refused, so a misspelt parameter is never silently ignored)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 def one_or_many(value: Any) -> Any:

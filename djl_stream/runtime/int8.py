@@ -229,6 +229,14 @@ def linear_layers(model: torch.nn.Module):
             for name, child in parent.named_children() if type(child) is torch.nn.Linear]
 
 
+def weights_used_beyond_linear_layers(model: torch.nn.Module) -> set:
+    """The ids of ``model``'s parameters that a module other than a plain ``nn.Linear``
+    holds (a tied input embedding): a linear layer's replacement copies such a weight
+    rather than taking it over, and says so."""
+    return {id(p) for module in model.modules() if type(module) is not torch.nn.Linear
+            for p in module.parameters(recurse=False)}
+
+
 def replace_linear_layers(model: torch.nn.Module, make: Callable) -> int:
     """Replace each plain ``nn.Linear`` of ``model`` by ``make(layer)`` (``None`` leaves it),
     one at a time, so that each float weight is let go before the next is made; returns
@@ -239,8 +247,7 @@ def replace_linear_layers(model: torch.nn.Module, make: Callable) -> int:
     >>> replace_linear_layers(model, Int8WeightOnlyLinear.from_linear)
     2
     """
-    kept = {id(p) for module in model.modules() if type(module) is not torch.nn.Linear
-            for p in module.parameters(recurse=False)}
+    kept = weights_used_beyond_linear_layers(model)
     count = 0
     for parent, name in [(parent, name) for parent, name, _ in linear_layers(model)]:
         layer = getattr(parent, name)

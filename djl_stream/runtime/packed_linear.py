@@ -41,7 +41,7 @@ from typing import Iterator, List, Optional, Sequence
 
 import torch
 
-from djl_stream.runtime.int8 import linear_layers
+from djl_stream.runtime.int8 import linear_layers, weights_used_beyond_linear_layers
 
 logger = logging.getLogger(__name__)
 
@@ -177,10 +177,9 @@ def is_packed(model: torch.nn.Module) -> bool:
 
 def _replace(model: torch.nn.Module, make) -> int:
     start = sum(1 for m in model.modules() if isinstance(m, PackedLinear))
-    # A weight another module still uses (a tied input embedding) is packed as a copy,
-    # which says so: the model's weights are not counted twice.
-    kept = {id(p) for module in model.modules() if type(module) is not torch.nn.Linear
-            for p in module.parameters(recurse=False)}
+    # A weight another module still uses is packed as a copy, which says so: the model's
+    # weights are not counted twice.
+    kept = weights_used_beyond_linear_layers(model)
     count = 0
     for parent, name, layer in linear_layers(model):
         replacement = make(layer, start + count)

@@ -53,14 +53,14 @@ import dataclasses
 import json
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, Field, ValidationError
 from pydantic_core import PydanticCustomError
 
 from djl_stream.protocols.openai.tools import (CalledFunction, FunctionSpec, ToolCall,
                                                ToolSpec, ToolUse, chat_for_template)
 from djl_stream.protocols.protocol import ParseContext, checked_grammar
 from djl_stream.protocols.request import GenerationRequest, SamplingParameters
-from djl_stream.protocols.schema import (FINITE, MAX_REPETITION_PENALTY,
+from djl_stream.protocols.schema import (FINITE, Closed, MAX_REPETITION_PENALTY,
                                          MIN_REPETITION_PENALTY, MIN_TEMPERATURE, Prompt,
                                          StopList, one_or_many)
 from djl_stream.protocols.validation import RequestError, describe, request_error
@@ -96,11 +96,7 @@ class Answer:
 # with the closest known name), like djl's, from the pieces every protocol shares.
 
 
-class _Closed(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-
-class StreamOptions(_Closed):
+class StreamOptions(Closed):
     """``stream_options``: ``include_usage`` adds a last chunk with the token counts."""
 
     include_usage: Optional[bool] = None
@@ -108,7 +104,7 @@ class StreamOptions(_Closed):
     include_obfuscation: Optional[bool] = None
 
 
-class TextPart(_Closed):
+class TextPart(Closed):
     """One part of a message's ``content`` given as a list: only text parts are served."""
 
     type: Literal["text"]
@@ -126,7 +122,7 @@ def _content(value: Any) -> Any:
                               "got {got}", {"got": describe(value)})
 
 
-class ChatMessage(_Closed):
+class ChatMessage(Closed):
     """One turn. ``developer`` is OpenAI's newer name for ``system``; an assistant turn
     may carry the ``tool_calls`` it made, and a ``tool`` turn the result of the call its
     ``tool_call_id`` names. A ``name`` goes to the chat template with a tool result only."""
@@ -146,7 +142,7 @@ class ChatMessage(_Closed):
         return "\n".join(part.text for part in self.content or ())
 
 
-class _Common(_Closed):
+class _Common(Closed):
     """Parameters both endpoints share."""
 
     model: Optional[str] = None
@@ -435,14 +431,15 @@ def parse_chat(body: Any, context: ParseContext) -> GenerationRequest:
     use = ToolUse.of(parsed.tools or (), parsed.tool_choice,
                      parsed.parallel_tool_calls)
     grammar = _response_grammar(parsed.response_format, context)
-    if use is not None and use.grammar() is not None:
+    forced = use.grammar() if use is not None else None
+    if forced is not None:
         if grammar is not None:
             raise RequestError("response_format", "response_format cannot be combined with a "
                                f"tool_choice that forces a call ({describe(parsed.tool_choice)})"
                                ": the call's arguments follow the tool's schema")
         field = "tools" if use.mode == "required" else \
             f"tools[{use.names.index(use.name)}].function.parameters"
-        grammar = checked_grammar(use.grammar(), field, context)
+        grammar = checked_grammar(forced, field, context)
     messages = tuple(_turn(m) for m in parsed.messages)
     turns, tools = chat_for_template(messages, use, context.renders_tools,
                                      context.takes_system)

@@ -46,9 +46,10 @@ import secrets
 import string
 from typing import Annotated, Any, Dict, List, Literal, Optional, Sequence, Tuple
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel
 from pydantic_core import PydanticCustomError
 
+from djl_stream.protocols.schema import Closed
 from djl_stream.protocols.validation import RequestError, describe
 
 #: OpenAI's rule for a function's name.
@@ -75,9 +76,6 @@ def new_call_id() -> str:
 # The request's shapes
 
 
-class _Closed(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
 
 def _function_name(name: Any) -> Any:
     if isinstance(name, str) and not re.fullmatch(NAME_PATTERN, name):
@@ -87,7 +85,7 @@ def _function_name(name: Any) -> Any:
     return name
 
 
-class FunctionSpec(_Closed):
+class FunctionSpec(Closed):
     """A function the model may call: its name, what it does, its arguments' JSON schema."""
 
     name: Annotated[str, AfterValidator(_function_name)]
@@ -96,21 +94,21 @@ class FunctionSpec(_Closed):
     strict: Optional[bool] = None
 
 
-class ToolSpec(_Closed):
+class ToolSpec(Closed):
     """One entry of ``tools``."""
 
     type: Literal["function"]
     function: FunctionSpec
 
 
-class CalledFunction(_Closed):
+class CalledFunction(Closed):
     """The function an earlier assistant turn called, with its arguments as JSON text."""
 
     name: str
     arguments: str
 
 
-class ToolCall(_Closed):
+class ToolCall(Closed):
     """One entry of an assistant message's ``tool_calls``."""
 
     id: str
@@ -411,7 +409,6 @@ class ToolCallReader:
         self._held = ""
         self._started = False   # some content has gone out (a message of JSON it is not)
         self._in_block = False  # inside a Hermes block
-        self._arguments = ""    # a named call's arguments so far
 
     @property
     def called(self) -> bool:
@@ -448,14 +445,11 @@ class ToolCallReader:
     def _feed_arguments(self, text: str) -> Tuple[str, List[Dict[str, Any]]]:
         # The whole answer is the named function's arguments: they stream as they come.
         if not self.calls:
-            first = self._call(self.use.name, "")
-            first["function"]["arguments"] = text
-            self._arguments = text
-            return "", [dict(first, function=dict(first["function"]))]
+            first = self._call(self.use.name, text)
+            return "", [dict(first, function=dict(first["function"]))]  # (a copy: it grows)
         if not text:
             return "", []
-        self._arguments += text
-        self.calls[0]["function"]["arguments"] = self._arguments
+        self.calls[0]["function"]["arguments"] += text
         return "", [{"index": 0, "function": {"arguments": text}}]
 
     def _scan(self, final: bool) -> Tuple[str, List[Dict[str, Any]]]:
