@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import signal
@@ -157,25 +158,33 @@ class ServerProcess:
                            f"{self.log_tail()}")
 
     def wait_compiled(self, body: dict, timeout: float = READY_TIMEOUT_S) -> str:
-        """Where the server gets a compiled decode step (its log says so), send ``body``
-        until its decode steps run it, or it says the eager forward goes on serving;
-        returns which (``compiled``, ``eager``), ``eager`` at once where it compiles
-        nothing (``option.compile=false``, a GPU)."""
+        """Where the server gets compiled decode steps (its log says so), send ``body``
+        (alone, and six at once: a program of few rows and the one of every row count are
+        each checked by a step they run) until its decode steps run every one of them, or
+        it says the eager forward goes on serving for one; returns which (``compiled``,
+        ``eager``), ``eager`` at once where it compiles nothing (``option.compile=false``,
+        a GPU)."""
+        from concurrent.futures import ThreadPoolExecutor
+
         from djl_stream.runtime.decode_program import NOT_USED, SWITCHED
 
         deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=_timeout()) as client:
-            while True:
+        with httpx.Client(timeout=_timeout()) as client, ThreadPoolExecutor(6) as pool:
+            for attempt in itertools.count():
                 text = self.log_path.read_text(errors="replace")
-                if SWITCHED in text:
-                    return "compiled"
-                if NOT_USED in text or "getting the compiled decode step" not in text:
+                wanted = text.count("getting the compiled decode step")
+                if not wanted:
                     return "eager"
+                if text.count(SWITCHED) + text.count(NOT_USED) >= wanted:
+                    return "compiled" if SWITCHED in text else "eager"
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the {self.name} server's decode step was not compiled "
                                        f"after {timeout:.0f} s:\n{self.log_tail()}")
-                client.post(self.url, json={**body, "stream": False})
+                clients = 6 if attempt % 2 else 1
+                list(pool.map(lambda _: client.post(self.url, json={**body, "stream": False}),
+                              range(clients)))
                 time.sleep(1.0)
+        return "eager"
 
     def log_tail(self, lines: int = 30) -> str:
         try:

@@ -1,6 +1,7 @@
 """Linear layers with weights reordered for oneDNN (:mod:`djl_stream.runtime.packed_linear`):
-the product they compute, which layers a model gets, what a runner's load does with them,
-and the operator a compiled program calls in their place."""
+the product they compute, which layers a model gets, what a runner's load does with them
+(and with their float weights, kept where memory allows), and what a compiled program
+calls in their place."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import pytest
 import torch
 
 from conftest import build_tiny_llama
-from djl_stream.runtime.packed_linear import (PackedLinear, is_packed, pack_linear_layers,
+from djl_stream.runtime import packed_linear
+from djl_stream.runtime.packed_linear import (PackedLinear, float_weights_fit_twice, is_packed,
+                                              keeps_float_weights, pack_linear_layers,
                                               pack_structure, packed_weights, packing_unavailable,
-                                              weights_of)
+                                              streaming_float_weights, weights_of)
 from djl_stream.runtime.runner import Feed, RunnerSettings, load_runner
 
 needs_packing = pytest.mark.skipif(packing_unavailable() is not None,
@@ -32,7 +35,7 @@ def test_a_packed_layer_computes_the_linear_layer_it_replaced(bias, leading):
         out = packed(x)
     assert out.shape == (*leading, 40)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    assert packed.packed.is_mkldnn and not hasattr(packed, "weight")
+    assert packed.packed.is_mkldnn and packed.weight is None
 
 
 @needs_packing
@@ -175,3 +178,90 @@ def test_packing_lets_go_of_the_checkpoints_memory_mapping(tmp_path):
     ids = torch.tensor([[3, 9, 4]])
     with torch.inference_mode():
         assert model(ids).logits.shape == (1, 3, 64)
+
+
+@needs_packing
+def test_a_layer_that_keeps_its_float_weight_holds_the_parameter_itself_and_saves_it_once(
+        tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = build_tiny_llama(64)
+    embedding = model.get_input_embeddings().weight
+    up = model.model.layers[0].mlp.up_proj.weight
+    ids = torch.tensor([[3, 9, 4, 1, 7, 2]])
+    with torch.inference_mode():
+        expected = model(ids).logits
+    pack_linear_layers(model, keep_float_weights=True)
+    assert keeps_float_weights(model)
+    assert model.model.layers[0].mlp.up_proj.weight is up   # (the same parameter, no copy)
+    assert model.lm_head.weight is embedding                 # (still tied)
+    assert model.model.layers[0].mlp.up_proj.packed.is_mkldnn
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-4, atol=1e-4)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_packing
+def test_weights_kept_beside_their_packed_copies_count_once_for_the_kv_bound_and_pacing():
+    from djl_stream.generation.prefill_pacing import attention_parity_context
+    from djl_stream.runtime.kv_memory import default_max_request_kv_tokens
+
+    model = build_tiny_llama(500)
+    bound, parity = default_max_request_kv_tokens(model, 1, 1), attention_parity_context(model)
+    pack_linear_layers(model, keep_float_weights=True)
+    assert default_max_request_kv_tokens(model, 1, 1) == bound > 2
+    assert attention_parity_context(model) == parity < float("inf")
+
+
+@needs_packing
+@pytest.mark.parametrize("available, kept", [(1 << 40, True), (1 << 10, False), (None, False)])
+def test_a_runner_keeps_the_float_weights_only_where_both_copies_fit_in_half_the_memory(
+        monkeypatch, available, kept):
+    monkeypatch.setattr(packed_linear, "available_memory", lambda: available)
+    model = build_tiny_llama(64)
+    load_runner(model, RunnerSettings(max_rows=2, max_positions=64))
+    assert is_packed(model) and keeps_float_weights(model) == kept
+
+
+def test_the_memory_rule_counts_the_linear_weights_twice_against_half_the_memory():
+    model = build_tiny_llama(64)
+    weights = sum(m.weight.numel() * 4 for m in model.modules() if type(m) is torch.nn.Linear)
+    # (the tied LM head's weight is counted: its packed copy is one more copy)
+    assert float_weights_fit_twice(model, available=4 * weights)
+    assert not float_weights_fit_twice(model, available=4 * weights - 4)
+
+
+def _compiled_graph_ops(module, x):
+    """``module(x)`` compiled, and the names of the operators its traced graph calls."""
+    ops = []
+
+    def recording(graph_module, example_inputs):
+        ops.extend(str(node.target) for node in graph_module.graph.nodes
+                   if node.op == "call_function")
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    try:
+        return torch.compile(module, backend=recording)(x), ops
+    finally:
+        torch._dynamo.reset()
+
+
+@needs_packing
+def test_a_compiled_layer_streams_its_float_weight_only_inside_streaming_float_weights():
+    layer = torch.nn.Linear(32, 24, bias=True)
+    kept = PackedLinear.from_linear(layer, index=0, keep_float_weight=True)
+    x = torch.randn(3, 32)
+    with torch.inference_mode():
+        expected = layer(x)
+        with streaming_float_weights():
+            streamed, streamed_ops = _compiled_graph_ops(kept, x)
+        with packed_weights([kept.packed]):
+            packed, packed_ops = _compiled_graph_ops(kept, x)
+    assert not any("packed_linear" in op for op in streamed_ops)
+    assert any("packed_linear" in op for op in packed_ops)
+    torch.testing.assert_close(streamed, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed, expected, rtol=1e-5, atol=1e-5)

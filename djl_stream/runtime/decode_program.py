@@ -18,6 +18,13 @@ once it has checked that the program gives the eager step's logits
 model's structure from its config with weights left unwritten (the program only needs
 their shapes) and the served model's buffers, so it reads no checkpoint.
 
+A model whose packed linear layers kept their float weights gets a second program, for
+steps of up to :data:`~djl_stream.runtime.linear_layers.STREAMED_ROWS` rows, whose
+products stream the float weights (:func:`~djl_stream.runtime.packed_linear.
+streaming_float_weights`): with few rows a step is bound by reading the weights, which
+that reduction does at the speed of memory. The runner runs each step on the program
+made for its row count, once that one is ready and checked.
+
 Programs are cached under :func:`cache_root`, keyed by what decides the compiled code
 (:func:`program_key`): the model's config, dtype and layer types, the cache's geometry,
 the versions of torch, transformers and djl-stream's runtime, and the CPU's instruction
@@ -35,6 +42,7 @@ Example::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -187,8 +195,10 @@ def cpu_instruction_sets() -> List[str]:
     return [torch.backends.cpu.get_cpu_capability()] + sorted(flags & set(ISA_FLAGS))
 
 
-def program_key(model: torch.nn.Module, geometry: CacheGeometry) -> str:
-    """What decides a program's code, hashed: see the module docstring."""
+def program_key(model: torch.nn.Module, geometry: CacheGeometry,
+                streamed_rows: Optional[int] = None) -> str:
+    """What decides a program's code, hashed: see the module docstring (``streamed_rows``:
+    the program of steps of up to that many rows, its products streamed)."""
     import transformers
 
     layers = sorted({f"{type(m).__module__}.{type(m).__name__}" for m in model.modules()})
@@ -205,6 +215,7 @@ def program_key(model: torch.nn.Module, geometry: CacheGeometry) -> str:
         "modules": layers,
         "parameters": parameters,
         "geometry": geometry.as_dict(),
+        "streamed_rows": streamed_rows,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "runtime": _runtime_source_hash(),
@@ -217,7 +228,8 @@ def program_key(model: torch.nn.Module, geometry: CacheGeometry) -> str:
 def _runtime_source_hash() -> str:
     """The source of the modules whose code the program holds (attention and this one)."""
     digest = hashlib.sha256()
-    for name in ("attention.py", "decode_program.py", "int8.py", "packed_linear.py"):
+    for name in ("attention.py", "decode_program.py", "int8.py", "linear_layers.py",
+                 "packed_linear.py"):
         digest.update((Path(__file__).parent / name).read_bytes())
     return digest.hexdigest()[:16]
 
@@ -237,17 +249,22 @@ def example_inputs(geometry: CacheGeometry, device="cpu"):
     return (ids, positions, torch.arange(n, device=device), masks, keys, values)
 
 
-def export_and_compile(model: torch.nn.Module, geometry: CacheGeometry, target: Path) -> Path:
-    """Export :class:`DecodeStep` over ``model`` (rows 1 to the cache's rows, columns 2 to
-    one less than its columns: dynamic) and compile it into the package ``target``."""
-    rows = torch.export.Dim("rows", min=1, max=geometry.rows)
+def export_and_compile(model: torch.nn.Module, geometry: CacheGeometry, target: Path,
+                       streamed_rows: Optional[int] = None) -> Path:
+    """Export :class:`DecodeStep` over ``model`` (rows 1 to the cache's rows, or to
+    ``streamed_rows`` with its products streamed; columns 2 to one less than the cache's
+    columns: dynamic) and compile it into the package ``target``."""
+    from djl_stream.runtime.packed_linear import streaming_float_weights
+
+    rows = torch.export.Dim("rows", min=1, max=streamed_rows or geometry.rows)
     span = torch.export.Dim("span", min=2, max=geometry.columns - 1)
     shapes = ({1: rows}, {1: rows}, {0: rows}, tuple({0: rows, 3: span} for _ in geometry.windows),
               tuple(None for _ in geometry.layers), tuple(None for _ in geometry.layers))
     step = DecodeStep(model, geometry.layer_windows)
     started = time.perf_counter()
     inputs = example_inputs(geometry)  # (not inference tensors: the compiler writes them)
-    with torch.inference_mode():
+    streaming = streaming_float_weights() if streamed_rows else contextlib.nullcontext()
+    with torch.inference_mode(), streaming:
         exported = torch.export.export(step, inputs, dynamic_shapes=shapes, strict=False)
     logger.info("exported the decode step in %.1f s", time.perf_counter() - started)
     logger.info("compiling it to C++ (most of the time)")
@@ -264,15 +281,17 @@ class ProgramBuilder:
     a process of its own in the background (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, geometry: CacheGeometry, *,
-                 root: Optional[Path] = None) -> None:
+                 root: Optional[Path] = None, streamed_rows: Optional[int] = None) -> None:
         from djl_stream.runtime.int8 import quantized_method
-        from djl_stream.runtime.packed_linear import is_packed
+        from djl_stream.runtime.packed_linear import is_packed, keeps_float_weights
 
         self.model = model
         self.geometry = geometry
+        self.streamed_rows = streamed_rows
         self.quantize = quantized_method(model)
         self.packed = is_packed(model)
-        self.key = program_key(model, geometry)
+        self.float_weights = keeps_float_weights(model)
+        self.key = program_key(model, geometry, streamed_rows)
         self.folder = (root or cache_root()) / self.key
         self.path = self.folder / "program.pt2"
         self._result: Optional[DecodeProgram] = None
@@ -285,8 +304,8 @@ class ProgramBuilder:
     def start(self) -> None:
         """Load the cached program, or start compiling it; returns at once."""
         _LIVE_BUILDERS.add(self)
-        logger.info("getting the compiled decode step (%s)", "from the cache"
-                    if self.path.is_file() else "compiling it in the background")
+        logger.info("getting the compiled decode step%s (%s)", self.rows_said,
+                    "from the cache" if self.path.is_file() else "compiling it in the background")
         self._thread = threading.Thread(target=self._build, name="djl-stream-compile",
                                         daemon=True)
         self._thread.start()
@@ -311,6 +330,12 @@ class ProgramBuilder:
     def error(self) -> Optional[str]:
         return self._error
 
+    @property
+    def rows_said(self) -> str:
+        """How the load log names this program's rows (nothing for the one of every row
+        count)."""
+        return f" of up to {self.streamed_rows} rows" if self.streamed_rows else ""
+
     def _build(self) -> None:
         try:
             if not self.path.is_file():
@@ -318,7 +343,8 @@ class ProgramBuilder:
             self._result = DecodeProgram(self.path, self.model)
         except Exception as error:  # noqa: BLE001 - the eager step goes on serving
             self._error = f"{type(error).__name__}: {error}"
-            logger.warning("no compiled decode step (%s): %s", self._error, NOT_USED)
+            logger.warning("no compiled decode step%s (%s): %s", self.rows_said, self._error,
+                           NOT_USED)
         finally:
             self._done.set()
             _LIVE_BUILDERS.discard(self)
@@ -327,20 +353,22 @@ class ProgramBuilder:
         lock = self.folder.with_suffix(".lock")
         with exclusive_lock(lock, wait=False) as held:
             if not held:
-                logger.info("another process is compiling this decode step (%s); waiting "
-                            "for it, serving with the eager forward meanwhile", self.folder)
+                logger.info("another process is compiling this decode step%s (%s); waiting "
+                            "for it, serving with the eager forward meanwhile", self.rows_said,
+                            self.folder)
         with exclusive_lock(lock):
             if self.path.is_file():  # (the other process finished it)
                 logger.info("the decode step another process compiled is ready")
                 return
             started = time.perf_counter()
             estimate = last_compile_seconds(self.folder.parent)
-            logger.info("compiling the decode step in the background (a process of its own%s); "
-                        "serving with the eager forward meanwhile",
+            logger.info("compiling the decode step%s in the background (a process of its "
+                        "own%s); serving with the eager forward meanwhile", self.rows_said,
                         f"; the last compile here took {estimate:.0f} s" if estimate else "")
             self._run_compiler()
             seconds = time.perf_counter() - started
-            logger.info("compiled the decode step in %.0f s into %s", seconds, self.folder)
+            logger.info("compiled the decode step%s in %.0f s into %s", self.rows_said, seconds,
+                        self.folder)
             _record_compile_seconds(self.folder.parent, seconds)
 
     def _run_compiler(self) -> None:
@@ -352,6 +380,8 @@ class ProgramBuilder:
                 "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
                 "quantize": self.quantize,
                 "packed": self.packed,
+                "float_weights": self.float_weights,
+                "streamed_rows": self.streamed_rows,
                 "geometry": self.geometry.as_dict(),
                 "target": str(work_dir / "program.pt2"),
             }
@@ -376,6 +406,68 @@ class ProgramBuilder:
                 raise RuntimeError(f"the compiling process ended with status {status}: {tail}")
             self.folder.mkdir(parents=True, exist_ok=True)
             os.replace(work_dir / "program.pt2", self.path)
+
+
+class ProgramBuilds:
+    """A model's decode programs, one :class:`ProgramBuilder` each (``plans``: each one's
+    ``streamed_rows``), got one after the other in the background, so that two compiles
+    never share the CPU; the first serves every row count."""
+
+    def __init__(self, model: torch.nn.Module, geometry: CacheGeometry,
+                 plans: Sequence[Optional[int]], *, root: Optional[Path] = None) -> None:
+        self.builders = {rows: ProgramBuilder(model, geometry, root=root, streamed_rows=rows)
+                         for rows in plans}
+        self._taken: set = set()
+        self._stopped = False
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        """Start getting the programs; returns at once."""
+        self._thread = threading.Thread(target=self._build_in_turn, name="djl-stream-programs",
+                                        daemon=True)
+        self._thread.start()
+
+    def _build_in_turn(self) -> None:
+        for builder in self.builders.values():
+            if self._stopped:
+                break
+            builder.start()
+            builder.result()
+
+    def take(self, rows: Optional[int]):
+        """The program of ``rows`` (a plan) once ready, handed out once; ``None`` before, or
+        where it failed."""
+        builder = self.builders.get(rows)
+        if builder is None or rows in self._taken or not builder.finished:
+            return None
+        self._taken.add(rows)
+        return builder.result()
+
+    def result(self, timeout: Optional[float] = None) -> Optional[DecodeProgram]:
+        """The program of every row count, once every program is got (``None`` before, or
+        where it failed: :attr:`error`)."""
+        if self._thread is None:
+            return None
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return None
+        return next(iter(self.builders.values())).result(timeout=0)
+
+    @property
+    def finished(self) -> bool:
+        return all(builder.finished for builder in self.builders.values())
+
+    @property
+    def error(self) -> Optional[str]:
+        errors = [f"{b.rows_said.strip() or 'every row count'}: {b.error}"
+                  for b in self.builders.values() if b.error]
+        return "; ".join(errors) or None
+
+    def stop(self) -> None:
+        """Give up every program not yet got (the engine shuts down)."""
+        self._stopped = True
+        for builder in self.builders.values():
+            builder.stop()
 
 
 #: The compiling process's lines that say how far it got (the rest go to its error tail).
@@ -413,10 +505,12 @@ def _stop_builders() -> None:
 
 
 def structural_twin(config_dict: Dict[str, Any], dtype: str, quantize: Optional[str],
-                    buffers: Dict[str, torch.Tensor], packed: bool = False) -> torch.nn.Module:
+                    buffers: Dict[str, torch.Tensor], packed: bool = False,
+                    float_weights: bool = False) -> torch.nn.Module:
     """The served model's structure from its config, its weights allocated but never
     written (the program only needs their shapes), its buffers the served model's;
-    ``packed``: its linear layers packed as the served model's are (without weights)."""
+    ``packed``: its linear layers packed as the served model's are (without reordered
+    weights; with float weights where ``float_weights``)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -438,7 +532,7 @@ def structural_twin(config_dict: Dict[str, Any], dtype: str, quantize: Optional[
     if packed:
         from djl_stream.runtime.packed_linear import pack_structure
 
-        pack_structure(model)
+        pack_structure(model, keep_float_weights=float_weights)
     own = dict(model.named_buffers(remove_duplicate=False))
     for name, value in buffers.items():
         if name in own:
@@ -469,9 +563,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     spec = json.loads((work / "spec.json").read_text())
     buffers = torch.load(work / "buffers.pt")
     model = structural_twin(spec["config"], spec["dtype"], spec["quantize"], buffers,
-                            spec.get("packed", False))
+                            spec.get("packed", False), spec.get("float_weights", False))
     use_attention(model)
-    export_and_compile(model, CacheGeometry.from_dict(spec["geometry"]), Path(spec["target"]))
+    export_and_compile(model, CacheGeometry.from_dict(spec["geometry"]), Path(spec["target"]),
+                       spec.get("streamed_rows"))
     return 0
 
 

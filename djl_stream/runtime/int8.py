@@ -41,6 +41,9 @@ from typing import Callable, Optional
 
 import torch
 
+from djl_stream.runtime.linear_layers import (linear_layers, streamed_product,
+                                              weights_used_beyond_linear_layers)
+
 logger = logging.getLogger(__name__)
 
 #: The largest magnitude of a symmetric int8 value (-127..127: -128 is left out so that
@@ -168,19 +171,6 @@ def _whole_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(rows, weight.to(rows.dtype))
 
 
-def converting_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The same product written as a reduction, for a compiler: it becomes one loop that
-    reads each int8 weight once and converts it as it multiplies it by every row, where
-    the BLAS would need the whole weight as floats first (four times the bytes, written
-    and read again at every step).
-
-    >>> rows, weight = torch.randn(3, 8), torch.randint(-127, 128, (5, 8), dtype=torch.int8)
-    >>> torch.allclose(converting_product(rows, weight), rows @ weight.float().T, atol=1e-4)
-    True
-    """
-    return (rows[:, None, :] * weight[None].to(rows.dtype)).sum(-1)
-
-
 class Int8WeightOnlyLinear(_Int8Weights):
     """``nn.Linear``'s forward through an int8 weight, in the input's precision
     (``option.quantize=int8``): see the module docstring."""
@@ -189,9 +179,12 @@ class Int8WeightOnlyLinear(_Int8Weights):
         rows = x.reshape(-1, self.in_features)
         if torch.compiler.is_compiling():
             # A compiled decode step has a few rows (one per running sequence): reading
-            # the weight is its cost, which the converting reduction pays once. Prompts,
-            # of many rows each, run eagerly and multiply by the BLAS.
-            out = converting_product(rows, self.weight)
+            # the weight is its cost, which the streamed reduction pays once, turning each
+            # int8 weight into a float as it multiplies it by every row (the BLAS would
+            # need the whole weight as floats first: four times the bytes, written and
+            # read again at every step). Prompts, of many rows each, run eagerly and
+            # multiply by the BLAS.
+            out = streamed_product(rows, self.weight)
         else:
             out = dequantized_product(rows, self.weight)
         return self._finish(out * self.weight_scale.to(out.dtype), x)
@@ -221,20 +214,6 @@ class Int8Linear(_Int8Weights):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, int8 weights and per-row int8 activations")
-
-
-def linear_layers(model: torch.nn.Module):
-    """Every ``(parent, name, layer)`` of ``model`` whose layer is a plain ``nn.Linear``."""
-    return [(parent, name, child) for parent in model.modules()
-            for name, child in parent.named_children() if type(child) is torch.nn.Linear]
-
-
-def weights_used_beyond_linear_layers(model: torch.nn.Module) -> set:
-    """The ids of ``model``'s parameters that a module other than a plain ``nn.Linear``
-    holds (a tied input embedding): a linear layer's replacement copies such a weight
-    rather than taking it over, and says so."""
-    return {id(p) for module in model.modules() if type(module) is not torch.nn.Linear
-            for p in module.parameters(recurse=False)}
 
 
 def replace_linear_layers(model: torch.nn.Module, make: Callable) -> int:

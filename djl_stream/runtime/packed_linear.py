@@ -15,6 +15,14 @@ The operators are PyTorch's private oneDNN ones, so they are reached here alone,
 where :func:`packing_unavailable` finds them working (an x86 build of PyTorch with
 oneDNN); elsewhere layers stay ``nn.Linear``.
 
+With one row, oneDNN reads the reordered weight well below the speed of memory, where the
+compiler's own streamed reduction over the float weight reads it at full speed
+(:func:`~djl_stream.runtime.linear_layers.streamed_product`). So where memory allows
+(:func:`float_weights_fit_twice`: both copies in at most half of the memory available at
+load), a packed layer also keeps the float weight it replaced, and a runner compiles a
+second decode step for steps of few rows that multiplies through it
+(:func:`streaming_float_weights`). Where it does not, the packed weight is the only copy.
+
 The compiled decode step (:mod:`djl_stream.runtime.decode_program`) cannot hold a
 reordered weight: AOTInductor takes plain tensors as constants. So inside an exported
 program a packed layer is one call of the operator ``djl_stream::packed_linear`` with the
@@ -41,7 +49,8 @@ from typing import Iterator, List, Optional, Sequence
 
 import torch
 
-from djl_stream.runtime.int8 import linear_layers, weights_used_beyond_linear_layers
+from djl_stream.runtime.linear_layers import (linear_layers, streamed_product,
+                                              weights_used_beyond_linear_layers)
 
 logger = logging.getLogger(__name__)
 
@@ -86,16 +95,19 @@ def _product(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]
 
 
 class PackedLinear(torch.nn.Module):
-    """``nn.Linear`` with its weight reordered for oneDNN (see the module docstring).
+    """``nn.Linear`` with its weight reordered for oneDNN (see the module docstring),
+    and its float ``weight`` (the layer's own parameter) where it was kept.
 
     ``index`` numbers the model's packed layers in the order they were packed: an
     exported program names a layer's weight by it. A layer made for export only has no
-    weight (:meth:`empty_like`)."""
+    reordered weight (:meth:`empty_like`)."""
 
     def __init__(self, packed: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                 in_features: int, out_features: int, index: int) -> None:
+                 in_features: int, out_features: int, index: int,
+                 weight: Optional[torch.nn.Parameter] = None) -> None:
         super().__init__()
         self.packed = packed  # (not a buffer: the reordered layout is no plain tensor)
+        self.weight = weight
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(),
                                                                  requires_grad=False)
         self.in_features = in_features
@@ -103,60 +115,111 @@ class PackedLinear(torch.nn.Module):
         self.index = index
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, index: int) -> Optional["PackedLinear"]:
-        """The packed layer of ``linear``, or ``None`` where its weight cannot be packed
-        (not on the CPU, or a dtype oneDNN cannot multiply here)."""
+    def from_linear(cls, linear: torch.nn.Linear, index: int,
+                    keep_float_weight: bool = False) -> Optional["PackedLinear"]:
+        """The packed layer of ``linear`` (keeping its float weight where asked), or
+        ``None`` where its weight cannot be packed (not on the CPU, or a dtype oneDNN
+        cannot multiply here)."""
         weight = linear.weight
         if weight.device.type != "cpu" or not weight.dtype.is_floating_point:
             return None
         if packing_unavailable(weight.dtype) is not None:
             return None
         return cls(_reorder(weight), linear.bias, linear.in_features, linear.out_features,
-                   index)
+                   index, weight if keep_float_weight else None)
 
     @classmethod
-    def empty_like(cls, linear: torch.nn.Linear, index: int) -> "PackedLinear":
-        """The layer's structure without a weight, for a model that is only exported."""
-        return cls(None, linear.bias, linear.in_features, linear.out_features, index)
+    def empty_like(cls, linear: torch.nn.Linear, index: int,
+                   keep_float_weight: bool = False) -> "PackedLinear":
+        """The layer's structure without a reordered weight, for a model that is only
+        exported (with its float weight where the served layer keeps one)."""
+        return cls(None, linear.bias, linear.in_features, linear.out_features, index,
+                   linear.weight if keep_float_weight else None)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # (saved as the nn.Linear it replaced: save_pretrained writes a loadable checkpoint)
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.packed is not None:
+        if self.weight is None and self.packed is not None:
             destination[prefix + "weight"] = self.packed.to_dense()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        weight = state_dict.pop(prefix + "weight", None)
+        weight = state_dict.get(prefix + "weight")
+        if self.weight is None:
+            state_dict.pop(prefix + "weight", None)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                       missing_keys, unexpected_keys, error_msgs)
         if weight is not None:
             self.packed = _reorder(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or torch.compiler.is_compiling():
-            return torch.ops.djl_stream.packed_linear(x, self.bias, self.index,
-                                                      self.out_features)
-        return _product(x, self.packed, self.bias, self.out_features)
+        if self.packed is not None and not torch.compiler.is_compiling():
+            return _product(x, self.packed, self.bias, self.out_features)
+        if self.weight is not None and getattr(_MODE, "streaming", False):
+            rows = x.reshape(-1, self.in_features)
+            out = streamed_product(rows, self.weight)
+            if self.bias is not None:
+                out = out + self.bias
+            return out.view(*x.shape[:-1], self.out_features)
+        return torch.ops.djl_stream.packed_linear(x, self.bias, self.index, self.out_features)
 
     def extra_repr(self) -> str:
+        kept = ", float weight kept" if self.weight is not None else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, weight reordered for oneDNN")
+                f"bias={self.bias is not None}, weight reordered for oneDNN{kept}")
 
 
-def pack_linear_layers(model: torch.nn.Module) -> int:
-    """Replace each plain float ``nn.Linear`` of ``model`` on the CPU by its
-    :class:`PackedLinear`, one at a time (each float weight let go before the next is
-    reordered); returns how many were replaced. Layers already packed stay as they are.
+def float_weights_fit_twice(model: torch.nn.Module,
+                            available: Optional[int] = None) -> bool:
+    """Whether ``model``'s float linear weights, held twice (float and reordered), take at
+    most half of the memory ``available`` (in bytes; read off the system where not given,
+    and ``False`` where it cannot be read): the rule that decides whether packed layers
+    keep their float weights (see the module docstring).
 
-    Where any were, the model's other CPU parameters and buffers are copied into memory
-    of their own. A checkpoint's weights are usually views into one memory mapping of its
-    file, which stays mapped while any of them lives (an input embedding, a norm), and
-    reordering read every page of it: those pages would stay resident beside the
-    reordered copies, the weights counted twice.
+    >>> model = torch.nn.Sequential(torch.nn.Linear(1024, 1024))  # 4 MB of weights
+    >>> float_weights_fit_twice(model, available=16 << 20)
+    True
+    >>> float_weights_fit_twice(model, available=8 << 20)
+    False
     """
-    count = _replace(model, PackedLinear.from_linear)
-    if count:
+    if available is None:
+        available = available_memory()
+    if available is None:
+        return False
+    weight_bytes = sum(layer.weight.numel() * layer.weight.element_size()
+                       for _, _, layer in linear_layers(model))
+    return 2 * weight_bytes <= available // 2
+
+
+def available_memory() -> Optional[int]:
+    """Bytes of memory the system can give without swapping (``MemAvailable``), or
+    ``None`` where it does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def pack_linear_layers(model: torch.nn.Module, keep_float_weights: bool = False) -> int:
+    """Replace each plain float ``nn.Linear`` of ``model`` on the CPU by its
+    :class:`PackedLinear`, one at a time; returns how many were replaced. Layers already
+    packed stay as they are. ``keep_float_weights``: each keeps its float weight too
+    (see :func:`float_weights_fit_twice`); otherwise each float weight is let go before
+    the next is reordered.
+
+    Where float weights were let go, the model's other CPU parameters and buffers are
+    copied into memory of their own. A checkpoint's weights are usually views into one
+    memory mapping of its file, which stays mapped while any of them lives (an input
+    embedding, a norm), and reordering read every page of it: those pages would stay
+    resident beside the reordered copies, the weights counted twice.
+    """
+    count = _replace(model, functools.partial(PackedLinear.from_linear,
+                                              keep_float_weight=keep_float_weights))
+    if count and not keep_float_weights:
         with torch.no_grad():
             for tensor in list(model.parameters()) + list(model.buffers()):
                 if tensor.device.type == "cpu" and not tensor.is_mkldnn:
@@ -164,15 +227,22 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
     return count
 
 
-def pack_structure(model: torch.nn.Module) -> int:
-    """Put weightless :class:`PackedLinear` layers where :func:`pack_linear_layers` puts
-    packed ones, with the same indices: the structure a compiling process exports."""
-    return _replace(model, PackedLinear.empty_like)
+def pack_structure(model: torch.nn.Module, keep_float_weights: bool = False) -> int:
+    """Put :class:`PackedLinear` layers without reordered weights where
+    :func:`pack_linear_layers` puts packed ones, with the same indices (and float weights
+    where the served model keeps them): the structure a compiling process exports."""
+    return _replace(model, functools.partial(PackedLinear.empty_like,
+                                             keep_float_weight=keep_float_weights))
 
 
 def is_packed(model: torch.nn.Module) -> bool:
     """Whether ``model`` has packed linear layers."""
     return any(isinstance(module, PackedLinear) for module in model.modules())
+
+
+def keeps_float_weights(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s packed layers kept their float weights."""
+    return any(isinstance(m, PackedLinear) and m.weight is not None for m in model.modules())
 
 
 def _replace(model: torch.nn.Module, make) -> int:
@@ -192,15 +262,16 @@ def _replace(model: torch.nn.Module, make) -> int:
 
 
 def packed_weight_count(model: torch.nn.Module, leaving_out=()) -> int:
-    """How many numbers ``model``'s packed weights hold (they are not among its
-    parameters), leaving out the layers ``leaving_out`` names.
+    """How many numbers ``model``'s packed weights hold where they are a layer's only
+    copy (they are not among its parameters), leaving out the layers ``leaving_out``
+    names. A layer that kept its float weight counts among the parameters already.
 
     >>> packed_weight_count(torch.nn.Linear(4, 2))
     0
     """
     skipped = {id(m) for m in leaving_out}
     return sum(m.in_features * m.out_features for m in model.modules()
-               if isinstance(m, PackedLinear) and id(m) not in skipped)
+               if isinstance(m, PackedLinear) and m.weight is None and id(m) not in skipped)
 
 
 def weights_of(model: torch.nn.Module) -> List[torch.Tensor]:
@@ -211,6 +282,20 @@ def weights_of(model: torch.nn.Module) -> List[torch.Tensor]:
 
 
 _CURRENT = threading.local()
+_MODE = threading.local()
+
+
+@contextlib.contextmanager
+def streaming_float_weights() -> Iterator[None]:
+    """Within this block, packed layers being compiled by this thread multiply through
+    the streamed reduction of their float weights (where they kept them), not through
+    oneDNN: how a program for steps of few rows is exported."""
+    previous = getattr(_MODE, "streaming", False)
+    _MODE.streaming = True
+    try:
+        yield
+    finally:
+        _MODE.streaming = previous
 
 
 @contextlib.contextmanager

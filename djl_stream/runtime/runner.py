@@ -157,6 +157,22 @@ class ModelRunner:
                 self.release(handle)
 
 
+@dataclasses.dataclass
+class ProgramSlot:
+    """One compiled decode step a runner may run: for steps of up to ``rows`` rows
+    (``None``: every row count), once ``candidate`` (ready, not yet checked against an
+    eager step) has become ``program``."""
+
+    rows: Optional[int]
+    candidate: object = None
+    program: object = None
+
+    @property
+    def said(self) -> str:
+        """How the load log names this step (nothing for the one of every row count)."""
+        return f" of up to {self.rows} rows" if self.rows else ""
+
+
 class AttentionRunner(ModelRunner):
     """The model's forward over flattened feeds, its attention on the runner's KV cache."""
 
@@ -174,11 +190,35 @@ class AttentionRunner(ModelRunner):
                              dtype=dtype, device=self.device, initial_columns=1024)
         self._keep_logits = _logits_keyword(model)
         self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
-        self.program = None        # the compiled decode step, once checked
-        self._builder = None       # what is getting it (decode_program.ProgramBuilder)
-        self._candidate = None     # a program ready but not yet checked against a step
+        # compiled decode steps: the one of every row count, and where the model streams its
+        # float weights, the one of few rows (see decode_program's module docstring)
+        self._slots = [ProgramSlot(None)]
+        self._builds = None        # what is getting them (decode_program.ProgramBuilds)
 
     # -- the compiled decode step ---------------------------------------------------------
+
+    @property
+    def program(self):
+        """The compiled decode step of every row count, once checked (``None`` before)."""
+        return self._slots[0].program
+
+    @program.setter
+    def program(self, program) -> None:
+        self._slots[0].program = program
+
+    @property
+    def _candidate(self):
+        return self._slots[0].candidate
+
+    @_candidate.setter
+    def _candidate(self, candidate) -> None:
+        self._slots[0].candidate = candidate
+
+    @property
+    def programs_in_use(self) -> List[Optional[int]]:
+        """The most rows of each compiled step that decode steps run (``None``: every row
+        count), checked and in use."""
+        return [slot.rows for slot in self._slots if slot.program is not None]
 
     def geometry(self):
         """The KV cache's shapes, as a compiled decode step reads them."""
@@ -191,20 +231,26 @@ class AttentionRunner(ModelRunner):
             layer_windows=self.layer_windows, dtype=str(cache.dtype).replace("torch.", ""))
 
     def compile_decode_step(self, root=None):
-        """Get the compiled decode step in the background (from the cache, or compiled by a
-        process of its own); decode steps run it once it gives the eager step's logits.
-        Only on a CPU, whose cache's columns never grow (the program's shapes are fixed).
-        Returns what is getting it (the same on a second call), ``None`` where nothing is."""
-        from djl_stream.runtime.decode_program import ProgramBuilder
+        """Get the compiled decode steps in the background (from the cache, or compiled by
+        a process of their own, one after the other); a decode step runs the one made for
+        its row count once that one gives the eager step's logits. Only on a CPU, whose
+        cache's columns never grow (the programs' shapes are fixed). Returns what is
+        getting them (the same on a second call), ``None`` where nothing is."""
+        from djl_stream.runtime.decode_program import ProgramBuilds
+        from djl_stream.runtime.linear_layers import STREAMED_ROWS
+        from djl_stream.runtime.packed_linear import keeps_float_weights
 
         if self.device.type == "cuda":
             self._record_cuda_graphs()
             return None
-        if self._builder is not None or self.device.type != "cpu" or self.program is not None:
-            return self._builder
-        self._builder = ProgramBuilder(self.model, self.geometry(), root=root)
-        self._builder.start()
-        return self._builder
+        if self._builds is not None or self.device.type != "cpu" or self.program is not None:
+            return self._builds
+        if keeps_float_weights(self.model):
+            self._slots.append(ProgramSlot(STREAMED_ROWS))
+        self._builds = ProgramBuilds(self.model, self.geometry(),
+                                     [slot.rows for slot in self._slots], root=root)
+        self._builds.start()
+        return self._builds
 
     def _record_cuda_graphs(self) -> None:
         """On a GPU: decode steps replayed from CUDA graphs, recorded per bucket as steps
@@ -218,16 +264,20 @@ class AttentionRunner(ModelRunner):
                         "bucket of rows and columns as steps need them")
 
     def close(self) -> None:
-        if self._builder is not None:
-            self._builder.stop()
+        if self._builds is not None:
+            self._builds.stop()
 
-    def _program_to_try(self):
-        """The compiled step to use or to check now, if any."""
-        if self.program is not None:
-            return self.program
-        if self._candidate is None and self._builder is not None and self._builder.finished:
-            self._candidate, self._builder = self._builder.result(), None
-        return self._candidate
+    def _slot_for(self, rows: int) -> Optional["ProgramSlot"]:
+        """The slot whose program (or program to check) runs a step of ``rows`` rows: the
+        one made for the fewest rows that covers them and has one."""
+        if self._builds is not None:
+            for slot in self._slots:
+                if slot.candidate is None and slot.program is None:
+                    slot.candidate = self._builds.take(slot.rows)
+        covering = [slot for slot in self._slots
+                    if (slot.rows is None or rows <= slot.rows)
+                    and (slot.program is not None or slot.candidate is not None)]
+        return min(covering, key=lambda slot: slot.rows or float("inf"), default=None)
 
     def _run_program(self, program, block: List[Feed],
                      positions: List[int]) -> Optional[torch.Tensor]:
@@ -252,12 +302,14 @@ class AttentionRunner(ModelRunner):
         return logits
 
     def _decode_with_program(self, feeds: Sequence[Feed]) -> Optional[torch.Tensor]:
-        """Run a decode step of single-token ``feeds`` through the compiled step where there
-        is one (checking a new one against this step's eager logits first); ``None`` where
-        the eager path runs it."""
-        program = self._program_to_try()
+        """Run a decode step of single-token ``feeds`` through the compiled step made for
+        its row count where there is one (checking a new one against this step's eager
+        logits first); ``None`` where the eager path runs it."""
         cache = self.cache
-        if program is None or not all(len(f.tokens) == 1 for f in feeds):
+        if not all(len(f.tokens) == 1 for f in feeds):
+            return None
+        slot = self._slot_for(len(feeds))
+        if slot is None:
             return None
         span = max(cache.length(f.handle) for f in feeds) + 1
         if span >= cache.columns or len(feeds) > cache.rows:
@@ -265,35 +317,13 @@ class AttentionRunner(ModelRunner):
         cache.place([f.handle for f in feeds], at_start=True)
         block = sorted(feeds, key=lambda f: cache.row_of(f.handle))
         positions = [cache.length(f.handle) for f in block]
-        if program is self._candidate:
-            eager = self._run_eager(feeds)
-            try:
-                compiled = self._run_program(program, block, positions)
-            except Exception as error:  # noqa: BLE001 - the eager step goes on serving
-                self._candidate = None
-                logger.warning("the compiled decode step failed (%s: %s); %s",
-                               type(error).__name__, error, NOT_USED)
-                return eager
-            if compiled is None:  # (not ready for this step's shape: check at a later one)
-                return eager
-            order = [block.index(f) for f in feeds]
-            difference = float((compiled[order].float() - eager.float()).abs().max())
-            tolerance = (PROBE_TOLERANCE.get(eager.dtype, 5e-2)
-                         * max(1.0, float(eager.abs().max())))
-            self._candidate = None
-            if difference <= tolerance:
-                self.program = program
-                logger.info("%s (its logits within %.2g of the eager step's)", SWITCHED,
-                            difference)
-            else:
-                logger.warning("the compiled decode step's logits differ from the eager "
-                               "step's by %.3g: %s", difference, NOT_USED)
-            return eager
+        if slot.program is None:
+            return self._check(slot, feeds, block, positions)
         try:
-            logits = self._run_program(program, block, positions)
+            logits = self._run_program(slot.program, block, positions)
         except Exception as error:  # noqa: BLE001 - the eager step goes on serving
-            self.program = None
-            logger.warning("the compiled decode step failed (%s: %s); %s",
+            slot.program = None
+            logger.warning("the compiled decode step%s failed (%s: %s); %s", slot.said,
                            type(error).__name__, error, NOT_USED)
             return None
         if logits is None:  # (a step the program leaves to the eager forward)
@@ -302,6 +332,35 @@ class AttentionRunner(ModelRunner):
             cache.set_length(feed.handle, cache.length(feed.handle) + 1)
         where = {id(f): i for i, f in enumerate(block)}
         return logits[[where[id(f)] for f in feeds]]
+
+    def _check(self, slot: "ProgramSlot", feeds: Sequence[Feed], block: List[Feed],
+               positions: List[int]) -> torch.Tensor:
+        """Run this step eagerly and through ``slot``'s candidate program; the program
+        serves later steps only where it gave the same logits. Returns the eager ones."""
+        program = slot.candidate
+        eager = self._run_eager(feeds)
+        try:
+            compiled = self._run_program(program, block, positions)
+        except Exception as error:  # noqa: BLE001 - the eager step goes on serving
+            slot.candidate = None
+            logger.warning("the compiled decode step%s failed (%s: %s); %s", slot.said,
+                           type(error).__name__, error, NOT_USED)
+            return eager
+        if compiled is None:  # (not ready for this step's shape: check at a later one)
+            return eager
+        order = [block.index(f) for f in feeds]
+        difference = float((compiled[order].float() - eager.float()).abs().max())
+        tolerance = (PROBE_TOLERANCE.get(eager.dtype, 5e-2)
+                     * max(1.0, float(eager.abs().max())))
+        slot.candidate = None
+        if difference <= tolerance:
+            slot.program = program
+            logger.info("%s%s (its logits within %.2g of the eager step's)", SWITCHED,
+                        slot.said, difference)
+        else:
+            logger.warning("the compiled decode step%s's logits differ from the eager "
+                           "step's by %.3g: %s", slot.said, difference, NOT_USED)
+        return eager
 
     def reserve(self) -> int:
         return self.cache.reserve()
@@ -530,15 +589,20 @@ def load_runner(model, settings: RunnerSettings = RunnerSettings()) -> ModelRunn
 
 def _pack_linear_layers(model) -> None:
     """Lay the weights of the model's linear layers out for oneDNN where they sit on a CPU
-    that has it (see :mod:`djl_stream.runtime.packed_linear`); said once per model."""
-    from djl_stream.runtime.packed_linear import pack_linear_layers, packing_unavailable
+    that has it, keeping the float weights too where both fit in memory (see
+    :mod:`djl_stream.runtime.packed_linear`); said once per model."""
+    from djl_stream.runtime.packed_linear import (float_weights_fit_twice, pack_linear_layers,
+                                                  packing_unavailable)
 
     if _input_device(model).type != "cpu":
         return
-    packed = pack_linear_layers(model)
+    keep = float_weights_fit_twice(model)
+    packed = pack_linear_layers(model, keep_float_weights=keep)
     if packed:
-        logger.info("%d linear layers' weights reordered for oneDNN's matrix product",
-                    packed)
+        logger.info("%d linear layers' weights reordered for oneDNN's matrix product%s",
+                    packed, "; their float weights kept for decode steps of few rows" if keep
+                    else "; their float weights let go (both would take more than half of "
+                    "the memory available)")
     elif any(type(m) is torch.nn.Linear for m in model.modules()):
         dtype = next(model.parameters()).dtype
         logger.info("linear layers left as they are: %s",
