@@ -358,7 +358,7 @@ class AttentionRunner(ModelRunner):
             logger.info("%s%s (its logits within %.2g of the eager step's)", SWITCHED,
                         slot.said, difference)
         else:
-            logger.warning("the compiled decode step%s's logits differ from the eager "
+            logger.warning("the logits of the compiled decode step%s differ from the eager "
                            "step's by %.3g: %s", slot.said, difference, NOT_USED)
         return eager
 
