@@ -155,7 +155,7 @@ class PackedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and not torch.compiler.is_compiling():
             return _product(x, self.packed, self.bias, self.out_features)
-        if self.weight is not None and getattr(_MODE, "streaming", False):
+        if self.weight is not None and getattr(_THREAD, "streaming", None):
             rows = x.reshape(-1, self.in_features)
             out = streamed_product(rows, self.weight)
             if self.bias is not None:
@@ -281,33 +281,31 @@ def weights_of(model: torch.nn.Module) -> List[torch.Tensor]:
     return [layer.packed for layer in layers]
 
 
-_CURRENT = threading.local()
-_MODE = threading.local()
+#: What this thread's packed layers read: ``weights`` (the operator's), ``streaming``.
+_THREAD = threading.local()
 
 
 @contextlib.contextmanager
-def streaming_float_weights() -> Iterator[None]:
+def _for_this_thread(name: str, value) -> Iterator[None]:
+    previous = getattr(_THREAD, name, None)
+    setattr(_THREAD, name, value)
+    try:
+        yield
+    finally:
+        setattr(_THREAD, name, previous)
+
+
+def streaming_float_weights():
     """Within this block, packed layers being compiled by this thread multiply through
     the streamed reduction of their float weights (where they kept them), not through
     oneDNN: how a program for steps of few rows is exported."""
-    previous = getattr(_MODE, "streaming", False)
-    _MODE.streaming = True
-    try:
-        yield
-    finally:
-        _MODE.streaming = previous
+    return _for_this_thread("streaming", True)
 
 
-@contextlib.contextmanager
-def packed_weights(weights: Sequence[torch.Tensor]) -> Iterator[None]:
+def packed_weights(weights: Sequence[torch.Tensor]):
     """Within this block, ``djl_stream::packed_linear`` called by this thread (from a
     compiled program) reads ``weights`` (:func:`weights_of` the model it runs)."""
-    previous = getattr(_CURRENT, "weights", None)
-    _CURRENT.weights = weights
-    try:
-        yield
-    finally:
-        _CURRENT.weights = previous
+    return _for_this_thread("weights", weights)
 
 
 # The operator is defined with torch.library's plain registration, not ``custom_op``: a
@@ -319,7 +317,7 @@ _LIBRARY.define("packed_linear(Tensor x, Tensor? bias, int index, int out_featur
 
 def _packed_linear(x: torch.Tensor, bias: Optional[torch.Tensor], index: int,
                    out_features: int) -> torch.Tensor:
-    weights = getattr(_CURRENT, "weights", None)
+    weights = getattr(_THREAD, "weights", None)
     if weights is None:
         raise RuntimeError("djl_stream::packed_linear ran outside packed_weights(...): "
                            "nothing says whose weights its index names")
