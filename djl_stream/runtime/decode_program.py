@@ -410,11 +410,14 @@ class ProgramBuilder:
 
 class ProgramBuilds:
     """A model's decode programs, one :class:`ProgramBuilder` each (``plans``: each one's
-    ``streamed_rows``), got one after the other in the background, so that two compiles
-    never share the CPU; the first serves every row count."""
+    ``streamed_rows``, ``None`` for the one of every row count, which there must be), got
+    one after the other in the order of ``plans`` in the background, so that two compiles
+    never share the CPU."""
 
     def __init__(self, model: torch.nn.Module, geometry: CacheGeometry,
                  plans: Sequence[Optional[int]], *, root: Optional[Path] = None) -> None:
+        if None not in plans:
+            raise ValueError("the programs a model gets include the one of every row count")
         self.builders = {rows: ProgramBuilder(model, geometry, root=root, streamed_rows=rows)
                          for rows in plans}
         self._taken: set = set()
@@ -451,7 +454,7 @@ class ProgramBuilds:
         self._thread.join(timeout)
         if self._thread.is_alive():
             return None
-        return next(iter(self.builders.values())).result(timeout=0)
+        return self.builders[None].result(timeout=0)
 
     @property
     def finished(self) -> bool:

@@ -247,8 +247,10 @@ class AttentionRunner(ModelRunner):
             return self._builds
         if keeps_float_weights(self.model):
             self._slots.append(ProgramSlot(STREAMED_ROWS))
-        self._builds = ProgramBuilds(self.model, self.geometry(),
-                                     [slot.rows for slot in self._slots], root=root)
+        # the one of few rows first where there is one: a lone stream, the commonest load,
+        # gains the most from it, and a step of many rows loses less meanwhile to the eager one
+        plans = sorted((slot.rows for slot in self._slots), key=lambda rows: rows is None)
+        self._builds = ProgramBuilds(self.model, self.geometry(), plans, root=root)
         self._builds.start()
         return self._builds
 
