@@ -22,8 +22,9 @@ A model whose packed linear layers kept their float weights gets a second progra
 steps of up to :data:`~djl_stream.runtime.linear_layers.STREAMED_ROWS` rows, whose
 products stream the float weights (:func:`~djl_stream.runtime.packed_linear.
 streaming_float_weights`): with few rows a step is bound by reading the weights, which
-that reduction does at the speed of memory. The runner runs each step on the program
-made for its row count, once that one is ready and checked.
+that reduction does at the speed of memory. It compiles first (a lone stream gains the
+most from it), then the program of every row count. The runner runs each step on the
+program made for its row count, once that one is ready and checked.
 
 Programs are cached under :func:`cache_root`, keyed by what decides the compiled code
 (:func:`program_key`): the model's config, dtype and layer types, the cache's geometry,
