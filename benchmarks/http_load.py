@@ -181,8 +181,14 @@ class ServerProcess:
                     raise RuntimeError(f"the {self.name} server's decode step was not compiled "
                                        f"after {timeout:.0f} s:\n{self.log_tail()}")
                 clients = 6 if attempt % 2 else 1
-                list(pool.map(lambda _: client.post(self.url, json={**body, "stream": False}),
-                              range(clients)))
+                try:
+                    list(pool.map(lambda _: client.post(self.url, json={**body, "stream": False}),
+                                  range(clients)))
+                except httpx.HTTPError as error:  # (the log, which a temporary folder loses)
+                    raise RuntimeError(
+                        f"the {self.name} server failed a request while its decode steps "
+                        f"compiled ({type(error).__name__}: {error}); exit status "
+                        f"{self.process.poll()}:\n{self.log_tail()}") from error
                 time.sleep(1.0)
         return "eager"
 
