@@ -12,7 +12,8 @@ the weights come from memory as in a real step:
 * ``oneDNN``: oneDNN's product on weights reordered once for it (``PackedLinear``'s);
 * ``streamed``: the compiler's reduction over the float weights
   (:func:`~djl_stream.runtime.linear_layers.streamed_product`), every product compiled
-  into one function of the row count, as the compiled decode step of few rows runs them.
+  into one function of the row count, with the compiler settings of the runtime's
+  programs, as the compiled decode step of few rows runs them.
 
 Each row count's ways take turns, repetition by repetition, so that a machine that slows
 down slows each alike; the median of each is printed, and the fastest marked. The
@@ -34,6 +35,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from djl_stream.runtime.decode_program import COMPILER_SETTINGS
 from djl_stream.runtime.linear_layers import streamed_product
 from djl_stream.runtime.packed_linear import PackedLinear, packing_unavailable
 
@@ -67,7 +69,10 @@ def step_products(shapes: Dict[Tuple[int, int], int]) -> Dict[str, Callable]:
     if packing_unavailable() is None:
         packed = [PackedLinear.from_linear(_as_linear(w), index=i) for i, w in enumerate(weights)]
         ways["oneDNN"] = lambda inputs: [layer(inputs[layer.in_features]) for layer in packed]
-    compiled = torch.compile(_all_products)  # (its rows become dynamic at the second count)
+    # compiled as the runtime compiles its programs (the C++ compiler's settings; the rest
+    # of COMPILER_SETTINGS is about packaging); its rows become dynamic at the second count
+    compiled = torch.compile(_all_products, options={
+        key: value for key, value in COMPILER_SETTINGS.items() if key.startswith("cpp.")})
     ways["streamed"] = lambda inputs: compiled(inputs, weights)
     return ways
 
