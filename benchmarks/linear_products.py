@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from djl_stream.runtime.decode_program import COMPILER_SETTINGS
+from djl_stream.runtime.decode_program import CODE_SETTINGS
 from djl_stream.runtime.linear_layers import streamed_product
 from djl_stream.runtime.packed_linear import PackedLinear, packing_unavailable
 
@@ -69,10 +69,9 @@ def step_products(shapes: Dict[Tuple[int, int], int]) -> Dict[str, Callable]:
     if packing_unavailable() is None:
         packed = [PackedLinear.from_linear(_as_linear(w), index=i) for i, w in enumerate(weights)]
         ways["oneDNN"] = lambda inputs: [layer(inputs[layer.in_features]) for layer in packed]
-    # compiled as the runtime compiles its programs (the C++ compiler's settings; the rest
-    # of COMPILER_SETTINGS is about packaging); its rows become dynamic at the second count
-    compiled = torch.compile(_all_products, options={
-        key: value for key, value in COMPILER_SETTINGS.items() if key.startswith("cpp.")})
+    # (its code compiled as the runtime's programs are; its rows become dynamic at the
+    # second count)
+    compiled = torch.compile(_all_products, options=CODE_SETTINGS)
     ways["streamed"] = lambda inputs: compiled(inputs, weights)
     return ways
 

@@ -250,14 +250,15 @@ def example_inputs(geometry: CacheGeometry, device="cpu"):
     return (ids, positions, torch.arange(n, device=device), masks, keys, values)
 
 
-#: What the programs are compiled with. The weights stay out of the shared library (the
-#: served model's own tensors are handed to it). A product is a chain of multiply-adds, and
-#: the C++ compiler may fuse each multiply with its add (``-ffp-contract=fast``): one
-#: rounding instead of two, and one vector instruction instead of two, which counts where
-#: a product is bound by instructions rather than by memory (int8 weights, each turned into
-#: a float before it is multiplied).
-COMPILER_SETTINGS = {"aot_inductor.package_constants_in_so": False,
-                     "cpp.enable_floating_point_contract_flag": "fast"}
+#: How the programs' C++ is compiled. A product is a chain of multiply-adds, and the C++
+#: compiler may fuse each multiply with its add (``-ffp-contract=fast``): one rounding
+#: instead of two, and one vector instruction instead of two, which counts where a product
+#: is bound by instructions rather than by memory (int8 weights, each turned into a float
+#: before it is multiplied).
+CODE_SETTINGS = {"cpp.enable_floating_point_contract_flag": "fast"}
+#: How they are packaged: the weights stay out of the shared library (the served model's
+#: own tensors are handed to it).
+PACKAGE_SETTINGS = {"aot_inductor.package_constants_in_so": False}
 
 
 def export_and_compile(model: torch.nn.Module, geometry: CacheGeometry, target: Path,
@@ -281,7 +282,7 @@ def export_and_compile(model: torch.nn.Module, geometry: CacheGeometry, target: 
     logger.info("compiling it to C++ (most of the time)")
     started = time.perf_counter()
     path = torch._inductor.aoti_compile_and_package(
-        exported, package_path=str(target), inductor_configs=COMPILER_SETTINGS)
+        exported, package_path=str(target), inductor_configs={**CODE_SETTINGS, **PACKAGE_SETTINGS})
     logger.info("compiled the decode step in %.1f s", time.perf_counter() - started)
     return Path(path)
 

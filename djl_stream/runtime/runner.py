@@ -245,11 +245,12 @@ class AttentionRunner(ModelRunner):
             return None
         if self._builds is not None or self.device.type != "cpu" or self.program is not None:
             return self._builds
+        plans: List[Optional[int]] = [None]
         if keeps_float_weights(self.model):
             self._slots.append(ProgramSlot(STREAMED_ROWS))
-        # the one of few rows first where there is one: a lone stream, the commonest load,
-        # gains the most from it, and a step of many rows loses less meanwhile to the eager one
-        plans = sorted((slot.rows for slot in self._slots), key=lambda rows: rows is None)
+            # compiled first: a lone stream, the commonest load, gains the most from it,
+            # and a step of many rows loses less meanwhile to the eager one
+            plans.insert(0, STREAMED_ROWS)
         self._builds = ProgramBuilds(self.model, self.geometry(), plans, root=root)
         self._builds.start()
         return self._builds
