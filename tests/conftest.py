@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,19 @@ def _require_embedded_model() -> Path:
     if MODEL_DIR == REPO / "model" and is_outdated(MODEL_DIR):  # (another is as it is)
         pytest.fail("model/ holds the embedded model in an outdated layout: run `make model`")
     return MODEL_DIR
+
+
+def pytest_configure(config):
+    """Each of ``make test``'s processes computes with its share of the cores, and so do the
+    servers and compiling processes it starts (they inherit ``OMP_NUM_THREADS``). PyTorch
+    would give each of them a thread per core: with several of them busy on the same cores,
+    OpenMP's threads then spin at their barriers waiting for threads that have no core, and
+    the suite spends half its processor time waiting. A value set by the caller stays."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    share = max(1, len(os.sched_getaffinity(0)) // workers)
+    os.environ.setdefault("OMP_NUM_THREADS", str(share))
+    if "torch" in sys.modules:  # (imported by a plugin before this ran)
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
