@@ -33,7 +33,12 @@ def pytest_configure(config):
     would give each of them a thread per core: with several of them busy on the same cores,
     OpenMP's threads then spin at their barriers waiting for threads that have no core, and
     the suite spends half its processor time waiting. A value set by the caller stays."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker
+        workers = config.workerinput["workercount"]
+    elif getattr(config.option, "numprocesses", None):
+        return  # (pytest-xdist's controller: its workers, which inherit its environment, decide)
+    else:
+        workers = 1
     share = max(1, len(os.sched_getaffinity(0)) // workers)
     os.environ.setdefault("OMP_NUM_THREADS", str(share))
     if "torch" in sys.modules:  # (imported by a plugin before this ran)
