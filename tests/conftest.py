@@ -31,8 +31,8 @@ def pytest_configure(config):
     """Each of ``make test``'s processes computes with its share of the cores, and so do the
     servers and compiling processes it starts (they inherit ``OMP_NUM_THREADS``). PyTorch
     would give each of them a thread per core: with several of them busy on the same cores,
-    OpenMP's threads then spin at their barriers waiting for threads that have no core, and
-    the suite spends half its processor time waiting. A value set by the caller stays."""
+    OpenMP's threads spin at their barriers for threads that have no core, and the spinning
+    takes the cores from the work. A value set by the caller stays."""
     if hasattr(config, "workerinput"):  # a pytest-xdist worker
         workers = config.workerinput["workercount"]
     elif getattr(config.option, "numprocesses", None):
