@@ -39,7 +39,9 @@ def pytest_configure(config):
         return  # (pytest-xdist's controller: its workers, which inherit its environment, decide)
     else:
         workers = 1
-    share = max(1, len(os.sched_getaffinity(0)) // workers)
+    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")  # (not on macOS)
+             else os.cpu_count() or 1)
+    share = max(1, cores // workers)
     os.environ.setdefault("OMP_NUM_THREADS", str(share))
     if "torch" in sys.modules:  # (imported by a plugin before this ran)
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
