@@ -8,11 +8,12 @@ Example::
 
 from __future__ import annotations
 
-import os
 import platform
 from importlib import metadata
 from pathlib import Path
 from typing import Dict
+
+from djl_stream.runtime.cpu_info import usable_cores
 
 
 def _cpu_model() -> str:
@@ -42,13 +43,6 @@ def _version(package: str) -> str:
         return "not installed"
 
 
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 0
-
-
 def describe() -> Dict[str, str]:
     """Machine and versions, as ``name -> text``."""
     import torch
@@ -58,7 +52,7 @@ def describe() -> Dict[str, str]:
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         gpu = ", ".join(names) + f" (CUDA {torch.version.cuda})"
     return {
-        "cpu": f"{_cpu_model()}, {_usable_cores()} usable cores",
+        "cpu": f"{_cpu_model()}, {usable_cores()} usable cores",
         "memory": _memory_total(),
         "gpu": gpu,
         "os": platform.platform(),

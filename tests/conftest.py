@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from djl_stream.runtime.cpu_info import usable_cores
+
 REPO = Path(__file__).resolve().parents[1]
 # The embedded model's directory; its tokenizer serves the tiny models too. Where model/ was
 # not set up (a GPU machine the weights cannot reach), benchmarks/on_a_gpu.sh points this at
@@ -39,9 +41,7 @@ def pytest_configure(config):
         return  # (pytest-xdist's controller: its workers, which inherit its environment, decide)
     else:
         workers = 1
-    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")  # (not on macOS)
-             else os.cpu_count() or 1)
-    share = max(1, cores // workers)
+    share = max(1, usable_cores() // workers)
     os.environ.setdefault("OMP_NUM_THREADS", str(share))
     if "torch" in sys.modules:  # (imported by a plugin before this ran)
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

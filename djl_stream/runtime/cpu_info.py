@@ -1,7 +1,8 @@
 """What ``/proc/cpuinfo`` says of this CPU, read in one place: the compiled decode step's
 cache key names the instruction-set flags (:mod:`~djl_stream.runtime.decode_program`), and
 ``option.quantize=w8a8`` looks for int8 dot-product instructions among them
-(:mod:`~djl_stream.runtime.quantization`).
+(:mod:`~djl_stream.runtime.quantization`). :func:`usable_cores` counts the cores this
+process may run on.
 
 Example::
 
@@ -15,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from typing import Dict, Iterable, Optional
 
 
@@ -33,3 +35,15 @@ def cpu_fields(wanted: Iterable[str], cpuinfo: str = "/proc/cpuinfo") -> Optiona
             return seen
     except OSError:
         return None
+
+
+def usable_cores() -> int:
+    """How many cores this process may run on: its CPU affinity where the platform has
+    one (a container's or ``taskset``'s limit), else every core (macOS).
+
+    >>> usable_cores() >= 1
+    True
+    """
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

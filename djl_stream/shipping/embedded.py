@@ -21,12 +21,15 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
 import logging
 from pathlib import Path
 from typing import Any, Optional
+
+from djl_stream.runtime.cpu_info import usable_cores
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +179,11 @@ def load_embedded_tokenizer():
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
+def save_embedded_tokenizer(model_dir: str | Path) -> None:
+    """Write the embedded tokenizer's files into ``model_dir``."""
+    load_embedded_tokenizer().save_pretrained(model_dir)
+
+
 def embed_default_model(model_dir: str | Path, *, force: bool = False) -> bool:
     """Convert the embedded GGUF into a Hugging Face folder inside ``model_dir``.
 
@@ -191,21 +199,23 @@ def embed_default_model(model_dir: str | Path, *, force: bool = False) -> bool:
     from transformers import AutoModelForCausalLM
 
     gguf = find_gguf()
-    tokenizer = load_embedded_tokenizer()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
-    # The de-quantized tensors are plain float32, but transformers remembers the GGUF
-    # quantizer and refuses to save; what we save is no longer quantized, so drop it.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.config.name_or_path = "SmolLM2-135M-Instruct"
     model_dir.mkdir(parents=True, exist_ok=True)
     # A half-written directory must not pass for a finished one.
     (model_dir / MARKER).unlink(missing_ok=True)
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    # Each GGUF read parses the whole vocabulary in Python, and the tokenizer and the
+    # weights each read the file: where there is a second core, the tokenizer is written
+    # by a process of its own meanwhile, which shortens a newcomer's first `make serve`.
+    with _beside_if_cores(save_embedded_tokenizer, model_dir):
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        # The de-quantized tensors are plain float32, but transformers remembers the GGUF
+        # quantizer and refuses to save; what we save is no longer quantized, so drop it.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.name_or_path = "SmolLM2-135M-Instruct"
+        model.save_pretrained(model_dir)
     make_portable(model_dir)
     (model_dir / MARKER).write_text(json.dumps({
         "format": FORMAT,
@@ -214,6 +224,24 @@ def embed_default_model(model_dir: str | Path, *, force: bool = False) -> bool:
     }) + "\n", encoding="utf-8")
     logger.info("wrote SmolLM2-135M-Instruct to %s (format %d)", model_dir, FORMAT)
     return True
+
+
+@contextlib.contextmanager
+def _beside_if_cores(work, *args):
+    """Run ``work(*args)`` in a spawned process while the block runs, where this process
+    may use more than one core; otherwise after the block. Its error is raised either way."""
+    if usable_cores() < 2:
+        yield
+        work(*args)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn, not fork: the parent may already hold OpenMP's and tokenizers' threads.
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        future = pool.submit(work, *args)
+        yield
+        future.result()
 
 
 def _version(distribution: str) -> str:
