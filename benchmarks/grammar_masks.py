@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import time
@@ -55,6 +54,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from benchmarks.machine import cpu_model
 from benchmarks.sections import write_section
 
 #: The section of BENCHMARKS.md this writes (make bench keeps it).
@@ -496,16 +496,6 @@ def cpu_ticks() -> Optional[tuple]:
         return sum(fields[:8]) - fields[3] - fields[4], int(own[11]) + int(own[12])
     except (OSError, ValueError, IndexError):
         return None
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main(argv: List[str] | None = None) -> None:

@@ -13,17 +13,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Dict
 
-from djl_stream.runtime.cpu_info import usable_cores
+from djl_stream.runtime.cpu_info import cpu_fields, usable_cores
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def cpu_model() -> str:
+    """The CPU's model name, as ``/proc/cpuinfo`` gives it (else what ``platform`` knows)."""
+    named = (cpu_fields(("model name",)) or {}).get("model name")
+    return named or platform.processor() or platform.machine()
 
 
 def _memory_total() -> str:
@@ -52,7 +48,7 @@ def describe() -> Dict[str, str]:
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         gpu = ", ".join(names) + f" (CUDA {torch.version.cuda})"
     return {
-        "cpu": f"{_cpu_model()}, {usable_cores()} usable cores",
+        "cpu": f"{cpu_model()}, {usable_cores()} usable cores",
         "memory": _memory_total(),
         "gpu": gpu,
         "os": platform.platform(),
