@@ -10,9 +10,7 @@ import torch
 from architectures import build
 from conftest import build_tiny_llama
 from djl_stream.runtime import decode_program
-from djl_stream.runtime.linear_layers import STREAMED_ROWS
-from djl_stream.runtime.packed_linear import keeps_float_weights
-from djl_stream.runtime.runner import Feed, RunnerSettings, load_runner
+from djl_stream.runtime.runner import Feed, RunnerSettings, load_runner, rows_of_a_streaming_program
 
 SETTINGS = RunnerSettings(max_rows=6, max_positions=96)
 #: The geometry the tiny model directory's server has (its default row cap, its longest
@@ -59,7 +57,7 @@ def decode_and_compare(runner, reference, prompts, steps):
 def check_the_compiled_step_takes_over(name, programs, caplog):
     """``name``'s tiny model serves with its eager step while its programs compile, then
     with them (five rows on the program of every row count, then one on the program of few
-    rows where the model kept its float weights), each step within 1e-4 of the model's own
+    rows where the model streams its weights), each step within 1e-4 of the model's own
     forward; the load log follows the compiles."""
     model, settings = tiny(name)
     reference, _ = tiny(name)  # the same weights, never adopted
@@ -72,7 +70,8 @@ def check_the_compiled_step_takes_over(name, programs, caplog):
         worst, compiled = decode_and_compare(
             runner, reference, [[3, 4, 5, 6, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17, 18],
                                 [19, 20, 21], [22, 23, 24, 25]], 8)
-    expected = [None, STREAMED_ROWS] if keeps_float_weights(model) else [None]
+    few_rows = rows_of_a_streaming_program(model)
+    expected = [None, few_rows] if few_rows else [None]
     assert sorted(compiled, key=str) == sorted(expected, key=str), caplog.text
     assert worst < 1e-4 and before < 1e-4
     assert "decode steps now run the compiled program" in caplog.text

@@ -15,7 +15,8 @@ from djl_stream.runtime import packed_linear
 from djl_stream.runtime.packed_linear import (PackedLinear, float_weights_fit_twice, is_packed,
                                               keeps_float_weights, pack_linear_layers,
                                               pack_structure, packed_weights, packing_unavailable,
-                                              streaming_float_weights, weights_of)
+                                              weights_of)
+from djl_stream.runtime.linear_layers import streaming_products
 from djl_stream.runtime.runner import Feed, RunnerSettings, load_runner
 
 needs_packing = pytest.mark.skipif(packing_unavailable() is not None,
@@ -251,13 +252,13 @@ def _compiled_graph_ops(module, x):
 
 
 @needs_packing
-def test_a_compiled_layer_streams_its_float_weight_only_inside_streaming_float_weights():
+def test_a_compiled_layer_streams_its_float_weight_only_inside_streaming_products():
     layer = torch.nn.Linear(32, 24, bias=True)
     kept = PackedLinear.from_linear(layer, index=0, keep_float_weight=True)
     x = torch.randn(3, 32)
     with torch.inference_mode():
         expected = layer(x)
-        with streaming_float_weights():
+        with streaming_products():
             streamed, streamed_ops = _compiled_graph_ops(kept, x)
         with packed_weights([kept.packed]):
             packed, packed_ops = _compiled_graph_ops(kept, x)

@@ -18,13 +18,14 @@ once it has checked that the program gives the eager step's logits
 model's structure from its config with weights left unwritten (the program only needs
 their shapes) and the served model's buffers, so it reads no checkpoint.
 
-A model whose packed linear layers kept their float weights gets a second program, for
-steps of up to :data:`~djl_stream.runtime.linear_layers.STREAMED_ROWS` rows, whose
-products stream the float weights (:func:`~djl_stream.runtime.packed_linear.
-streaming_float_weights`): with few rows a step is bound by reading the weights, which
-that reduction does at the speed of memory. It compiles first (a lone stream gains the
-most from it), then the program of every row count. The runner runs each step on the
-program made for its row count, once that one is ready and checked.
+A model whose packed linear layers kept their float weights, or whose weights are int8,
+gets a second program, for steps of few rows (:func:`~djl_stream.runtime.linear_layers.
+streamed_rows` of its weights' dtype), whose products stream the weights
+(:func:`~djl_stream.runtime.linear_layers.streaming_products`): with few rows a step is
+bound by reading the weights, which that reduction does at the speed of memory. It
+compiles first (a lone stream gains the most from it), then the program of every row
+count. The runner runs each step on the program made for its row count, once that one is
+ready and checked.
 
 Programs are cached under :func:`cache_root`, keyed by what decides the compiled code
 (:func:`program_key`): the model's config, dtype and layer types, the cache's geometry,
@@ -235,10 +236,11 @@ def _runtime_source_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-def example_inputs(geometry: CacheGeometry, device="cpu"):
-    """Inputs of a 2-row step over empty buffers of ``geometry``: what export traces."""
+def example_inputs(geometry: CacheGeometry, device="cpu", n: int = 2):
+    """Inputs of an ``n``-row step (at most 2) over empty buffers of ``geometry``: what
+    export traces."""
     dtype = getattr(torch, geometry.dtype)
-    n, span = 2, 4
+    span = 4
     keys = tuple(torch.empty((geometry.rows, h, geometry.columns, k), dtype=dtype, device=device)
                  for h, k, _ in geometry.layers)
     values = tuple(torch.empty((geometry.rows, h, geometry.columns, v), dtype=dtype,
@@ -246,7 +248,7 @@ def example_inputs(geometry: CacheGeometry, device="cpu"):
     masks = tuple(torch.ones((n, 1, 1, span), dtype=torch.bool, device=device)
                   for _ in geometry.windows)
     ids = torch.ones((1, n), dtype=torch.long, device=device)
-    positions = torch.tensor([[span - 1, span - 2]], device=device)
+    positions = torch.tensor([[span - 1, span - 2][:n]], device=device)
     return (ids, positions, torch.arange(n, device=device), masks, keys, values)
 
 
@@ -266,16 +268,19 @@ def export_and_compile(model: torch.nn.Module, geometry: CacheGeometry, target: 
     """Export :class:`DecodeStep` over ``model`` (rows 1 to the cache's rows, or to
     ``streamed_rows`` with its products streamed; columns 2 to one less than the cache's
     columns: dynamic) and compile it into the package ``target``."""
-    from djl_stream.runtime.packed_linear import streaming_float_weights
+    from djl_stream.runtime.linear_layers import streaming_products
 
-    rows = torch.export.Dim("rows", min=1, max=streamed_rows or geometry.rows)
+    most = streamed_rows or geometry.rows
+    # (a program of one row has a fixed row count: export takes a size of one as fixed)
+    rows = torch.export.Dim("rows", min=1, max=most) if most > 1 else None
     span = torch.export.Dim("span", min=2, max=geometry.columns - 1)
     shapes = ({1: rows}, {1: rows}, {0: rows}, tuple({0: rows, 3: span} for _ in geometry.windows),
               tuple(None for _ in geometry.layers), tuple(None for _ in geometry.layers))
     step = DecodeStep(model, geometry.layer_windows)
     started = time.perf_counter()
-    inputs = example_inputs(geometry)  # (not inference tensors: the compiler writes them)
-    streaming = streaming_float_weights() if streamed_rows else contextlib.nullcontext()
+    # (not inference tensors: the compiler writes them)
+    inputs = example_inputs(geometry, n=min(2, most))
+    streaming = streaming_products() if streamed_rows else contextlib.nullcontext()
     with torch.inference_mode(), streaming:
         exported = torch.export.export(step, inputs, dynamic_shapes=shapes, strict=False)
     logger.info("exported the decode step in %.1f s", time.perf_counter() - started)

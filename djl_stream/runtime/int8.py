@@ -41,7 +41,8 @@ from typing import Callable, Optional
 
 import torch
 
-from djl_stream.runtime.linear_layers import (linear_layers, streamed_product,
+from djl_stream.runtime.linear_layers import (blocked_product, linear_layers, products_stream,
+                                              streamed_product,
                                               weights_used_beyond_linear_layers)
 
 logger = logging.getLogger(__name__)
@@ -178,13 +179,15 @@ class Int8WeightOnlyLinear(_Int8Weights):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if torch.compiler.is_compiling():
-            # A compiled decode step has a few rows (one per running sequence): reading
-            # the weight is its cost, which the streamed reduction pays once, turning each
-            # int8 weight into a float as it multiplies it by every row (the BLAS would
+            # A compiled decode step has a few rows (one per running sequence), and reads
+            # each int8 weight once, turning it into a float in registers (the BLAS would
             # need the whole weight as floats first: four times the bytes, written and
-            # read again at every step). Prompts, of many rows each, run eagerly and
-            # multiply by the BLAS.
-            out = streamed_product(rows, self.weight)
+            # read again at every step). One row streams the weight at the speed of
+            # memory; with more, the blocked product turns each weight into a float once
+            # for a block of rows rather than once per row (see linear_layers). Prompts,
+            # of many rows each, run eagerly and multiply by the BLAS.
+            product = streamed_product if products_stream() else blocked_product
+            out = product(rows, self.weight)
         else:
             out = dequantized_product(rows, self.weight)
         return self._finish(out * self.weight_scale.to(out.dtype), x)

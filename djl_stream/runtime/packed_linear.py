@@ -21,7 +21,8 @@ compiler's own streamed reduction over the float weight reads it at full speed
 (:func:`float_weights_fit_twice`: both copies in at most half of the memory available at
 load), a packed layer also keeps the float weight it replaced, and a runner compiles a
 second decode step for steps of few rows that multiplies through it
-(:func:`streaming_float_weights`). Where it does not, the packed weight is the only copy.
+(:func:`~djl_stream.runtime.linear_layers.streaming_products`). Where it does not, the
+packed weight is the only copy.
 
 The compiled decode step (:mod:`djl_stream.runtime.decode_program`) cannot hold a
 reordered weight: AOTInductor takes plain tensors as constants. So inside an exported
@@ -49,7 +50,7 @@ from typing import Iterator, List, Optional, Sequence
 
 import torch
 
-from djl_stream.runtime.linear_layers import (linear_layers, streamed_product,
+from djl_stream.runtime.linear_layers import (linear_layers, products_stream, streamed_product,
                                               weights_used_beyond_linear_layers)
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ class PackedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and not torch.compiler.is_compiling():
             return _product(x, self.packed, self.bias, self.out_features)
-        if self.weight is not None and getattr(_THREAD, "streaming", None):
+        if self.weight is not None and products_stream():
             rows = x.reshape(-1, self.in_features)
             out = streamed_product(rows, self.weight)
             if self.bias is not None:
@@ -281,7 +282,7 @@ def weights_of(model: torch.nn.Module) -> List[torch.Tensor]:
     return [layer.packed for layer in layers]
 
 
-#: What this thread's packed layers read: ``weights`` (the operator's), ``streaming``.
+#: What this thread's packed layers read: ``weights`` (the operator's).
 _THREAD = threading.local()
 
 
@@ -293,13 +294,6 @@ def _for_this_thread(name: str, value) -> Iterator[None]:
         yield
     finally:
         setattr(_THREAD, name, previous)
-
-
-def streaming_float_weights():
-    """Within this block, packed layers being compiled by this thread multiply through
-    the streamed reduction of their float weights (where they kept them), not through
-    oneDNN: how a program for steps of few rows is exported."""
-    return _for_this_thread("streaming", True)
 
 
 def packed_weights(weights: Sequence[torch.Tensor]):

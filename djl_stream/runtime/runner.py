@@ -237,8 +237,6 @@ class AttentionRunner(ModelRunner):
         cache's columns never grow (the programs' shapes are fixed). Returns what is
         getting them (the same on a second call), ``None`` where nothing is."""
         from djl_stream.runtime.decode_program import ProgramBuilds
-        from djl_stream.runtime.linear_layers import STREAMED_ROWS
-        from djl_stream.runtime.packed_linear import keeps_float_weights
 
         if self.device.type == "cuda":
             self._record_cuda_graphs()
@@ -246,11 +244,12 @@ class AttentionRunner(ModelRunner):
         if self._builds is not None or self.device.type != "cpu" or self.program is not None:
             return self._builds
         plans: List[Optional[int]] = [None]
-        if keeps_float_weights(self.model):
-            self._slots.append(ProgramSlot(STREAMED_ROWS))
+        few_rows = rows_of_a_streaming_program(self.model)
+        if few_rows:
+            self._slots.append(ProgramSlot(few_rows))
             # compiled first: a lone stream, the commonest load, gains the most from it,
             # and a step of many rows loses less meanwhile to the eager one
-            plans.insert(0, STREAMED_ROWS)
+            plans.insert(0, few_rows)
         self._builds = ProgramBuilds(self.model, self.geometry(), plans, root=root)
         self._builds.start()
         return self._builds
@@ -563,6 +562,28 @@ class AttentionSwitch:
 
 #: One for the process: a switch is rare (a runner's load) and a pass takes it shared.
 ATTENTION_SWITCH = AttentionSwitch()
+
+
+def rows_of_a_streaming_program(model) -> Optional[int]:
+    """The most rows of the compiled decode step whose products stream ``model``'s weights
+    (:func:`~djl_stream.runtime.linear_layers.streamed_rows` of their dtype), or ``None``
+    where it gets none: only packed layers that kept their float weights, and int8
+    weights, have both a streamed and a blocked product.
+
+    >>> rows_of_a_streaming_program(torch.nn.Linear(4, 4)) is None
+    True
+    """
+    from djl_stream.runtime.int8 import quantized_method
+    from djl_stream.runtime.linear_layers import streamed_rows
+    from djl_stream.runtime.packed_linear import PackedLinear
+
+    kept = [m.weight.dtype for m in model.modules()
+            if isinstance(m, PackedLinear) and m.weight is not None]
+    if kept:
+        return streamed_rows(kept[0])
+    if quantized_method(model) == "int8":
+        return streamed_rows(torch.int8)
+    return None
 
 
 def load_runner(model, settings: RunnerSettings = RunnerSettings()) -> ModelRunner:
