@@ -183,9 +183,10 @@ class Int8WeightOnlyLinear(_Int8Weights):
             # each int8 weight once, turning it into a float in registers (the BLAS would
             # need the whole weight as floats first: four times the bytes, written and
             # read again at every step). One row streams the weight at the speed of
-            # memory; with more, the blocked product turns each weight into a float once
-            # for a block of rows rather than once per row (see linear_layers). Prompts,
-            # of many rows each, run eagerly and multiply by the BLAS.
+            # memory; more rows make the step bound by arithmetic, where the blocked
+            # product keeps several output features' sums going at once (see
+            # linear_layers). Prompts, of many rows each, run eagerly and multiply by
+            # the BLAS.
             product = streamed_product if products_stream() else blocked_product
             out = product(rows, self.weight)
         else:

@@ -169,8 +169,9 @@ _THREAD = threading.local()
 def streaming_products() -> Iterator[None]:
     """Within this block, linear layers being compiled by this thread multiply through
     :func:`streamed_product` (a packed layer through the float weight it kept): how the
-    program for steps of few rows is exported. Outside it they multiply through their
-    blocked product.
+    program for steps of few rows is exported. Outside it they multiply as they do for
+    many rows (a packed layer through oneDNN, an int8 one through
+    :func:`blocked_product`).
 
     >>> with streaming_products():
     ...     products_stream()
