@@ -44,6 +44,7 @@ import torch
 from djl_stream.runtime.linear_layers import (blocked_product, linear_layers, products_stream,
                                               streamed_product,
                                               weights_used_beyond_linear_layers)
+from djl_stream.runtime.packed_linear import onednn_linear
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +155,10 @@ DEQUANTIZE_BLOCK_BYTES = 4 << 20
 def dequantized_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``rows @ weight.T`` for an int8 ``weight`` (no scales applied), in ``rows``' dtype:
     the weight turned into floats a block of output features at a time (see
-    :data:`DEQUANTIZE_BLOCK_BYTES`), each block multiplied by the BLAS.
+    :data:`DEQUANTIZE_BLOCK_BYTES`), each block multiplied through oneDNN where it works
+    here (:func:`~djl_stream.runtime.packed_linear.onednn_linear`: oneDNN picks its
+    kernels by the CPU's instruction sets, which PyTorch's default BLAS does not do for
+    every vendor's CPU), by ``torch.nn.functional.linear`` elsewhere.
 
     >>> rows, weight = torch.randn(2, 8), torch.randint(-127, 128, (5, 8), dtype=torch.int8)
     >>> torch.allclose(dequantized_product(rows, weight), rows @ weight.float().T, atol=1e-5)
@@ -169,7 +173,7 @@ def dequantized_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
 
 
 def _whole_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.linear(rows, weight.to(rows.dtype))
+    return onednn_linear(rows, weight.to(rows.dtype))
 
 
 class Int8WeightOnlyLinear(_Int8Weights):
@@ -180,13 +184,13 @@ class Int8WeightOnlyLinear(_Int8Weights):
         rows = x.reshape(-1, self.in_features)
         if torch.compiler.is_compiling():
             # A compiled decode step has a few rows (one per running sequence), and reads
-            # each int8 weight once, turning it into a float in registers (the BLAS would
+            # each int8 weight once, turning it into a float in registers (oneDNN would
             # need the whole weight as floats first: four times the bytes, written and
             # read again at every step). One row streams the weight at the speed of
             # memory; more rows make the step bound by arithmetic, where the blocked
             # product keeps several output features' sums going at once (see
-            # linear_layers). Prompts, of many rows each, run eagerly and multiply by
-            # the BLAS.
+            # linear_layers). Prompts, of many rows each, run eagerly: see
+            # dequantized_product.
             product = streamed_product if products_stream() else blocked_product
             out = product(rows, self.weight)
         else:

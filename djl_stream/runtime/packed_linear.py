@@ -95,6 +95,22 @@ def _product(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]
     return out.view(*x.shape[:-1], out_features)
 
 
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``torch.nn.functional.linear(x, weight)`` (``x`` 2-D, ``weight`` a plain float
+    matrix, no bias) through oneDNN's product where :func:`packing_unavailable` finds it
+    working for ``weight``'s dtype, and through ``torch.nn.functional.linear`` elsewhere:
+    for a weight made afresh for one product (an int8 layer's block of weights turned
+    into floats), which oneDNN multiplies without a reordering kept between calls.
+
+    >>> x, weight = torch.randn(5, 16), torch.randn(8, 16)
+    >>> torch.allclose(onednn_linear(x, weight), x @ weight.T, atol=1e-5)
+    True
+    """
+    if x.device.type != "cpu" or packing_unavailable(weight.dtype) is not None:
+        return torch.nn.functional.linear(x, weight)
+    return _product(x, weight, None, weight.shape[0])
+
+
 class PackedLinear(torch.nn.Module):
     """``nn.Linear`` with its weight reordered for oneDNN (see the module docstring),
     and its float ``weight`` (the layer's own parameter) where it was kept.
