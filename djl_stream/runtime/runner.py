@@ -593,6 +593,7 @@ def load_runner(model, settings: RunnerSettings = RunnerSettings()) -> ModelRunn
     runner: Optional[ModelRunner] = None
     with ATTENTION_SWITCH.switching():
         _pack_linear_layers(model)
+        _weights_on_huge_pages(model)
         if reason is None:
             try:
                 runner, reason = _probed_attention_runner(model, settings)
@@ -631,6 +632,21 @@ def _pack_linear_layers(model) -> None:
         dtype = next(model.parameters()).dtype
         logger.info("linear layers left as they are: %s",
                     packing_unavailable(dtype) or "their weights cannot be reordered")
+
+
+def _weights_on_huge_pages(model) -> None:
+    """On a CPU, the weights the linear layers kept (and every other parameter) moved onto
+    transparent huge pages (see :mod:`djl_stream.runtime.weight_pages`); said once."""
+    from djl_stream.runtime.weight_pages import move_weights_to_huge_pages
+
+    if _input_device(model).type != "cpu":
+        return
+    moved = move_weights_to_huge_pages(model)
+    if moved.bytes:
+        logger.info("%.0f MB of weights moved onto memory advised for transparent huge "
+                    "pages", moved.bytes / 1e6)
+    else:
+        logger.info("weights left on the pages they lie on: %s", moved.reason)
 
 
 def _why_not_the_fast_path(model) -> Optional[str]:
