@@ -36,13 +36,15 @@ def decode_and_compare(runner, reference, prompts, steps):
     """Prefill ``prompts`` on ``runner``, decode ``steps`` steps (the later ones with the
     first row alone), and return the largest logit difference from ``reference``'s forward
     over each whole sequence, and the compiled programs in use by then (each by the most rows
-    it serves; empty where the eager step still ran them all)."""
+    it serves; empty where the eager step still ran them all). Every other step feeds its
+    rows in the reverse of their cache rows' order: each feed still gets its own logits."""
     handles = [runner.reserve() for _ in prompts]
     sequences = {h: list(p) for h, p in zip(handles, prompts)}
     runner.run([Feed(h, p) for h, p in sequences.items()])
     worst = 0.0
     for step in range(steps):
         active = handles if step < steps // 2 else handles[:1]
+        active = active[::-1] if step % 2 else active
         token = 7 + step
         logits = runner.run([Feed(h, [token]) for h in active])
         for row, handle in enumerate(active):
