@@ -92,3 +92,12 @@ def test_the_runner_serves_from_weights_it_moved():
     handle = runner.reserve()
     served = runner.run([Feed(handle, [1, 2, 3, 4, 5])])
     torch.testing.assert_close(served[0], before[0, -1], rtol=1e-4, atol=1e-4)
+
+
+def test_weights_stay_where_a_copy_beside_them_would_crowd_the_memory_available():
+    m = model()
+    where = [p.data_ptr() for p in m.parameters()]
+    size = sum(p.numel() * p.element_size() for p in m.parameters())
+    moved = move_weights_to_huge_pages(m, mode="madvise", available=size)
+    assert moved.bytes == 0 and "half of the memory available" in moved.reason
+    assert [p.data_ptr() for p in m.parameters()] == where

@@ -19,7 +19,9 @@ huge page share one; it starts on a huge-page boundary.
 
 What it costs: the weights are this process's memory, no longer the file's page cache,
 so two processes serving the same file hold a copy each; the file's pages stay cached
-until the kernel needs the memory, as any file read does.
+until the kernel needs the memory, as any file read does. While they are copied, a weight
+and its copy may both be held, so the weights move only where they take at most half of
+the memory available.
 
 Example::
 
@@ -37,6 +39,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
+from djl_stream.runtime.packed_linear import available_memory
 
 #: The kernel's switch for transparent huge pages, and the size of one.
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -90,11 +94,16 @@ def _movable(tensor: torch.Tensor) -> bool:
             and tensor.numel() > 0)
 
 
-def move_weights_to_huge_pages(model: torch.nn.Module,
-                               mode: Optional[str] = None) -> MovedWeights:
+def move_weights_to_huge_pages(model: torch.nn.Module, mode: Optional[str] = None,
+                               available: Optional[int] = None) -> MovedWeights:
     """Copy ``model``'s CPU parameters onto memory advised for transparent huge pages
-    (see the module docstring); ``mode`` is the kernel's setting (read where not given).
-    Returns how many bytes moved, or why none did."""
+    (see the module docstring); ``mode`` is the kernel's setting and ``available`` the
+    memory available in bytes (each read off the system where not given). Returns how
+    many bytes moved, or why none did.
+
+    >>> move_weights_to_huge_pages(torch.nn.Linear(2048, 1024), "madvise", available=10 << 20)
+    MovedWeights(bytes=0, reason='the weights (8 MB) take more than half of the memory available (10 MB)')
+    """
     mode = huge_page_mode() if mode is None else mode
     if mode not in ("always", "madvise"):
         return MovedWeights(0, f"the kernel's transparent huge pages are off ({mode})"
@@ -117,6 +126,11 @@ def move_weights_to_huge_pages(model: torch.nn.Module,
     total = sum(-(-size // WEIGHT_ALIGNMENT) * WEIGHT_ALIGNMENT for size in sizes)
     if total < page:
         return MovedWeights(0, f"the weights ({total} bytes) are smaller than one huge page")
+    available = available_memory() if available is None else available
+    if available is None or 2 * total > available:
+        return MovedWeights(0, f"the weights ({total / 2**20:.0f} MB) take more than half of "
+                            f"the memory available ({available / 2**20:.0f} MB)"
+                            if available is not None else "the memory available is unknown")
     try:
         # (mapped a page longer than needed, so that the weights can start on a boundary)
         region = mmap.mmap(-1, total + page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
