@@ -19,9 +19,11 @@ huge page share one; it starts on a huge-page boundary.
 
 What it costs: the weights are this process's memory, no longer the file's page cache,
 so two processes serving the same file hold a copy each; the file's pages stay cached
-until the kernel needs the memory, as any file read does. While they are copied, a weight
-and its copy may both be held, so the weights move only where they take at most half of
-the memory available.
+until the kernel needs the memory, as any file read does. While they are copied the
+weights are held twice (a checkpoint's mapping is let go when its last weight has left
+it), so they move only where they take at most half of the memory available. A model
+whose layers were replaced at load (int8) gains memory as well: its embedding and norms
+were what kept the whole checkpoint's mapping resident.
 
 Example::
 
