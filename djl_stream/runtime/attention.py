@@ -77,6 +77,9 @@ class AttentionLayout:
     chunks: Sequence[Tuple[int, int, int, int]] = ()
     #: asked at each layer: ``True`` stops the pass there (:class:`PassAbandoned`)
     abandon: Optional[Callable[[], bool]] = None
+    #: layers that read this layout in its pass: fewer than the model's layers means some
+    #: layer called its attention without the keyword arguments its forward was given
+    attended: int = 0
     _derived: Dict[tuple, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def slots(self, heads: int, columns: int) -> torch.Tensor:
@@ -157,6 +160,7 @@ def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     if layout.abandon is not None and layout.abandon():
         raise PassAbandoned("every request of this pass was cancelled")
     layer = module.layer_idx
+    layout.attended += 1
     keys, values = layout.keys[layer], layout.values[layer]
     if layout.layer_windows:
         sliding_window = layout.layer_windows[layer]

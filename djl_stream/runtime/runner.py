@@ -456,6 +456,12 @@ class AttentionRunner(ModelRunner):
                 input_ids=torch.tensor([ids], dtype=torch.long, device=device),
                 position_ids=positions.unsqueeze(0), attention_mask=self._no_mask,
                 use_cache=False, **{LAYOUT_KWARG: layout}, **kwargs)
+        if layout.attended < len(self.layer_windows):
+            # (such a layer attended its own tokens alone, with no cache: its logits are wrong)
+            raise NotImplementedError(
+                f"{len(self.layer_windows) - layout.attended} of its "
+                f"{len(self.layer_windows)} layers call their attention without the keyword "
+                f"arguments the model's forward was given, where the KV cache's layout goes")
         logits = outputs.logits[0]
         if not self._keep_logits or logits.shape[0] != index.shape[0]:
             logits = logits[index]
