@@ -3,7 +3,8 @@
 Each is the architecture's own transformers class with two or three layers, small
 widths, and the settings that make it what it is (grouped key/value heads, a sliding
 window shorter than the test prompts, attention biases, soft-capping, alternating
-sliding layers, learned positions, experts, a window its masks apply). They are made in float64 by default: random
+sliding layers, learned positions, experts, a window its masks apply, decoder layers
+that drop the forward's keyword arguments). They are made in float64 by default: random
 weights give logits whose two highest values can lie within float32's rounding of each
 other, and a greedy choice between them would flip on the order of a sum, not on a bug.
 
@@ -48,6 +49,8 @@ def _configs(vocab: int) -> Dict[str, Callable]:
                                    pad_token_id=0),
         "mixtral": lambda: t.MixtralConfig(num_key_value_heads=2, num_local_experts=4,
                                            num_experts_per_tok=2, sliding_window=WINDOW, **common),
+        # (its decoder layers call attention without the forward's keyword arguments)
+        "stablelm": lambda: t.StableLmConfig(num_key_value_heads=2, **common),
         # (alternating sliding layers that its masks apply: its attention is not told)
         "qwen2_moe": lambda: t.Qwen2MoeConfig(num_key_value_heads=2, num_experts=4,
                                               num_experts_per_tok=2, moe_intermediate_size=32,

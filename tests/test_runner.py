@@ -92,23 +92,32 @@ def test_a_model_whose_attention_skips_the_interface_runs_its_forward_correctly(
     assert concurrent_streams(model, smollm2_tokenizer) == references
 
 
-def test_a_model_whose_layers_drop_the_forward_s_keyword_arguments_says_so(
-        smollm2_tokenizer, caplog):
-    # StableLM's decoder layers call their attention with arguments of their own only, so
-    # the layout never reaches it: each layer would attend its pass's tokens alone
+def test_layers_that_drop_the_forward_s_keyword_arguments_still_get_the_layout(
+        smollm2_tokenizer, monkeypatch, caplog):
+    # StableLM's decoder layers call their attention with arguments of their own only: the
+    # layout reaches it as the thread's pass, and a pass where it would not (the keyword
+    # argument alone) is caught by counting the layers that read it
+    from djl_stream.runtime import attention, runner as runner_module
+
     config = transformers.StableLmConfig(vocab_size=49152, hidden_size=64,
                                          intermediate_size=96, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
     references = solo_references(model, smollm2_tokenizer)
+    assert load_runner(model, SETTINGS).path == "attention"
+    assert concurrent_streams(model, smollm2_tokenizer) == references
+
+    attention.restore_attention(model)
+    monkeypatch.setattr(runner_module, "forward_with_layout",
+                        lambda model, layout, **kwargs: model(
+                            **kwargs, **{attention.LAYOUT_KWARG: layout}))
     with caplog.at_level(logging.INFO, logger="djl_stream.runtime.runner"):
         runner = load_runner(model, SETTINGS)
     assert runner.path == "forward"
     assert "2 of its 2 layers call their attention without the keyword arguments" in (
         runner.reason)
     assert any(runner.reason in record.getMessage() for record in caplog.records)
-    assert concurrent_streams(model, smollm2_tokenizer) == references
 
 
 def test_a_model_whose_logits_differ_through_the_cache_runs_its_forward(monkeypatch):

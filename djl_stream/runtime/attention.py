@@ -31,14 +31,15 @@ object keeps working for other uses.
 Example::
 
     name = use_attention(model)         # the model's attention now reads AttentionLayout
-    model(input_ids=..., position_ids=..., attention_mask=NO_MASK, use_cache=False,
-          **{LAYOUT_KWARG: layout})
+    forward_with_layout(model, layout, input_ids=..., position_ids=...,
+                        attention_mask=NO_MASK, use_cache=False)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -194,14 +195,33 @@ def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     return out.unsqueeze(0)
 
 
+#: The layout of the forward pass this thread runs (:func:`forward_with_layout`).
+_THIS_THREAD = threading.local()
+
+
+def forward_with_layout(model: torch.nn.Module, layout: "AttentionLayout", **kwargs):
+    """``model(**kwargs)`` with ``layout`` handed down to its attention: as the keyword
+    argument :data:`LAYOUT_KWARG`, which transformers' models pass from their forward
+    down to attention, and as this thread's pass, for a model whose layers call their
+    attention with arguments of their own only (StableLM). Other threads' calls of the
+    same model (``generate()``, say) see no layout."""
+    previous = getattr(_THIS_THREAD, "layout", None)
+    _THIS_THREAD.layout = layout
+    try:
+        return model(**kwargs, **{LAYOUT_KWARG: layout})
+    finally:
+        _THIS_THREAD.layout = previous
+
+
 def _attention_handing_off(fallback: Callable) -> Callable:
     """The function registered for one fallback: :func:`attend` when the call carries a
-    layout, ``fallback`` (the model's implementation before) otherwise."""
+    layout (or runs in a thread's :func:`forward_with_layout`), ``fallback`` (the model's
+    implementation before) otherwise."""
 
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                   scaling: Optional[float] = None, sliding_window: Optional[int] = None,
                   softcap: Optional[float] = None, **kwargs):
-        layout = kwargs.pop(LAYOUT_KWARG, None)
+        layout = kwargs.pop(LAYOUT_KWARG, None) or getattr(_THIS_THREAD, "layout", None)
         if layout is None:
             if sliding_window is not None:
                 kwargs["sliding_window"] = sliding_window

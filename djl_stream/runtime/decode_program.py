@@ -60,7 +60,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from djl_stream.runtime.attention import LAYOUT_KWARG, AttentionLayout
+from djl_stream.runtime.attention import AttentionLayout, forward_with_layout
 from djl_stream.runtime.file_lock import exclusive_lock
 
 logger = logging.getLogger(__name__)
@@ -128,9 +128,9 @@ class DecodeStep(torch.nn.Module):
             layer_windows=self.layer_windows, block_start=0, block_rows=input_ids.shape[1],
             block_masks=dict(zip(self.windows, masks)))
         no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=input_ids.device)
-        outputs = self.model(input_ids=input_ids, position_ids=position_ids,
-                             attention_mask=no_mask, use_cache=False,
-                             **{LAYOUT_KWARG: layout})
+        outputs = forward_with_layout(self.model, layout, input_ids=input_ids,
+                                      position_ids=position_ids, attention_mask=no_mask,
+                                      use_cache=False)
         return outputs.logits[0]
 
 

@@ -49,7 +49,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 import torch
 
 from djl_stream.runtime import attention
-from djl_stream.runtime.attention import LAYOUT_KWARG, AttentionLayout, block_mask
+from djl_stream.runtime.attention import AttentionLayout, block_mask, forward_with_layout
 from djl_stream.runtime.decode_program import NOT_USED, SWITCHED, distinct_windows
 from djl_stream.runtime.kv_cache import KVCache, LayerShape
 
@@ -452,10 +452,11 @@ class AttentionRunner(ModelRunner):
         if self._keep_logits:
             kwargs[self._keep_logits] = index
         with torch.inference_mode():
-            outputs = self.model(
+            outputs = forward_with_layout(
+                self.model, layout,
                 input_ids=torch.tensor([ids], dtype=torch.long, device=device),
                 position_ids=positions.unsqueeze(0), attention_mask=self._no_mask,
-                use_cache=False, **{LAYOUT_KWARG: layout}, **kwargs)
+                use_cache=False, **kwargs)
         if layout.attended < len(self.layer_windows):
             # (such a layer attended its own tokens alone, with no cache: its logits are wrong)
             raise NotImplementedError(
