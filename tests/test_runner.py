@@ -95,8 +95,8 @@ def test_a_model_whose_attention_skips_the_interface_runs_its_forward_correctly(
 def test_layers_that_drop_the_forward_s_keyword_arguments_still_get_the_layout(
         smollm2_tokenizer, monkeypatch, caplog):
     # StableLM's decoder layers call their attention with arguments of their own only: the
-    # layout reaches it as the thread's pass, and a pass where it would not (the keyword
-    # argument alone) is caught by counting the layers that read it
+    # layout reaches it as the thread's pass, and a pass whose layers did not read it (the
+    # forward run without one) is caught by counting the layers that did
     from djl_stream.runtime import attention, runner as runner_module
 
     config = transformers.StableLmConfig(vocab_size=49152, hidden_size=64,
@@ -110,13 +110,11 @@ def test_layers_that_drop_the_forward_s_keyword_arguments_still_get_the_layout(
 
     attention.restore_attention(model)
     monkeypatch.setattr(runner_module, "forward_with_layout",
-                        lambda model, layout, **kwargs: model(
-                            **kwargs, **{attention.LAYOUT_KWARG: layout}))
+                        lambda model, layout, **kwargs: model(**kwargs))
     with caplog.at_level(logging.INFO, logger="djl_stream.runtime.runner"):
         runner = load_runner(model, SETTINGS)
     assert runner.path == "forward"
-    assert "2 of its 2 layers call their attention without the keyword arguments" in (
-        runner.reason)
+    assert "2 of its 2 layers attended without the KV cache's layout" in runner.reason
     assert any(runner.reason in record.getMessage() for record in caplog.records)
 
 

@@ -4,10 +4,11 @@ transformers' models call their attention through a registry keyed by
 ``config._attn_implementation``: the model's own code computes the projections, the
 rotary embeddings, the norms and everything else, then hands the attention function the
 new tokens' queries, keys and values, with keyword arguments of its own (``scaling``,
-``sliding_window``, ``softcap``) and whatever the caller passed to the model's forward.
-The function registered here (:func:`attend`) receives an :class:`AttentionLayout` that
-way, writes the new keys and values into the rows of the :class:`~djl_stream.runtime.
-kv_cache.KVCache` at their positions, and attends each token to its own row. One forward
+``sliding_window``, ``softcap``). The function registered here (:func:`attend`) reads the
+:class:`AttentionLayout` of the pass its thread runs (:func:`forward_with_layout`; not a
+keyword argument of the forward, which some models' layers do not hand down), writes the
+new keys and values into the rows of the :class:`~djl_stream.runtime.kv_cache.KVCache`
+at their positions, and attends each token to its own row. One forward
 pass then carries any mix of sequences: the running rows' decode tokens and the prompt
 chunks of new ones, flattened into one sequence of ``T`` tokens (batch size 1), as the
 transformers backends of text-generation-inference and vLLM feed them.
@@ -45,8 +46,6 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-#: The keyword argument of the model's forward that carries the layout down to attention.
-LAYOUT_KWARG = "djl_stream_layout"
 #: Registered name prefix: ``djl_stream:<the implementation it hands other calls to>``.
 NAME_PREFIX = "djl_stream:"
 
@@ -79,7 +78,7 @@ class AttentionLayout:
     #: asked at each layer: ``True`` stops the pass there (:class:`PassAbandoned`)
     abandon: Optional[Callable[[], bool]] = None
     #: layers that read this layout in its pass: fewer than the model's layers means some
-    #: layer called its attention without the keyword arguments its forward was given
+    #: layer's attention did not run through the registered function
     attended: int = 0
     _derived: Dict[tuple, torch.Tensor] = dataclasses.field(default_factory=dict)
 
@@ -200,28 +199,27 @@ _THIS_THREAD = threading.local()
 
 
 def forward_with_layout(model: torch.nn.Module, layout: "AttentionLayout", **kwargs):
-    """``model(**kwargs)`` with ``layout`` handed down to its attention: as the keyword
-    argument :data:`LAYOUT_KWARG`, which transformers' models pass from their forward
-    down to attention, and as this thread's pass, for a model whose layers call their
-    attention with arguments of their own only (StableLM). Other threads' calls of the
+    """``model(**kwargs)`` with ``layout`` read by its attention: held by this thread for
+    the call, not passed as an argument, since some models' decoder layers (StableLM's)
+    call their attention with arguments of their own only. Other threads' calls of the
     same model (``generate()``, say) see no layout."""
     previous = getattr(_THIS_THREAD, "layout", None)
     _THIS_THREAD.layout = layout
     try:
-        return model(**kwargs, **{LAYOUT_KWARG: layout})
+        return model(**kwargs)
     finally:
         _THIS_THREAD.layout = previous
 
 
 def _attention_handing_off(fallback: Callable) -> Callable:
-    """The function registered for one fallback: :func:`attend` when the call carries a
-    layout (or runs in a thread's :func:`forward_with_layout`), ``fallback`` (the model's
-    implementation before) otherwise."""
+    """The function registered for one fallback: :func:`attend` within a thread's
+    :func:`forward_with_layout`, ``fallback`` (the model's implementation before)
+    otherwise."""
 
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                   scaling: Optional[float] = None, sliding_window: Optional[int] = None,
                   softcap: Optional[float] = None, **kwargs):
-        layout = kwargs.pop(LAYOUT_KWARG, None) or getattr(_THIS_THREAD, "layout", None)
+        layout = getattr(_THIS_THREAD, "layout", None)
         if layout is None:
             if sliding_window is not None:
                 kwargs["sliding_window"] = sliding_window

@@ -461,8 +461,7 @@ class AttentionRunner(ModelRunner):
             # (such a layer attended its own tokens alone, with no cache: its logits are wrong)
             raise NotImplementedError(
                 f"{len(self.layer_windows) - layout.attended} of its "
-                f"{len(self.layer_windows)} layers call their attention without the keyword "
-                f"arguments the model's forward was given, where the KV cache's layout goes")
+                f"{len(self.layer_windows)} layers attended without the KV cache's layout")
         logits = outputs.logits[0]
         if not self._keep_logits or logits.shape[0] != index.shape[0]:
             logits = logits[index]
