@@ -39,8 +39,14 @@ def test_a_second_start_loads_the_cached_program_without_compiling(programs, cap
 def test_a_program_that_disagrees_with_the_eager_step_is_never_used(programs, monkeypatch,
                                                                     caplog):
     real_call = decode_program.DecodeProgram.__call__
-    monkeypatch.setattr(decode_program.DecodeProgram, "__call__",
-                        lambda self, *args: real_call(self, *args) + 1.0)
+
+    def wrong(self, input_ids, position_ids, rows, masks, keys, values):
+        logits = real_call(self, input_ids, position_ids, rows, masks, keys, values)
+        for layer in values:  # (and wrong values where the step's go: later steps read them)
+            layer[rows, :, position_ids[0]] += 1.0
+        return logits + 1.0
+
+    monkeypatch.setattr(decode_program.DecodeProgram, "__call__", wrong)
     model, settings = tiny("llama")
     runner = load_runner(model, settings)
     with caplog.at_level(logging.INFO, logger="djl_stream.runtime"):

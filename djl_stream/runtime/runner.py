@@ -342,14 +342,17 @@ class AttentionRunner(ModelRunner):
         """Run this step eagerly and through ``slot``'s candidate program; the program
         serves later steps only where it gave the same logits. Returns the eager ones."""
         program = slot.candidate
-        eager = self._run_eager(feeds)
+        # The program first: both write this step's keys and values at the same places, so
+        # the eager step's, written last, are the ones kept, even where the program's were
+        # wrong (and the program is not used).
         try:
             compiled = self._run_program(program, block, positions)
         except Exception as error:  # noqa: BLE001 - the eager step goes on serving
             slot.candidate = None
             logger.warning("the compiled decode step%s failed (%s: %s); %s", slot.said,
                            type(error).__name__, error, NOT_USED)
-            return eager
+            compiled = None
+        eager = self._run_eager(feeds)
         if compiled is None:  # (not ready for this step's shape: check at a later one)
             return eager
         order = [block.index(f) for f in feeds]
