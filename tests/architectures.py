@@ -57,6 +57,13 @@ def _configs(vocab: int) -> Dict[str, Callable]:
                                               shared_expert_intermediate_size=48,
                                               use_sliding_window=True, sliding_window=WINDOW,
                                               max_window_layers=3, **common),
+        # (attention sinks, alternating sliding layers, experts: run one by one, as
+        # PyTorch's grouped product of its transposed expert weights takes no float64)
+        "gpt_oss": lambda: t.GptOssConfig(num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                          num_experts_per_tok=2, sliding_window=WINDOW,
+                                          experts_implementation="eager",
+                                          layer_types=["sliding_attention", "full_attention",
+                                                       "sliding_attention"], **common),
     }
 
 

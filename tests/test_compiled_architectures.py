@@ -18,7 +18,7 @@ from djl_stream.runtime.runner import load_runner
 pytestmark = pytest.mark.compiles
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gpt2", "mixtral", "stablelm"])
+@pytest.mark.parametrize("name", ["gemma2", "gpt2", "stablelm", "gpt_oss"])
 def test_the_compiled_step_takes_over_and_computes_the_model_s_logits(name, programs, caplog,
                                                                       monkeypatch):
     # The program of every row count only: the one of few rows differs from it in its

@@ -4,14 +4,15 @@ transformers' models call their attention through a registry keyed by
 ``config._attn_implementation``: the model's own code computes the projections, the
 rotary embeddings, the norms and everything else, then hands the attention function the
 new tokens' queries, keys and values, with keyword arguments of its own (``scaling``,
-``sliding_window``, ``softcap``). The function registered here (:func:`attend`) reads the
-:class:`AttentionLayout` of the pass its thread runs (:func:`forward_with_layout`; not a
-keyword argument of the forward, which some models' layers do not hand down), writes the
-new keys and values into the rows of the :class:`~djl_stream.runtime.kv_cache.KVCache`
-at their positions, and attends each token to its own row. One forward
-pass then carries any mix of sequences: the running rows' decode tokens and the prompt
-chunks of new ones, flattened into one sequence of ``T`` tokens (batch size 1), as the
-transformers backends of text-generation-inference and vLLM feed them.
+``sliding_window``, ``softcap``, ``s_aux``). The function registered here
+(:func:`attend`) reads the :class:`AttentionLayout` of the pass its thread runs
+(:func:`forward_with_layout`; not a keyword argument of the forward, which some models'
+layers do not hand down), writes the new keys and values into the rows of the
+:class:`~djl_stream.runtime.kv_cache.KVCache` at their positions, and attends each token to
+its own row. One forward pass then carries any mix of sequences: the running rows' decode
+tokens and the prompt chunks of new ones, flattened into one sequence of ``T`` tokens
+(batch size 1), as the transformers backends of text-generation-inference and vLLM feed
+them.
 
 The layout has two parts:
 
@@ -132,17 +133,24 @@ def block_mask(positions: torch.Tensor, span: int, window: Optional[int]) -> tor
     return causal_mask(positions.view(-1, 1), span, window).unsqueeze(1).unsqueeze(1)
 
 
-def _scaled_attention(query, key, value, mask, scale, softcap):
-    if softcap is None:
+def _scaled_attention(query, key, value, mask, scale, softcap, sinks=None):
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
     # Logit soft-capping (Gemma 2) is applied to the scores before the mask and softmax,
-    # which SDPA does not do: the same arithmetic written out.
+    # and a sink (gpt-oss) is one more logit per head in the softmax's denominator with no
+    # value behind it, neither of which SDPA does: the same arithmetic written out.
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-    return torch.matmul(weights, value)
+    exact = torch.promote_types(scores.dtype, torch.float32)  # (half precision sums in float)
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1, dtype=exact)
+    else:
+        sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=exact)[..., :-1]
+    return torch.matmul(weights.to(value.dtype), value)
 
 
 class PassAbandoned(Exception):
@@ -152,11 +160,13 @@ class PassAbandoned(Exception):
 
 def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            layout: AttentionLayout, *, scaling: Optional[float] = None,
-           sliding_window: Optional[int] = None, softcap: Optional[float] = None
-           ) -> torch.Tensor:
+           sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Write ``key``/``value`` (``(1, kv_heads, T, dim)``) into the cache at the layout's
     places and attend ``query`` (``(1, heads, T, dim)``) to each token's row; returns
-    ``(1, T, heads, value_dim)``, the shape transformers' attention functions return."""
+    ``(1, T, heads, value_dim)``, the shape transformers' attention functions return.
+    ``sinks`` (``(heads,)``, the ``s_aux`` of gpt-oss-style models) are attention sinks:
+    one logit per head that takes part in the softmax and adds no value."""
     if layout.abandon is not None and layout.abandon():
         raise PassAbandoned("every request of this pass was cancelled")
     layer = module.layer_idx
@@ -167,6 +177,7 @@ def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     _, heads, tokens, dim = query.shape
     kv_heads, key_dim, value_dim = key.shape[1], key.shape[3], value.shape[3]
     groups = heads // kv_heads
+    head_sinks = None if sinks is None else sinks.reshape(kv_heads, groups, 1)
     slots = layout.slots(kv_heads, keys.shape[2])
     keys.view(-1, key_dim).index_copy_(0, slots, key[0].transpose(0, 1)
                                        .reshape(-1, key_dim).to(keys.dtype))
@@ -180,7 +191,7 @@ def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         rows = slice(layout.block_start, layout.block_start + n)
         queries = query[0, :, :n].transpose(0, 1).reshape(n, kv_heads, groups, dim)
         attended = _scaled_attention(queries, keys[rows, :, :span], values[rows, :, :span],
-                                     mask, scaling, softcap)
+                                     mask, scaling, softcap, head_sinks)
         out[:n] = attended.reshape(n, heads, value_dim)
     for index, (first, end, row, start) in enumerate(layout.chunks):
         count = end - first
@@ -189,7 +200,9 @@ def attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         attended = _scaled_attention(queries, keys[row:row + 1, :, :span],
                                      values[row:row + 1, :, :span],
                                      layout.chunk_mask(index, sliding_window, groups),
-                                     scaling, softcap)
+                                     scaling, softcap,
+                                     None if sinks is None else
+                                     head_sinks.repeat_interleave(count, dim=1).unsqueeze(0))
         out[first:end] = attended.view(heads, count, value_dim).transpose(0, 1)
     return out.unsqueeze(0)
 
@@ -227,11 +240,12 @@ def _attention_handing_off(fallback: Callable) -> Callable:
                 kwargs["softcap"] = softcap
             return fallback(module, query, key, value, attention_mask, dropout=dropout,
                             scaling=scaling, **kwargs)
-        for name in ("s_aux", "sinks", "position_bias"):
+        for name in ("sinks", "position_bias"):
             if kwargs.get(name) is not None:
                 raise NotImplementedError(f"attention with {name} is not supported")
         return attend(module, query, key, value, layout, scaling=scaling,
-                      sliding_window=sliding_window, softcap=softcap), None
+                      sliding_window=sliding_window, softcap=softcap,
+                      sinks=kwargs.get("s_aux")), None
 
     return attention
 

@@ -257,7 +257,14 @@ def example_inputs(geometry: CacheGeometry, device="cpu", n: int = 2):
 #: instead of two, and one vector instruction instead of two, which counts where a product
 #: is bound by instructions rather than by memory (int8 weights, each turned into a float
 #: before it is multiplied).
-CODE_SETTINGS = {"cpp.enable_floating_point_contract_flag": "fast"}
+#:
+#: No weight's value goes into the code (``always_keep_tensor_constants``): the program is
+#: compiled over a structural twin whose weights are placeholders, and only at load does it
+#: get the served model's, so a weight small enough for the compiler to write into the code
+#: as literals (one value, or up to 8: gpt-oss's sinks over a few heads, a router's bias over
+#: a few experts) would keep the placeholders' values whatever the served ones are.
+CODE_SETTINGS = {"cpp.enable_floating_point_contract_flag": "fast",
+                 "always_keep_tensor_constants": True}
 #: How they are packaged: the weights stay out of the shared library (the served model's
 #: own tensors are handed to it).
 PACKAGE_SETTINGS = {"aot_inductor.package_constants_in_so": False}

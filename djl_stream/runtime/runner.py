@@ -17,8 +17,8 @@ Two runners share that interface:
 
 :func:`load_runner` chooses. It tries the fast path on a short probe and keeps it only where
 the model computes the same logits through it as through its own attention, so a model
-whose attention does something the runtime does not know (attention sinks, shared key
-and value layers, layers on several devices) is served correctly by its own forward,
+whose attention does something the runtime does not know (shared key and value layers,
+chunked attention, layers on several devices) is served correctly by its own forward,
 with the reason in one log line.
 
 Example::
