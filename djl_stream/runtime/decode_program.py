@@ -7,7 +7,9 @@ and the columns attended, so it is compiled once with both as dynamic sizes
 function with no Python between its operators. The package holds no weights
 (``aot_inductor.package_constants_in_so`` off): the program reads the served model's own
 parameters (``load_constants(..., user_managed=True)``), so it costs no memory beyond its
-code, and a program serves any weights of the same shapes.
+code, and a program serves any weights of the same shapes. The weights small enough for
+the compiler to write into the code as literals are inputs of the program instead
+(:func:`small_parameters`).
 
 Compiling takes minutes on a small CPU, so it never happens in the serving process:
 :class:`ProgramBuilder` starts ``python -m djl_stream.runtime.decode_program SPEC`` in a
@@ -109,26 +111,52 @@ class CacheGeometry:
                    tuple(data["layer_windows"]), data["dtype"])
 
 
+def small_parameters(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Parameter]]:
+    """``model``'s parameters of at most one dimension and at most 8 values, by name.
+
+    The compiler writes a constant that small into the code as literals (Inductor inlines
+    them), and the program is compiled over a structural twin whose weights are
+    placeholders: such a weight would keep the placeholders' values, whatever the served
+    model's are (gpt-oss's sinks over a few heads, a router's bias over a few experts). So
+    the program takes them as inputs (:class:`DecodeStep`'s ``small``) instead.
+
+    >>> layer = torch.nn.Linear(4, 3)
+    >>> [name for name, _ in small_parameters(layer)]
+    ['bias']
+    """
+    return [(name, parameter) for name, parameter in model.named_parameters()
+            if parameter.dim() <= 1 and parameter.numel() <= 8]
+
+
 class DecodeStep(torch.nn.Module):
     """A decode step of rows ``[0, n)`` of the cache, one token each, as a module over the
-    model: ``(input_ids (1, n), position_ids (1, n), rows (n,), masks, keys, values) ->
-    logits (n, vocab)``. ``rows`` says where each token's keys and values are written (a
-    padding row writes into the spare row); ``masks`` holds one block mask per window of
-    :attr:`windows` (the distinct ones of ``layer_windows``, each layer's)."""
+    model: ``(input_ids (1, n), position_ids (1, n), rows (n,), masks, keys, values,
+    small) -> logits (n, vocab)``. ``rows`` says where each token's keys and values are
+    written (a padding row writes into the spare row); ``masks`` holds one block mask per
+    window of :attr:`windows` (the distinct ones of ``layer_windows``, each layer's);
+    ``small`` holds the model's :func:`small_parameters` (empty: the model's own)."""
 
     def __init__(self, model: torch.nn.Module, layer_windows: Sequence[Optional[int]]) -> None:
         super().__init__()
         self.model = model
         self.layer_windows = tuple(layer_windows)
         self.windows = distinct_windows(self.layer_windows)
+        self.small_names = [name for name, _ in small_parameters(model)]
 
-    def forward(self, input_ids, position_ids, rows, masks, keys, values):
+    def forward(self, input_ids, position_ids, rows, masks, keys, values, small=()):
         layout = AttentionLayout(
             rows=rows, positions=position_ids[0], keys=list(keys), values=list(values),
             layer_windows=self.layer_windows, block_start=0, block_rows=input_ids.shape[1],
             block_masks=dict(zip(self.windows, masks)))
         no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=input_ids.device)
-        outputs = forward_with_layout(self.model, layout, input_ids=input_ids,
+        model = self.model
+        if small:  # (the model with these tensors in place of its small parameters)
+            replaced = dict(zip(self.small_names, small))
+
+            def model(**kwargs):
+                return torch.func.functional_call(self.model, replaced, (), kwargs)
+
+        outputs = forward_with_layout(model, layout, input_ids=input_ids,
                                       position_ids=position_ids, attention_mask=no_mask,
                                       use_cache=False)
         return outputs.logits[0]
@@ -144,6 +172,7 @@ class DecodeProgram:
         self._packed = packed_linear.weights_of(model)
         self._program = torch._inductor.aoti_load_package(str(path))
         wrapper = DecodeStep(model, ())
+        self._small = tuple(parameter for _, parameter in small_parameters(model))
         constants = dict(wrapper.named_parameters(remove_duplicate=False))
         constants.update(wrapper.named_buffers(remove_duplicate=False))
         wanted = self._program.get_constant_fqns()
@@ -158,7 +187,7 @@ class DecodeProgram:
 
         with packed_weights(self._packed):
             return self._program(input_ids, position_ids, rows, tuple(masks), tuple(keys),
-                                 tuple(values))
+                                 tuple(values), self._small)
 
 
 def distinct_windows(layer_windows: Sequence[Optional[int]]) -> Tuple[Optional[int], ...]:
@@ -257,14 +286,7 @@ def example_inputs(geometry: CacheGeometry, device="cpu", n: int = 2):
 #: instead of two, and one vector instruction instead of two, which counts where a product
 #: is bound by instructions rather than by memory (int8 weights, each turned into a float
 #: before it is multiplied).
-#:
-#: No weight's value goes into the code (``always_keep_tensor_constants``): the program is
-#: compiled over a structural twin whose weights are placeholders, and only at load does it
-#: get the served model's, so a weight small enough for the compiler to write into the code
-#: as literals (one value, or up to 8: gpt-oss's sinks over a few heads, a router's bias over
-#: a few experts) would keep the placeholders' values whatever the served ones are.
-CODE_SETTINGS = {"cpp.enable_floating_point_contract_flag": "fast",
-                 "always_keep_tensor_constants": True}
+CODE_SETTINGS = {"cpp.enable_floating_point_contract_flag": "fast"}
 #: How they are packaged: the weights stay out of the shared library (the served model's
 #: own tensors are handed to it).
 PACKAGE_SETTINGS = {"aot_inductor.package_constants_in_so": False}
@@ -281,12 +303,14 @@ def export_and_compile(model: torch.nn.Module, geometry: CacheGeometry, target: 
     # (a program of one row has a fixed row count: export takes a size of one as fixed)
     rows = torch.export.Dim("rows", min=1, max=most) if most > 1 else None
     span = torch.export.Dim("span", min=2, max=geometry.columns - 1)
+    small = tuple(parameter.detach() for _, parameter in small_parameters(model))
     shapes = ({1: rows}, {1: rows}, {0: rows}, tuple({0: rows, 3: span} for _ in geometry.windows),
-              tuple(None for _ in geometry.layers), tuple(None for _ in geometry.layers))
+              tuple(None for _ in geometry.layers), tuple(None for _ in geometry.layers),
+              tuple(None for _ in small))
     step = DecodeStep(model, geometry.layer_windows)
     started = time.perf_counter()
     # (not inference tensors: the compiler writes them)
-    inputs = example_inputs(geometry, n=min(2, most))
+    inputs = example_inputs(geometry, n=min(2, most)) + (small,)
     streaming = streaming_products() if streamed_rows else contextlib.nullcontext()
     with torch.inference_mode(), streaming:
         exported = torch.export.export(step, inputs, dynamic_shapes=shapes, strict=False)
