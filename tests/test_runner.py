@@ -118,6 +118,24 @@ def test_layers_that_drop_the_forward_s_keyword_arguments_still_get_the_layout(
     assert any(runner.reason in record.getMessage() for record in caplog.records)
 
 
+def test_a_hybrid_model_runs_its_forward_and_names_the_layers_that_keep_their_own_state(
+        smollm2_tokenizer, caplog):
+    # LFM2 attends in some layers and convolves in the others, whose state no KV cache row
+    # holds: its own forward serves it, exactly, and the load log says why
+    config = transformers.Lfm2Config(vocab_size=49152, hidden_size=64, intermediate_size=96,
+                                     num_hidden_layers=3, num_attention_heads=4,
+                                     num_key_value_heads=2, full_attn_idxs=[1])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
+    references = solo_references(model, smollm2_tokenizer)
+    with caplog.at_level(logging.INFO, logger="djl_stream.runtime.runner"):
+        runner = load_runner(model, SETTINGS)
+    assert runner.path == "forward"
+    assert runner.reason.startswith("2 of its 3 layers (conv) keep a state of their own")
+    assert any(runner.reason in record.getMessage() for record in caplog.records)
+    assert concurrent_streams(model, smollm2_tokenizer) == references
+
+
 def test_a_model_whose_logits_differ_through_the_cache_runs_its_forward(monkeypatch):
     from djl_stream.runtime import attention
 

@@ -715,7 +715,10 @@ def _probed_attention_runner(model, settings: RunnerSettings):
         model.config._attn_implementation = present
     layers = getattr(model.config, "num_hidden_layers", None)
     if not seen:
-        return None, "its attention does not go through transformers' attention interface"
+        return None, ("no layer of it calls attention through transformers' attention "
+                      "interface (attention code of its own, or no attention at all)")
+    if layers and sorted(seen) != list(range(layers)) and set(seen) < set(range(layers)):
+        return None, _stateful_layers(model.config, layers, seen)
     if sorted(seen) != list(range(len(seen))) or (layers and len(seen) != layers):
         return None, (f"its attention was called for layers {sorted(seen)}, not once per "
                       "layer with a layer index")
@@ -741,6 +744,19 @@ def _probed_attention_runner(model, settings: RunnerSettings):
         return None, (f"its logits through djl-stream's KV cache differ from its own by "
                       f"{difference:.3g} (tolerance {tolerance:.3g})")
     return runner, None
+
+
+def _stateful_layers(config, layers: int, attending) -> str:
+    """Why a model whose attention runs in some of its layers only (a hybrid: Jamba,
+    Qwen3-Next, LFM2) cannot take the fast path, naming the other layers' kinds where its
+    config lists them."""
+    others = [i for i in range(layers) if i not in attending]
+    types = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
+    kinds = sorted({str(types[i]) for i in others}) if types and len(types) == layers else []
+    named = f" ({', '.join(kinds)})" if kinds else ""
+    return (f"{len(others)} of its {layers} layers{named} keep a state of their own instead of "
+            "keys and values (recurrent or convolutional), which djl-stream's KV cache does "
+            "not hold")
 
 
 def _configured_windows(config) -> List[Optional[int]]:
