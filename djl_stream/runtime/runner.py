@@ -717,7 +717,7 @@ def _probed_attention_runner(model, settings: RunnerSettings):
     if not seen:
         return None, ("no layer of it calls attention through transformers' attention "
                       "interface (attention code of its own, or no attention at all)")
-    if layers and sorted(seen) != list(range(layers)) and set(seen) < set(range(layers)):
+    if layers and set(seen) < set(range(layers)):  # (some layers only: a hybrid)
         return None, _stateful_layers(model.config, layers, seen)
     if sorted(seen) != list(range(len(seen))) or (layers and len(seen) != layers):
         return None, (f"its attention was called for layers {sorted(seen)}, not once per "
