@@ -40,9 +40,16 @@ SETTINGS = AccelerateSettings(max_batch_size=8, max_input_length=64, max_new_tok
 def solo_references(model, tokenizer, prompts: Sequence[str] = PROMPTS,
                     new_tokens: int = NEW_TOKENS) -> List[List[int]]:
     """Each prompt's greedy tokens from ``model.generate()``, alone."""
+    return id_references(model, [tokenizer(prompt)["input_ids"] for prompt in prompts],
+                         new_tokens)
+
+
+def id_references(model, prompts: Sequence[Sequence[int]],
+                  new_tokens: int = NEW_TOKENS) -> List[List[int]]:
+    """Each prompt's (token ids) greedy tokens from ``model.generate()``, alone."""
     references = []
     for prompt in prompts:
-        ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+        ids = torch.tensor([list(prompt)])
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -113,6 +120,44 @@ def late_joiner(model, tokenizer, prompts: Sequence[str] = PROMPTS,
     finally:
         engine.shutdown()
     return late, running
+
+
+def follow_up_prompts(tokenizer, first_reply: Sequence[int],
+                      prompts: Sequence[str] = PROMPTS) -> List[List[int]]:
+    """Two prompts (token ids) that begin as ``prompts[0]`` does: a conversation's next
+    turn (``prompts[0]``, its reply ``first_reply``, more words), and another question
+    after the same words."""
+    first = tokenizer(prompts[0])["input_ids"]
+    return [first + list(first_reply) + tokenizer(" and then")["input_ids"],
+            first + tokenizer(" " + prompts[2])["input_ids"]]
+
+
+def prompts_that_begin_alike(model, tokenizer, follow_ups: Sequence[Sequence[int]],
+                             prompts: Sequence[str] = PROMPTS, new_tokens: int = NEW_TOKENS,
+                             after: int = 3):
+    """The greedy tokens of ``prompts[0]``, then of the :func:`follow_up_prompts`: the
+    conversation's turn once the first stream ended (its cache starts with the first
+    one's columns), and while that turn decodes (it has produced ``after`` tokens), the
+    other question (its cache copies the turn's columns). Returns the three token lists,
+    the prompt positions the runner reused, and whether the turn was still decoding when
+    the question ended."""
+    engine = engine_for(model, tokenizer)
+    try:
+        first = _tokens(engine.generate([prompts[0]], max_new_tokens=new_tokens,
+                                        min_new_tokens=new_tokens))
+        turn_stream = engine.generate([list(follow_ups[0])], max_new_tokens=EARLY_TOKENS,
+                                      min_new_tokens=EARLY_TOKENS)
+        turn = [next(turn_stream).generations[0].token_id for _ in range(after)]
+        question = _tokens(engine.generate([list(follow_ups[1])], max_new_tokens=new_tokens,
+                                           min_new_tokens=new_tokens))
+        running = len(turn_stream.sequences[0].generated_ids) < EARLY_TOKENS
+        while len(turn) < new_tokens:
+            turn.append(next(turn_stream).generations[0].token_id)
+        turn_stream.close()
+        reused = engine.runner.tokens_reused
+    finally:
+        engine.shutdown()
+    return first, turn, question, reused, running
 
 
 def chunked_beside_a_stream(runner: ModelRunner, tokenizer, prompt: str, running: str,

@@ -84,3 +84,115 @@ def test_a_cpu_buffer_reads_as_zeros_and_is_resident_only_where_written():
     assert float(buffer[5, 7].abs().sum()) == 0.0
     buffer[0, :2] = 1.0
     assert resident_bytes() - before < 64 * 2**20
+
+
+# -- prompts that begin as another did ------------------------------------------------------
+
+def held(cache, prompt, value):
+    """A row holding ``prompt``'s keys and values (every number ``value``), as a pass that
+    read it leaves it."""
+    handle = cache.reserve()
+    row = cache.row_of(handle)
+    for buffer in cache.keys + cache.values:
+        buffer[row, :, :len(prompt)] = value
+    cache.append(handle, prompt)
+    return handle
+
+
+def columns_of(cache, handle, count):
+    row = cache.row_of(handle)
+    return [buffer[row, :, :count].clone() for buffer in cache.keys + cache.values]
+
+
+def test_a_finished_rows_columns_start_a_prompt_that_begins_as_its_did():
+    kv = cache()
+    first = held(kv, [5, 6, 7, 8, 9], 3.0)
+    row = kv.row_of(first)
+    kv.release(first)
+    follow_up = kv.reserve([5, 6, 7, 8, 9, 10, 11])  # a conversation's next turn
+    assert (kv.row_of(follow_up), kv.length(follow_up)) == (row, 5)  # taken over as it is
+    assert all(bool((c == 3.0).all()) for c in columns_of(kv, follow_up, 5))
+    assert kv.reused_positions == 5
+
+
+def test_a_running_rows_columns_are_copied_for_a_prompt_that_begins_alike():
+    kv = cache()
+    running = held(kv, [5, 6, 7, 8, 9], 3.0)
+    before = columns_of(kv, running, 5)
+    other = kv.reserve([5, 6, 7, 1, 2])
+    assert kv.row_of(other) != kv.row_of(running) and kv.length(other) == 3
+    assert all(bool((c == 3.0).all()) for c in columns_of(kv, other, 3))
+    assert all(bool((a == b).all()) for a, b in zip(before, columns_of(kv, running, 5)))
+
+
+def test_a_prompt_held_whole_is_fed_its_last_token_which_gives_the_logits():
+    kv = cache()
+    kv.release(held(kv, [5, 6, 7], 1.0))
+    assert kv.length(kv.reserve([5, 6, 7])) == 2
+    assert kv.length(kv.reserve([5])) == 0  # nothing before its last token
+
+
+def test_the_longest_start_wins_and_a_prompt_that_begins_otherwise_starts_empty():
+    kv = cache()
+    kv.release(held(kv, [5, 6], 1.0))
+    kv.release(held(kv, [5, 6, 7, 8], 2.0))
+    longest = kv.reserve([5, 6, 7, 8, 1])
+    assert kv.length(longest) == 4
+    assert all(bool((c == 2.0).all()) for c in columns_of(kv, longest, 4))
+    assert kv.length(kv.reserve([9, 5, 6, 7])) == 0
+
+
+def test_a_new_row_goes_where_nothing_was_left_before_it_takes_a_finished_rows_place():
+    kv = cache(rows=3)
+    kv.release(held(kv, [5, 6, 7], 1.0))  # row 0
+    kv.release(held(kv, [8, 9, 7], 2.0))  # row 0 was kept: row 1
+    assert kv.row_of(kv.reserve([1, 2, 3])) == 2
+    # every free row holds something now: the one left longest ago goes first
+    assert kv.row_of(kv.reserve([4, 4, 4])) == 0
+    assert kv.length(kv.reserve([8, 9, 7, 1])) == 3
+
+
+def test_a_row_a_move_writes_over_is_not_reused():
+    kv = cache(rows=3)
+    a = held(kv, [1, 2, 3], 1.0)
+    b = held(kv, [5, 6, 7], 2.0)
+    kv.release(a)                    # row 0 keeps [1, 2, 3]
+    kv.place([b], at_start=True)     # b moves into row 0
+    assert kv.length(kv.reserve([1, 2, 3, 4])) == 0
+    assert kv.length(kv.reserve([5, 6, 7, 8])) == 3  # (b's, copied)
+
+
+def spare_row_left_with(tokens):
+    """A cache whose spare row alone holds ``tokens`` (moved there out of another row's
+    way, then released)."""
+    kv = cache(rows=2)
+    a = held(kv, tokens, 1.0)
+    b = held(kv, [5, 6, 7], 2.0)
+    kv.place([b], at_start=True)     # a moves out of b's way, into the spare row
+    assert kv.row_of(a) == 2
+    kv.release(a)
+    return kv
+
+
+def test_the_spare_rows_contents_are_copied_since_it_is_never_handed_out():
+    kv = spare_row_left_with([1, 2, 3])
+    copied = kv.reserve([1, 2, 3, 4])
+    assert (kv.row_of(copied), kv.length(copied)) == (1, 3)
+    assert all(bool((c == 1.0).all()) for c in columns_of(kv, copied, 3))
+
+
+def test_a_row_free_row_hands_out_is_forgotten():
+    kv = spare_row_left_with([1, 2, 3])
+    assert kv.free_row() == 2        # a CUDA graph's padding rows write there
+    assert kv.length(kv.reserve([1, 2, 3, 4])) == 0
+
+
+def test_unknown_or_turned_off_contents_are_never_reused():
+    kv = cache()
+    handle = kv.reserve()
+    kv.set_length(handle, 3)  # written by a caller who did not say which tokens
+    kv.release(handle)
+    assert kv.length(kv.reserve([5, 6, 7, 8])) == 0
+    off = cache(reuse_prefixes=False)
+    off.release(held(off, [5, 6, 7], 1.0))
+    assert off.length(off.reserve([5, 6, 7, 8])) == 0 and off.reused_positions == 0

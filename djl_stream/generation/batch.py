@@ -88,7 +88,9 @@ class CausalLMBatch:
     @classmethod
     def from_sequences(cls, runner: ModelRunner,
                        sequences: Sequence[GenerationSequence]) -> "CausalLMBatch":
-        """A batch ready for prefill, each sequence with a cache of its own in ``runner``."""
+        """A batch ready for prefill, each sequence with a cache of its own in ``runner``
+        (holding its prompt's first tokens already where another prompt began the same
+        way: those are not fed again)."""
         if not sequences:
             raise ValueError("a batch needs at least one sequence")
         for seq in sequences:
@@ -96,14 +98,15 @@ class CausalLMBatch:
                 raise ValueError(f"sequence {seq.request_id!r} has an empty prompt")
         handles: List[int] = []
         try:
-            for _ in sequences:
-                handles.append(runner.reserve())
+            for seq in sequences:
+                handles.append(runner.reserve(seq.prompt_ids))
         except Exception:
             for handle in handles:
                 runner.release(handle)
             raise
-        return cls(runner, list(sequences), handles, [list(s.prompt_ids) for s in sequences],
-                   [0] * len(sequences))
+        # (a cache may start with the keys and values of its prompt's first tokens)
+        pending = [list(s.prompt_ids[runner.length(h):]) for s, h in zip(sequences, handles)]
+        return cls(runner, list(sequences), handles, pending, [0] * len(sequences))
 
     def release(self) -> None:
         """Free every row's cache (the batch is dropped)."""

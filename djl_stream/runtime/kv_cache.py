@@ -14,6 +14,15 @@ buffers (a view, no copy), so :meth:`KVCache.place` moves rows into such a block
 batch's membership changed (a row left, a prompt joined), copying each moved row's
 columns in use once.
 
+The cache also knows which token each column of a row holds, and keeps what a finished
+sequence's row held until the row is needed again. A new sequence whose prompt begins
+with tokens some row holds, a running sequence's or a finished one's (the same system
+prompt, the earlier turns of a conversation, a retried request), starts with those
+columns (:meth:`KVCache.reserve` with its prompt): it takes a finished row over as it
+is, or copies the columns from a running one, and its prompt is read from there on. A
+key or value at position ``p`` depends on the tokens up to ``p`` alone, so the columns
+are the ones its own pass would write, up to the rounding of a pass of another shape.
+
 On a CPU the buffers lie on freshly mapped anonymous memory (:func:`zeroed_buffer`): a
 page becomes resident only once a token is written there, so the cache can reserve every
 row and column the server may ever need at no cost. Elsewhere (a GPU's memory is taken
@@ -37,10 +46,11 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import mmap
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -106,10 +116,12 @@ class KVCache:
     ``rows`` is the most sequences held at once. One more row is kept free, so that
     :meth:`place` can always move a row out of the way. ``columns`` is the most positions
     a row may hold; where reserving is not free the buffers start with fewer and grow.
+    ``reuse_prefixes=False`` turns the reuse of other rows' columns off.
     """
 
     def __init__(self, layers: Sequence[LayerShape], *, rows: int, columns: int,
-                 dtype: torch.dtype, device, initial_columns: Optional[int] = None) -> None:
+                 dtype: torch.dtype, device, initial_columns: Optional[int] = None,
+                 reuse_prefixes: bool = True) -> None:
         self.layer_shapes = list(layers)
         self.rows = rows
         self.max_columns = columns
@@ -122,6 +134,14 @@ class KVCache:
         self._allocate(_round_up(start, columns))
         self._row_of: Dict[int, int] = {}
         self._length: Dict[int, int] = {}
+        # The tokens whose keys and values a handle's columns hold (``None``: not known,
+        # its length was set without them); and for a row no handle holds, what its
+        # columns still hold since its last holder left, the longest left first to go.
+        self._tokens: Dict[int, Optional[List[int]]] = {}
+        self._left: "collections.OrderedDict[int, List[int]]" = collections.OrderedDict()
+        self.reuse_prefixes = reuse_prefixes
+        #: Positions new rows started with, taken from other rows instead of computed.
+        self.reused_positions = 0
         self._next_handle = 0
 
     @property
@@ -138,30 +158,83 @@ class KVCache:
             values.append(zeroed_buffer((self.rows + 1, shape.heads, columns, shape.value_dim),
                                         self.dtype, device))
         if self.keys:  # growing: the columns written so far come along
-            used = max(self._length.values(), default=0)
+            used = max([*self._length.values(), *map(len, self._left.values())], default=0)
             for old, new in zip(self.keys + self.values, keys + values):
                 new[:, :, :used].copy_(old[:, :, :used])
         self.keys, self.values = keys, values
 
     # -- rows ---------------------------------------------------------------------------
 
-    def reserve(self) -> int:
-        """A handle to a free row (empty: length 0). Raises ``RuntimeError`` when every
-        row is held."""
+    def reserve(self, prompt: Sequence[int] = ()) -> int:
+        """A handle to a free row. It is empty (length 0), unless a row holds the first
+        tokens of ``prompt``: then it holds their keys and values already, all of them but
+        the prompt's last at most, and its :meth:`length` says how many. Raises
+        ``RuntimeError`` when every row is held.
+
+        >>> cache = KVCache([LayerShape(1, 2, 2)], rows=2, columns=8, dtype=torch.float32,
+        ...                 device="cpu")
+        >>> a = cache.reserve([5, 6, 7])
+        >>> cache.append(a, [5, 6, 7, 8]); cache.release(a)     # a prompt and one new token
+        >>> b = cache.reserve([5, 6, 7, 8, 9])                  # a conversation's next turn
+        >>> cache.length(b), cache.row_of(b)                    # a's row, taken over
+        (4, 0)
+        >>> c = cache.reserve([5, 6, 1])                        # copied from b's row
+        >>> cache.length(c), cache.row_of(c)
+        (2, 1)
+        """
         taken = set(self._row_of.values())
-        row = next((r for r in range(self.rows) if r not in taken), None)
-        if row is None:
+        free = [r for r in range(self.rows) if r not in taken]
+        if not free:
             raise RuntimeError(f"all {self.rows} rows of the KV cache are in use")
+        source, reused = self._longest_prefix(prompt) if self.reuse_prefixes else (None, 0)
+        row = source if source in free and source in self._left else self._emptiest(free)
+        self._left.pop(row, None)
         handle = self._next_handle
         self._next_handle += 1
         self._row_of[handle] = row
-        self._length[handle] = 0
+        self._length[handle] = reused
+        self._tokens[handle] = list(prompt[:reused])
+        self.reused_positions += reused
+        if reused and source != row:
+            with torch.inference_mode():
+                for buffer in self.keys + self.values:
+                    buffer[row, :, :reused].copy_(buffer[source, :, :reused])
         return handle
 
+    def _longest_prefix(self, prompt: Sequence[int]) -> Tuple[Optional[int], int]:
+        """The row holding the longest start of ``prompt`` (its last token excepted: its
+        pass gives the logits), and how many tokens of it; a finished row wins a tie,
+        since it is taken over with no copy. ``(None, 0)`` where no row holds any."""
+        limit = len(prompt) - 1
+        best: Tuple[Optional[int], int] = (None, 0)
+        if limit < 1:
+            return best
+        prompt = list(prompt)
+        held = [(self._row_of[h], tokens) for h, tokens in self._tokens.items()
+                if tokens is not None]
+        for row, tokens in [*self._left.items(), *held]:
+            count = common_prefix_length(tokens, prompt, limit)
+            if count > best[1]:
+                best = (row, count)
+        return best
+
+    def _emptiest(self, free: List[int]) -> int:
+        """Of ``free`` rows, one whose columns nobody may want (the first such), else the
+        one left longest ago."""
+        unwanted = next((r for r in free if r not in self._left), None)
+        if unwanted is not None:
+            return unwanted
+        return next(r for r in self._left if r in free)
+
     def release(self, handle: int) -> None:
-        """Give the row back (its contents are left; the next holder overwrites them)."""
-        self._row_of.pop(handle, None)
-        self._length.pop(handle, None)
+        """Give the row back; its contents stay for a later prompt that begins the same
+        way, until another holder overwrites them."""
+        row = self._row_of.pop(handle, None)
+        length = self._length.pop(handle, None)
+        tokens = self._tokens.pop(handle, None)
+        if row is not None and tokens and len(tokens) == length:
+            self._left[row] = tokens
+            self._left.move_to_end(row)
 
     def row_of(self, handle: int) -> int:
         return self._row_of[handle]
@@ -171,7 +244,17 @@ class KVCache:
         return self._length[handle]
 
     def set_length(self, handle: int, length: int) -> None:
+        """Say the row holds ``length`` positions, written by the caller (which tokens they
+        are is not known: no later prompt reuses them)."""
         self._length[handle] = length
+        self._tokens[handle] = None
+
+    def append(self, handle: int, tokens: Sequence[int]) -> None:
+        """Say the keys and values of ``tokens`` were written after the row's end."""
+        self._length[handle] += len(tokens)
+        known = self._tokens[handle]
+        if known is not None:
+            known.extend(int(t) for t in tokens)
 
     def handles(self) -> List[int]:
         """Every handle held."""
@@ -218,23 +301,28 @@ class KVCache:
         return 0
 
     def free_row(self) -> int:
-        """A row no handle holds (there always is one: the spare row), the last such.
+        """A row no handle holds (there always is one: the spare row), for the caller to
+        write into: what a finished sequence left there is forgotten.
 
         >>> KVCache([LayerShape(1, 2, 2)], rows=2, columns=4, dtype=torch.float32,
         ...         device="cpu").free_row()
         2
         """
-        return self._free_row(avoid=self.rows)
+        row = self._free_row(avoid=self.rows)
+        self._left.pop(row, None)
+        return row
 
     def _free_row(self, avoid: int) -> int:
         """A row no handle holds, at or after ``avoid`` where one is (the spare row always
-        is)."""
+        is), one that holds nothing a later prompt may want where there is a choice."""
         taken = set(self._row_of.values())
         free = [r for r in range(self.rows + 1) if r not in taken]
-        return next((r for r in free if r >= avoid), free[-1])
+        after = [r for r in free if r >= avoid] or free[-1:]
+        return next((r for r in after if r not in self._left), after[0])
 
     def _move(self, handle: int, row: int) -> None:
         source, used = self._row_of[handle], self._length[handle]
+        self._left.pop(row, None)
         if used:
             with torch.inference_mode():
                 for buffer in self.keys + self.values:
@@ -257,6 +345,24 @@ class KVCache:
     def tokens_held(self) -> int:
         """Positions written, over every row held."""
         return sum(self._length.values())
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """How many leading items ``a`` and ``b`` share, at most ``limit`` (a binary search
+    over slice comparisons, which run in C: prompts may be thousands of tokens).
+
+    >>> common_prefix_length([1, 2, 3, 4], [1, 2, 9], 10), common_prefix_length([1, 2], [1, 2], 1)
+    (2, 1)
+    """
+    low, high = 0, min(len(a), len(b), limit)
+    a, b = list(a), list(b)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def _round_up(columns: int, most: int) -> int:

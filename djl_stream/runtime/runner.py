@@ -76,11 +76,14 @@ class Feed:
 
 @dataclasses.dataclass(frozen=True)
 class RunnerSettings:
-    """The most sequences held at once (``max_rows``) and the most positions one may
-    reach (``max_positions``: its prompt and its new tokens)."""
+    """The most sequences held at once (``max_rows``), the most positions one may
+    reach (``max_positions``: its prompt and its new tokens), and whether a prompt that
+    begins as another did reuses its keys and values (``reuse_prefixes``; see
+    :mod:`djl_stream.runtime.kv_cache`)."""
 
     max_rows: int = 32
     max_positions: int = 8192
+    reuse_prefixes: bool = True
 
 
 class ModelRunner:
@@ -115,8 +118,11 @@ class ModelRunner:
         finally:
             self._abandon = None
 
-    def reserve(self) -> int:
-        """A handle for a new sequence's cache."""
+    def reserve(self, prompt: Sequence[int] = ()) -> int:
+        """A handle for a new sequence's cache. Where the runner holds the keys and values
+        of ``prompt``'s first tokens already (another sequence's prompt began the same way),
+        the cache starts with them: :meth:`length` says how many, and the sequence feeds the
+        rest of its prompt."""
         raise NotImplementedError
 
     def release(self, handle: int) -> None:
@@ -137,6 +143,12 @@ class ModelRunner:
     def tokens_held(self) -> int:
         """Positions the caches hold, over every sequence."""
         raise NotImplementedError
+
+    @property
+    def tokens_reused(self) -> int:
+        """Prompt positions new caches started with, reused from other sequences' caches
+        instead of computed (see :meth:`reserve`), since the runner was made."""
+        return 0
 
     def handles(self) -> List[int]:
         """Every handle held."""
@@ -187,7 +199,8 @@ class AttentionRunner(ModelRunner):
         self.layer_windows = tuple(windows)
         self.windows = distinct_windows(self.layer_windows)
         self.cache = KVCache(layers, rows=settings.max_rows, columns=settings.max_positions,
-                             dtype=dtype, device=self.device, initial_columns=1024)
+                             dtype=dtype, device=self.device, initial_columns=1024,
+                             reuse_prefixes=settings.reuse_prefixes)
         self._keep_logits = _logits_keyword(model)
         self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         # compiled decode steps: the one of every row count, and where the model streams its
@@ -331,7 +344,7 @@ class AttentionRunner(ModelRunner):
         if logits is None:  # (a step the program leaves to the eager forward)
             return None
         for feed in feeds:
-            cache.set_length(feed.handle, cache.length(feed.handle) + 1)
+            cache.append(feed.handle, feed.tokens)
         if len(logits) == len(feeds) and all(a is b for a, b in zip(block, feeds)):
             return logits  # (already in the feeds' order: indexing would copy them all)
         where = {id(f): i for i, f in enumerate(block)}
@@ -369,8 +382,8 @@ class AttentionRunner(ModelRunner):
                            "step's by %.3g: %s", slot.said, difference, NOT_USED)
         return eager
 
-    def reserve(self) -> int:
-        return self.cache.reserve()
+    def reserve(self, prompt: Sequence[int] = ()) -> int:
+        return self.cache.reserve(prompt)
 
     def release(self, handle: int) -> None:
         self.cache.release(handle)
@@ -381,6 +394,10 @@ class AttentionRunner(ModelRunner):
     @property
     def tokens_held(self) -> int:
         return self.cache.tokens_held()
+
+    @property
+    def tokens_reused(self) -> int:
+        return self.cache.reused_positions
 
     def handles(self) -> List[int]:
         return self.cache.handles()
@@ -444,7 +461,7 @@ class AttentionRunner(ModelRunner):
         wanted = [where[id(f)] for f in feeds if f.logits]
         logits = self._forward(ids, position_tensor, layout, wanted)
         for feed in feeds:
-            cache.set_length(feed.handle, cache.length(feed.handle) + len(feed.tokens))
+            cache.append(feed.handle, feed.tokens)
         return logits
 
     def _forward(self, ids: List[int], positions: torch.Tensor, layout: AttentionLayout,
@@ -484,7 +501,8 @@ class ForwardRunner(ModelRunner):
         self._lengths: Dict[int, int] = {}
         self._next = 0
 
-    def reserve(self) -> int:
+    def reserve(self, prompt: Sequence[int] = ()) -> int:
+        # (each sequence's cache is its model's own object: nothing is shared between them)
         handle, self._next = self._next, self._next + 1
         self._caches[handle] = None
         self._lengths[handle] = 0

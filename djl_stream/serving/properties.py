@@ -175,6 +175,10 @@ class ModelProperties:
         DEFAULT_PREFILL_STALL_STEPS, "while others decode, a prefill pass takes at most this "
         "many of their decode steps (`0`: no bound)",
         see="performance.md#many-clients-at-once-continuous-batching")
+    enable_prefix_caching: bool = _property(
+        True, "a prompt that begins as a running or finished one did (a system prompt, a "
+              "conversation's earlier turns) reuses its keys and values instead of reading "
+              "those tokens again", see="performance.md#prompts-that-begin-alike")
     output_formatter: Any = _property(
         "jsonlines", "`jsonlines`, `sse`, `jsonlines_details`, or the name of a function in "
                      "`model.py`", see="protocols.md#output-formatters")

@@ -157,7 +157,7 @@ def create_engine(name: str, props: ModelProperties) -> Engine:
         prefill_stall_steps=props.prefill_stall_steps,
         max_input_length=props.max_input_length,
         max_new_tokens=props.max_new_tokens_limit,
-        compile=props.compile is not False,
+        compile=props.compile is not False, reuse_prefixes=props.enable_prefix_caching,
         model_name=props.model_id or Path(props.model_dir).name))
 
 

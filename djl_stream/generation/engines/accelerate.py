@@ -155,8 +155,10 @@ class AccelerateSettings:
     ``job_queue_size``, ``option.max_batch_prefill_tokens`` with ``None`` for the device's
     default, ``option.prefill_stall_steps``, ``option.max_input_length`` and
     ``option.max_new_tokens_limit``), whether decode steps run a compiled program once it
-    is ready (``option.compile``: see :mod:`djl_stream.runtime.decode_program`), and the
-    name metrics give the model (``model_name``)."""
+    is ready (``option.compile``: see :mod:`djl_stream.runtime.decode_program`), whether
+    prompts that begin alike share their keys and values (``option.enable_prefix_caching``:
+    see :mod:`djl_stream.runtime.kv_cache`), and the name metrics give the model
+    (``model_name``)."""
 
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     max_queue: int = DEFAULT_MAX_QUEUE
@@ -165,6 +167,7 @@ class AccelerateSettings:
     max_input_length: int = DEFAULT_MAX_INPUT_LENGTH
     max_new_tokens: int = 2048
     compile: bool = False
+    reuse_prefixes: bool = True
     model_name: str = ""
 
 
@@ -194,7 +197,8 @@ class AccelerateEngine(Engine):
         limit = _position_limit(model)
         self.runner = load_runner(model, RunnerSettings(
             max_rows=settings.max_batch_size,
-            max_positions=min(positions, limit) if limit else positions))
+            max_positions=min(positions, limit) if limit else positions,
+            reuse_prefixes=settings.reuse_prefixes))
         if settings.compile and self.runner.path == "attention":
             self.runner.compile_decode_step()
         self.scheduler = Scheduler(
