@@ -163,10 +163,12 @@ def test_the_scheduler_events_become_samples():
     metrics.request_advanced(request, 2, 0.04)
     metrics.request_advanced(request, 1, 0.05)
     request.outcome, request.ended_at = FINISHED, 100.3
+    request.reused_prompt_tokens = 3
     metrics.request_ended(request)
     scrape = Scrape(metrics.exposition()[0].decode())
     assert scrape("djl_stream_kv_cache_tokens") == 14 and scrape("djl_stream_batch_rows") == 2
     assert scrape("djl_stream_prompt_tokens_total") == 5
+    assert scrape("djl_stream_prompt_tokens_reused_total") == 3
     assert scrape("djl_stream_generation_tokens_total") == 5
     assert scrape("djl_stream_request_queue_time_seconds_count") == 1
     assert scrape("djl_stream_request_queue_time_seconds_bucket", le="0.01") == 1

@@ -105,6 +105,19 @@ def test_a_request_is_submitted_admitted_advanced_and_ended_in_that_order(
     assert stats.mean_inter_token_latency == pytest.approx(sum(intervals[1:]) / (len(steps) - 1))
 
 
+def test_a_prompt_that_begins_as_a_finished_one_did_counts_the_tokens_it_reused(
+        scheduler, recorder, tiny_model, smollm2_tokenizer):
+    first = sequences(tiny_model, smollm2_tokenizer, ["The quick brown fox"], max_new_tokens=4)
+    list(scheduler.submit(first))
+    fed = list(first[0].prompt_ids) + first[0].generated_ids[:-1]  # (its last is not fed)
+    turn = fed + first[0].generated_ids[-1:] + encode_prompts(smollm2_tokenizer, [" and then"])[0]
+    follow_up = build_sequences(tiny_model, smollm2_tokenizer, [turn], max_new_tokens=4)
+    stream = scheduler.submit(follow_up)
+    list(stream)
+    stats = [recorder.stats[seqs[0].request_id[0]] for seqs in (first, follow_up)]
+    assert [s.reused_prompt_tokens for s in stats] == [0, len(fed)]
+
+
 def test_the_load_follows_the_batch_and_returns_to_idle(scheduler, recorder, tiny_model, smollm2_tokenizer):
     prompts = ["Hi", "The quick brown fox"]
     prompt_tokens = sum(len(ids) for ids in encode_prompts(smollm2_tokenizer, prompts))

@@ -115,7 +115,9 @@ class RequestStats:
     queued it, ``admitted_at`` when it left the queue for its prefill, ``first_token_at`` and
     ``last_token_at`` when the steps that gave it its first and latest tokens ended,
     ``ended_at`` when it left the scheduler. ``generated_tokens`` counts every token chosen
-    for its prompts (end-of-sequence included); ``steps`` the decode steps that gave it any.
+    for its prompts (end-of-sequence included); ``steps`` the decode steps that gave it any;
+    ``reused_prompt_tokens`` the prompt tokens its caches started with, reused from other
+    sequences' keys and values instead of read (see :mod:`djl_stream.runtime.kv_cache`).
 
     >>> stats = RequestStats(request_id=0, prompts=1, prompt_tokens=5, submitted_at=10.0,
     ...                      admitted_at=10.5, first_token_at=11.0, last_token_at=13.0, steps=5)
@@ -133,6 +135,7 @@ class RequestStats:
     ended_at: Optional[float] = None
     generated_tokens: int = 0
     steps: int = 0
+    reused_prompt_tokens: int = 0
     outcome: Optional[str] = None
     #: The served model's name (the scheduler's ``model_name``), for metrics' labels.
     model: str = ""
@@ -574,6 +577,10 @@ class Scheduler:
             if prefill.batch is None:
                 sequences = [seq for job in prefill.jobs for seq in job.sequences]
                 prefill.batch = CausalLMBatch.from_sequences(self.runner, sequences)
+                handles = iter(prefill.batch.handles)
+                for job in prefill.jobs:  # (what each cache started with, not read again)
+                    job.stats.reused_prompt_tokens = sum(
+                        self.runner.length(next(handles)) for _ in job.sequences)
             batch = prefill.batch
         except Exception as error:  # noqa: BLE001 - a prompt the model cannot take
             self._prefill_failed(error)

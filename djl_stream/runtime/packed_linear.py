@@ -5,8 +5,8 @@ A decode step's time on a CPU is mostly its linear layers. PyTorch's default pro
 and leaves the blocking to the BLAS library at every call; oneDNN's product can instead
 take a weight reordered once, at load, into the blocked layout its kernels read
 (``torch.ops.mkldnn._reorder_linear_weight``). The reordered weight serves every number
-of rows, and a step of several rows, bound by arithmetic rather than by reading the
-weights, gains most (``python -m benchmarks.linear_products`` times both on the machine
+of rows, and a step of several rows, which does more arithmetic for each weight it
+reads, gains most (``python -m benchmarks.linear_products`` times both on the machine
 at hand). :class:`PackedLinear` replaces ``nn.Linear`` wherever a model has one: it knows
 nothing of the architecture around it, and the reordered weight replaces the float one
 (no second copy; a weight tied to the input embedding is reordered as a copy).

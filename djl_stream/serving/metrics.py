@@ -99,6 +99,9 @@ class RequestRecord:
             ("e2e", first.e2e_latency if first.outcome == FINISHED else None))
             if value is not None]
         fields.append(f"prompt_tokens={sum(g.prompt_tokens for g in self.generations)}")
+        reused = sum(g.reused_prompt_tokens for g in self.generations)
+        if reused:
+            fields.append(f"reused_prompt_tokens={reused}")
         fields.append(f"generated_tokens={sum(g.generated_tokens for g in self.generations)}")
         fields += [f"generation={g.outcome}" for g in self.generations
                    if g.outcome in (CANCELLED, FAILED)]
@@ -161,6 +164,10 @@ class PrometheusMetrics(SchedulerObserver):
         self.prompt_tokens = Counter(
             "djl_stream_prompt_tokens", "Prompt tokens prefilled (counted when a request is "
             "admitted to the running batch).", ["model"], registry=registry)
+        self.reused_prompt_tokens = Counter(
+            "djl_stream_prompt_tokens_reused", "Prompt tokens not prefilled: their keys and "
+            "values were reused from a running or finished request whose prompt began the "
+            "same way (counted when a request ends).", ["model"], registry=registry)
         self.generation_tokens = Counter(
             "djl_stream_generation_tokens", "Tokens generated: one per prompt per decode step "
             "that advanced it, end-of-sequence tokens included.", ["model"], registry=registry)
@@ -227,7 +234,8 @@ class PrometheusMetrics(SchedulerObserver):
         if model in self._models:
             return
         self._models.add(model)
-        for metric in (self.prompt_tokens, self.generation_tokens, self.cancelled,
+        for metric in (self.prompt_tokens, self.reused_prompt_tokens,
+                       self.generation_tokens, self.cancelled,
                        self.failed, self.queue_time, self.ttft, self.itl, self.e2e,
                        self.batch_rows, self.waiting, self.kv_cache_tokens):
             metric.labels(model)
@@ -253,6 +261,7 @@ class PrometheusMetrics(SchedulerObserver):
             self.itl.labels(stats.model).observe(interval)
 
     def request_ended(self, stats: RequestStats) -> None:
+        self.reused_prompt_tokens.labels(stats.model).inc(stats.reused_prompt_tokens)
         if stats.outcome == FINISHED:
             self.e2e.labels(stats.model).observe(stats.e2e_latency)
         elif stats.outcome == CANCELLED:
@@ -368,6 +377,9 @@ class DjlMetricLines(SchedulerObserver):
         if stats.admitted_at is not None:
             lines.append(self._line("djl_stream_prompt_tokens", stats.prompt_tokens, COUNT,
                                     DJL_COUNTER))
+        if stats.reused_prompt_tokens:
+            lines.append(self._line("djl_stream_prompt_tokens_reused",
+                                    stats.reused_prompt_tokens, COUNT, DJL_COUNTER))
         if stats.generated_tokens:
             lines.append(self._line("djl_stream_generation_tokens", stats.generated_tokens,
                                     COUNT, DJL_COUNTER))
