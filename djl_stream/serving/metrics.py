@@ -162,8 +162,9 @@ class PrometheusMetrics(SchedulerObserver):
             "template, or 'unmatched') and status code; a streamed answer counts once it ends.",
             ["route", "status"], registry=registry)
         self.prompt_tokens = Counter(
-            "djl_stream_prompt_tokens", "Prompt tokens prefilled (counted when a request is "
-            "admitted to the running batch).", ["model"], registry=registry)
+            "djl_stream_prompt_tokens", "Prompt tokens of the requests admitted to the "
+            "running batch, those whose keys and values were reused included "
+            "(djl_stream_prompt_tokens_reused).", ["model"], registry=registry)
         self.reused_prompt_tokens = Counter(
             "djl_stream_prompt_tokens_reused", "Prompt tokens not prefilled: their keys and "
             "values were reused from a running or finished request whose prompt began the "
