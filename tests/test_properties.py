@@ -1,5 +1,7 @@
 """Properties: what serving.properties and OPTION_* variables configure, typed and checked."""
 
+import dataclasses
+
 import pytest
 
 from djl_stream.serving.properties import (
@@ -43,6 +45,15 @@ def test_values_are_typed():
     assert (props.default_max_new_tokens, props.max_new_tokens_limit) == (32, 64)
     assert props.max_input_length == 128
     assert props.device_id == 0
+
+
+@pytest.mark.parametrize("key", [f.name for f in dataclasses.fields(ModelProperties)
+                                 if f.type in ("bool", bool)])
+def test_every_switch_reads_false_as_false(key):
+    assert getattr(ModelProperties.from_init_properties({key: "false"}), key) is False
+    assert getattr(ModelProperties.from_init_properties({key: "TRUE"}), key) is True
+    with pytest.raises(PropertyError, match="true or false"):
+        ModelProperties.from_init_properties({key: "maybe"})
 
 
 def test_tensor_parallel_degree_max_means_all_gpus():
