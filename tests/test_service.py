@@ -111,6 +111,17 @@ def test_the_load_builds_what_the_first_request_would_build(tiny_model_dir):
     assert request(module, {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}).code == 200
 
 
+@pytest.mark.parametrize("setting, reuses", [({}, True),
+                                             ({"enable_prefix_caching": "false"}, False)])
+def test_a_repeated_prompt_reuses_its_keys_and_values_unless_turned_off(tiny_model_dir, setting,
+                                                                         reuses):
+    module = init(load_entry_point(tiny_model_dir), tiny_model_dir, **setting)
+    body = {"inputs": "The quick brown fox", "parameters": {"max_new_tokens": 3}}
+    answers = [request(module, body) for _ in range(2)]
+    assert [a.code for a in answers] == [200, 200]
+    assert (module._service.engine.runner.tokens_reused > 0) is reuses
+
+
 def test_limits_that_refuse_the_warm_up_request_still_load(tiny_model_dir):
     # "Hello" in SmolLM2's chat template is far more than 4 tokens: the load's warm-up
     # parse is refused, and the model loads and answers all the same
