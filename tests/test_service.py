@@ -111,6 +111,7 @@ def test_the_load_builds_what_the_first_request_would_build(tiny_model_dir):
     assert request(module, {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}).code == 200
 
 
+@pytest.mark.fast_path  # (djl-stream's KV cache, which the model's own forward does not use)
 @pytest.mark.parametrize("setting, reuses", [({}, True),
                                              ({"enable_prefix_caching": "false"}, False)])
 def test_a_repeated_prompt_reuses_its_keys_and_values_unless_turned_off(tiny_model_dir, setting,
