@@ -37,7 +37,7 @@ Example::
     >>> cache.row_of(a), cache.row_of(b)
     (0, 1)
     >>> c = cache.reserve()
-    >>> cache.set_length(c, 5); cache.release(b)
+    >>> cache.append(c, [7, 8, 9]); cache.release(b)
     >>> cache.place([a, c])       # c moves into b's row, next to a's
     0
     >>> cache.row_of(c)
@@ -133,11 +133,10 @@ class KVCache:
         self.values: List[torch.Tensor] = []
         self._allocate(_round_up(start, columns))
         self._row_of: Dict[int, int] = {}
-        self._length: Dict[int, int] = {}
-        # The tokens whose keys and values a handle's columns hold (``None``: not known,
-        # its length was set without them); and for a row no handle holds, what its
-        # columns still hold since its last holder left, the longest left first to go.
-        self._tokens: Dict[int, Optional[List[int]]] = {}
+        # The tokens whose keys and values a handle's columns hold (its length is theirs);
+        # and for a row no handle holds, what its columns still hold since its last holder
+        # left, the longest left first to go.
+        self._tokens: Dict[int, List[int]] = {}
         self._left: "collections.OrderedDict[int, List[int]]" = collections.OrderedDict()
         self.reuse_prefixes = reuse_prefixes
         #: Positions new rows started with, taken from other rows instead of computed.
@@ -158,7 +157,7 @@ class KVCache:
             values.append(zeroed_buffer((self.rows + 1, shape.heads, columns, shape.value_dim),
                                         self.dtype, device))
         if self.keys:  # growing: the columns written so far come along
-            used = max([*self._length.values(), *map(len, self._left.values())], default=0)
+            used = max(map(len, [*self._tokens.values(), *self._left.values()]), default=0)
             for old, new in zip(self.keys + self.values, keys + values):
                 new[:, :, :used].copy_(old[:, :, :used])
         self.keys, self.values = keys, values
@@ -192,7 +191,6 @@ class KVCache:
         handle = self._next_handle
         self._next_handle += 1
         self._row_of[handle] = row
-        self._length[handle] = reused
         self._tokens[handle] = list(prompt[:reused])
         self.reused_positions += reused
         if reused and source != row:
@@ -210,8 +208,7 @@ class KVCache:
         if limit < 1:
             return best
         prompt = list(prompt)
-        held = [(self._row_of[h], tokens) for h, tokens in self._tokens.items()
-                if tokens is not None]
+        held = [(self._row_of[h], tokens) for h, tokens in self._tokens.items()]
         for row, tokens in [*self._left.items(), *held]:
             count = common_prefix_length(tokens, prompt, limit)
             if count > best[1]:
@@ -230,9 +227,8 @@ class KVCache:
         """Give the row back; its contents stay for a later prompt that begins the same
         way, until another holder overwrites them."""
         row = self._row_of.pop(handle, None)
-        length = self._length.pop(handle, None)
         tokens = self._tokens.pop(handle, None)
-        if row is not None and tokens and len(tokens) == length:
+        if row is not None and tokens:
             self._left[row] = tokens
             self._left.move_to_end(row)
 
@@ -241,20 +237,11 @@ class KVCache:
 
     def length(self, handle: int) -> int:
         """Positions the row holds."""
-        return self._length[handle]
-
-    def set_length(self, handle: int, length: int) -> None:
-        """Say the row holds ``length`` positions, written by the caller (which tokens they
-        are is not known: no later prompt reuses them)."""
-        self._length[handle] = length
-        self._tokens[handle] = None
+        return len(self._tokens[handle])
 
     def append(self, handle: int, tokens: Sequence[int]) -> None:
         """Say the keys and values of ``tokens`` were written after the row's end."""
-        self._length[handle] += len(tokens)
-        known = self._tokens[handle]
-        if known is not None:
-            known.extend(int(t) for t in tokens)
+        self._tokens[handle].extend(map(int, tokens))
 
     def handles(self) -> List[int]:
         """Every handle held."""
@@ -321,7 +308,7 @@ class KVCache:
         return next((r for r in after if r not in self._left), after[0])
 
     def _move(self, handle: int, row: int) -> None:
-        source, used = self._row_of[handle], self._length[handle]
+        source, used = self._row_of[handle], len(self._tokens[handle])
         self._left.pop(row, None)
         if used:
             with torch.inference_mode():
@@ -344,18 +331,17 @@ class KVCache:
 
     def tokens_held(self) -> int:
         """Positions written, over every row held."""
-        return sum(self._length.values())
+        return sum(map(len, self._tokens.values()))
 
 
-def common_prefix_length(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    """How many leading items ``a`` and ``b`` share, at most ``limit`` (a binary search
-    over slice comparisons, which run in C: prompts may be thousands of tokens).
+def common_prefix_length(a: List[int], b: List[int], limit: int) -> int:
+    """How many leading items the lists ``a`` and ``b`` share, at most ``limit`` (a binary
+    search over slice comparisons, which run in C: prompts may be thousands of tokens).
 
     >>> common_prefix_length([1, 2, 3, 4], [1, 2, 9], 10), common_prefix_length([1, 2], [1, 2], 1)
     (2, 1)
     """
     low, high = 0, min(len(a), len(b), limit)
-    a, b = list(a), list(b)
     while low < high:
         middle = (low + high + 1) // 2
         if a[:middle] == b[:middle]:

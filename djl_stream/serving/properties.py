@@ -281,18 +281,16 @@ def _one_of(key: str, value: Any, choices: tuple) -> str:
     return text
 
 
-def _switches() -> frozenset:
-    """The properties that are plain switches: every field declared ``bool`` (so that a
-    new one is read as one, not as a string whose ``"false"`` would be true)."""
-    return frozenset(f.name for f in dataclasses.fields(ModelProperties)
-                     if f.type in ("bool", bool))
+#: The properties that are plain switches: every field declared ``bool`` (so that a new
+#: one is read as one, not as a string whose ``"false"`` would be true).
+_SWITCHES = frozenset(f.name for f in dataclasses.fields(ModelProperties)
+                      if f.type in ("bool", bool))
 
 
 def _typed(values: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    switches = _switches()
     for key, value in values.items():
-        if key in switches:
+        if key in _SWITCHES:
             out[key] = _as_bool(key, value)
         elif key == "quantize":
             text = str(value).strip().lower()
