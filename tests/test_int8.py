@@ -6,14 +6,18 @@ generating through them."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from conftest import build_tiny_llama, greedy_in_one_batch
 from djl_stream.generation.engines.accelerate import AccelerateEngine, AccelerateSettings
+from djl_stream.runtime.decode_program import CODE_SETTINGS
 from djl_stream.runtime.int8 import (Int8Linear, Int8WeightOnlyLinear, int8_matmul_unavailable,
                                      quantize_linear_layers, quantize_rows,
-                                     quantize_weights_only)
+                                     quantize_weights_only, word_product)
+from djl_stream.runtime.linear_layers import streaming_products
 from djl_stream.runtime.loading import load_model_and_tokenizer
 from djl_stream.runtime.runner import RunnerSettings, load_runner
 from djl_stream.serving.properties import ModelProperties
@@ -80,6 +84,45 @@ def test_a_weight_only_layer_multiplies_the_rounded_weight_by_the_rows_as_they_a
     assert quantized.weight.dtype == torch.int8 and quantized.weight.shape == (40, 96)
     assert quantized.weight_scale.shape == (40,)
     assert quantized(torch.randn(2, 0, 96)).shape == (2, 0, 40)
+
+
+@pytest.mark.parametrize("count", [0, 1, 3, 17])
+@pytest.mark.parametrize("out_features, width", [(1, 4), (5, 12), (40, 96)])
+def test_the_word_product_is_the_product_for_any_rows_and_width(count, out_features, width):
+    generator = torch.Generator().manual_seed(count)
+    weight = torch.randint(-128, 128, (out_features, width), dtype=torch.int8,
+                           generator=generator)  # (-128 too: every byte's sign extended)
+    # rows of small whole numbers: every product and sum is exact, in any order
+    rows = torch.randint(-8, 8, (count, width), generator=generator).float()
+    got = word_product(rows, weight)
+    assert got.shape == (count, out_features)
+    assert torch.equal(got, rows @ weight.float().T)
+
+
+@pytest.mark.parametrize("capability, reads_int8_vectors", [("AVX512", True), ("AVX2", False)])
+def test_a_compiled_int8_layer_reads_its_weights_as_the_cpu_s_vector_code_loads_them(
+        capability, reads_int8_vectors, monkeypatch):
+    # Whatever this CPU is, each rule's product compiles and computes the layer's eager
+    # result, one row alone as it does beside others; where the rule says int8 vectors are
+    # not loaded directly, the compiled code loads none (it reads float words instead).
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    torch.manual_seed(4)
+    layer = Int8WeightOnlyLinear.from_linear(torch.nn.Linear(96, 40))
+    rows = torch.randn(5, 96)
+    with torch.inference_mode():
+        expected = layer(rows)
+        for streamed in (True, False):
+            torch._dynamo.reset()
+            compiled = torch.compile(layer, dynamic=True, options=CODE_SETTINGS)
+            with streaming_products() if streamed else contextlib.nullcontext():
+                together, code = run_and_get_code(compiled, rows)
+                alone = compiled(rows[:1])
+            torch.testing.assert_close(together, expected, rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(alone, together[:1], rtol=1e-6, atol=1e-6)
+            assert ("Vectorized<int8_t>" in "".join(code)) == reads_int8_vectors
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("kind, _", KINDS)

@@ -9,7 +9,9 @@ nothing of the architecture around them.
 * :class:`Int8WeightOnlyLinear` (``int8``) multiplies in the activations' own precision:
   the int8 weight is turned into the activations' dtype and multiplied, the row scales
   applied to the result. The activations are not rounded, so a row computes what it
-  computes alone, and greedy text stays close to float32's.
+  computes alone, and greedy text stays close to float32's. A compiled decode step turns
+  each weight into a float as it reads it, from int8 vectors or from 32-bit words as the
+  CPU's vector code loads them best (:func:`loads_int8_directly`).
 * :class:`Int8Linear` (``w8a8``) rounds each input row to int8 too, with a scale of its
   own (dynamic, per token), and multiplies int8 by int8 into int32 with PyTorch's
   ``torch._int_mm`` (oneDNN; AVX512-VNNI, AVX-VNNI or AMX make it fast). This is what
@@ -37,12 +39,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from typing import Callable, Optional
 
 import torch
 
 from djl_stream.runtime.linear_layers import (blocked_product, linear_layers, products_stream,
-                                              streamed_product,
+                                              row_major, streamed_product,
                                               weights_used_beyond_linear_layers)
 from djl_stream.runtime.packed_linear import onednn_linear
 
@@ -180,6 +183,72 @@ def _whole_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return onednn_linear(rows, weight.to(rows.dtype))
 
 
+#: int8 weights in one 32-bit word (:func:`word_product`).
+WEIGHTS_PER_WORD = 4
+
+
+def loads_int8_directly(capability: Optional[str] = None) -> bool:
+    """Whether a compiled int8 product reads the int8 weights as they are
+    (:func:`~djl_stream.runtime.linear_layers.streamed_product`,
+    :func:`~djl_stream.runtime.linear_layers.blocked_product`) rather than four at a time
+    as 32-bit words (:func:`word_product`): where PyTorch's vector code for the CPU
+    (``capability``: ``torch.backends.cpu.get_cpu_capability()`` where not given) is
+    AVX-512.
+
+    The compiler vectorises a product at the width of a vector of floats, so it loads an
+    int8 weight vector a quarter full. PyTorch's AVX-512 code loads that quarter directly;
+    its AVX2 code (and its generic code) copies it into a full vector on the stack first,
+    and the load that follows waits for the copy to land: every weight costs a stall, and
+    a one-row step takes several times a float32 one. Its float loads are direct on every
+    CPU, so elsewhere the weights are read as float words and taken apart in registers.
+    A big-endian CPU keeps the int8 reads: a word's bytes would be in the other order.
+
+    >>> loads_int8_directly("AVX512"), loads_int8_directly("AVX2"), loads_int8_directly("DEFAULT")
+    (True, False, False)
+    """
+    if capability is None:
+        capability = torch.backends.cpu.get_cpu_capability()
+    return capability.upper().startswith("AVX512") or sys.byteorder != "little"
+
+
+def word_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``rows @ weight.T`` for an int8 ``weight`` whose rows are a whole number of 32-bit
+    words wide, written for a compiler: the weight is read as float32 words (four weights
+    each, a view of the same bytes, loaded as floats: see :func:`loads_int8_directly`),
+    and each weight is taken out of its word by integer shifts, as an int32 vector in
+    registers, and turned into a float there.
+
+    Byte ``k`` of word ``j`` is column ``4 * j + k``, so the rows' columns are first
+    gathered by byte (a copy of the rows, not of the weight): each of the four bytes of a
+    vector of words then multiplies a contiguous slice of the rows. As in
+    :func:`~djl_stream.runtime.linear_layers.streamed_product`, each output feature reads
+    its words once for every row, and a row's sums never depend on the rows beside it.
+
+    >>> rows = torch.randn(3, 8)
+    >>> weight = torch.randint(-127, 128, (5, 8), dtype=torch.int8)
+    >>> torch.allclose(word_product(rows, weight), rows @ weight.float().T, atol=1e-4)
+    True
+    """
+    out_features, width = weight.shape
+    per_byte = width // WEIGHTS_PER_WORD
+    count = rows.shape[0]
+    words = weight.view(torch.float32).view(torch.int32)  # (out, per_byte)
+    by_byte = row_major(rows.reshape(count, per_byte, WEIGHTS_PER_WORD).transpose(1, 2)
+                        .reshape(count, width)).view(count, WEIGHTS_PER_WORD, per_byte)
+    terms = None
+    for k in range(WEIGHTS_PER_WORD):
+        # byte k, sign-extended: shifted to the top of the word, then arithmetically down
+        byte = words >> 24 if k == WEIGHTS_PER_WORD - 1 else (words << (24 - 8 * k)) >> 24
+        term = byte.to(rows.dtype)[:, None, :] * by_byte[None, :, k, :]
+        terms = term if terms is None else terms + term
+    return row_major(terms.sum(-1).t())
+
+
+def _reads_words(weight: torch.Tensor) -> bool:
+    return (weight.shape[1] % WEIGHTS_PER_WORD == 0
+            and weight.storage_offset() % WEIGHTS_PER_WORD == 0 and not loads_int8_directly())
+
+
 class Int8WeightOnlyLinear(_Int8Weights):
     """``nn.Linear``'s forward through an int8 weight, in the input's precision
     (``option.quantize=int8``): see the module docstring."""
@@ -193,9 +262,13 @@ class Int8WeightOnlyLinear(_Int8Weights):
             # read again at every step). One row streams the weight at the speed of
             # memory; more rows make the step bound by arithmetic, where the blocked
             # product keeps several output features' sums going at once (see
-            # linear_layers). Prompts, of many rows each, run eagerly: see
-            # dequantized_product.
-            product = streamed_product if products_stream() else blocked_product
+            # linear_layers). Where int8 vectors are not loaded directly, the words are
+            # read instead, for any rows (loads_int8_directly). Prompts, of many rows
+            # each, run eagerly: see dequantized_product.
+            if _reads_words(self.weight):
+                product = word_product
+            else:
+                product = streamed_product if products_stream() else blocked_product
             out = product(rows, self.weight)
         else:
             out = dequantized_product(rows, self.weight)
