@@ -49,6 +49,10 @@ def _configs(vocab: int) -> Dict[str, Callable]:
                                    pad_token_id=0),
         "mixtral": lambda: t.MixtralConfig(num_key_value_heads=2, num_local_experts=4,
                                            num_experts_per_tok=2, sliding_window=WINDOW, **common),
+        # (its own attention code before transformers 5.25, the interface since)
+        "falcon": lambda: t.FalconConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=3,
+                                         num_attention_heads=4, new_decoder_architecture=True,
+                                         num_kv_heads=2, bos_token_id=1, eos_token_id=2),
         # (its decoder layers call attention without the forward's keyword arguments)
         "stablelm": lambda: t.StableLmConfig(num_key_value_heads=2, **common),
         # (alternating sliding layers that its masks apply: its attention is not told)
