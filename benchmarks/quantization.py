@@ -36,6 +36,7 @@ import torch
 from djl_stream.generation.batch import CausalLMBatch, generate_token
 from djl_stream.generation.sequence import GenerationSequence
 from djl_stream.runtime.loading import load_model_and_tokenizer
+from djl_stream.runtime.quantization import lacks_int8_dot_products
 from djl_stream.runtime.runner import ModelRunner, RunnerSettings, load_runner
 from djl_stream.serving.properties import ModelProperties, djl_init_properties
 
@@ -71,17 +72,17 @@ def _load(model_dir: str, method: str) -> ModelRunner:
     return runner
 
 
-def _row_name(method: str, unset: str = "float32", on_gpu: bool = False) -> str:
+def _row_name(method: str, unset: str = "float32", w8a8_serves_int8: bool = False) -> str:
     """
-    >>> _row_name("w8a8", "bfloat16", on_gpu=True)
-    '`w8a8` (a GPU serves `int8` for it), eager decode step'
+    >>> _row_name("w8a8", "bfloat16", w8a8_serves_int8=True)
+    '`w8a8` (`int8` serves for it here), eager decode step'
     """
     compiled = method.endswith(COMPILED)
     method = method[:-len(COMPILED)] if compiled else method
     name = (f"unset ({unset})" if method == "none"
             else f"unset, `option.dtype={method}`" if method in DTYPES else f"`{method}`")
-    if method == "w8a8" and on_gpu:  # (djl_stream.runtime.quantization says why)
-        name += " (a GPU serves `int8` for it)"
+    if method == "w8a8" and w8a8_serves_int8:  # (djl_stream.runtime.quantization says why)
+        name += " (`int8` serves for it here)"
     return name + (", compiled decode step" if compiled else ", eager decode step")
 
 
@@ -156,7 +157,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             ids = greedy_ids(runner, tokenizer, prompt, args.tokens)
             firsts.append(next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), len(ref)))
             shares.append(teacher_forced_agreement(runner.model, prompt, ref))
-        lines.append(f"| {_row_name(method, unset, args.device == 'cuda')} | {step * 1e3:.1f} ms | {base / step:.2f}x | "
+        lines.append(f"| {_row_name(method, unset, args.device == 'cuda' or lacks_int8_dot_products())} | {step * 1e3:.1f} ms | {base / step:.2f}x | "
                      f"{', '.join(map(str, firsts))} of {args.tokens} | "
                      f"{statistics.mean(shares) * 100:.1f} % |")
     print("\n".join(lines))

@@ -101,12 +101,13 @@ def test_on_cuda_w8a8_serves_torchao_s_int8_weight_only_config_and_says_so(caplo
 
 @pytest.mark.skipif(int8_matmul_unavailable() is not None,
                     reason=f"w8a8's int8 layers need torch._int_mm: {int8_matmul_unavailable()}")
-@pytest.mark.parametrize("flags,warned", [("fpu sse2 avx2 fma", True),
-                                          ("fpu avx2 avx512f avx512_vnni", False),
-                                          ("fpu avx2 avx_vnni", False)])
-def test_w8a8_on_a_cpu_without_int8_dot_products_says_float32_is_faster(
-        tiny_model_dir, tmp_path, monkeypatch, caplog, flags, warned):
-    # (measured on a 2-core AMD EPYC without them: w8a8 0.3x float32's tokens/s)
+@pytest.mark.parametrize("flags,layer", [("fpu sse2 avx2 fma", "Int8WeightOnlyLinear"),
+                                         ("fpu avx2 avx512f avx512_vnni", "Int8Linear"),
+                                         ("fpu avx2 avx_vnni", "Int8Linear")])
+def test_w8a8_on_a_cpu_without_int8_dot_products_serves_int8_and_says_why(
+        tiny_model_dir, tmp_path, monkeypatch, caplog, flags, layer):
+    # (PyTorch's integer product runs at about a scalar loop's speed without them: w8a8
+    # decoded slower than float32 at every batch size on a 2-core AVX2 EPYC)
     from djl_stream.runtime import quantization
 
     cpuinfo = tmp_path / "cpuinfo"
@@ -116,8 +117,10 @@ def test_w8a8_on_a_cpu_without_int8_dot_products_says_float32_is_faster(
     # a CPU's load, on a machine with a GPU too
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     model = load(tiny_model_dir, quantize="w8a8")
-    assert type(model.model.layers[0].mlp.down_proj).__name__ == "Int8Linear"
-    assert ("without int8 dot-product instructions" in caplog.text) == warned
+    assert {type(m).__name__ for name, m in model.named_modules()
+            if name.endswith(("_proj", "lm_head"))} == {layer}
+    warned = "without int8 dot-product instructions" in caplog.text
+    assert warned == (layer == "Int8WeightOnlyLinear")
 
 
 def test_a_cpu_whose_flags_cannot_be_read_is_not_judged(tmp_path):

@@ -248,7 +248,8 @@ PEERS: Dict[str, Peer] = {peer.name: peer for peer in (
                      weights_on_gpu="int8 weight-only (torchao), from model/",
                      options=(("quantize", "int8"),)),
     _djl_stream_peer("djl-stream w8a8",
-                     weights="int8 weights and per-token int8 activations, from model/",
+                     weights="int8 weights and per-token int8 activations (int8 weight-only "
+                             "on a CPU without int8 dot products), from model/",
                      weights_on_gpu="int8 weight-only (torchao), from model/ "
                                     "(option.quantize=w8a8 serves int8 on a GPU)",
                      options=(("quantize", "w8a8"),)),

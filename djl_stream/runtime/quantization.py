@@ -20,12 +20,15 @@
     int8 mode where the CPU has int8 dot-product instructions (AVX512-VNNI, AVX-VNNI, AMX), but
     rounding the activations too makes it less faithful to float32 than ``int8`` (see
     ``make bench-quantization``). The LM head is quantized too. A row's scales are its
-    own, so batching does not change a request's text. On a GPU it serves ``int8``
-    instead, with a warning: torchao's ``Int8DynamicActivationInt8WeightConfig``, the same
-    arithmetic there, runs eagerly with a host synchronization per input feature (576 per
-    input feature), many times slower than weight-only ``int8`` (BENCHMARKS.md), which
-    stores the same int8 weights. So a model directory set up for a CPU's ``w8a8`` goes
-    to a GPU without an edit.
+    own, so batching does not change a request's text. Where its integer products are
+    slow it serves ``int8`` instead, with a warning, since ``int8`` stores the same int8
+    weights: on a GPU, where torchao's ``Int8DynamicActivationInt8WeightConfig``, the same
+    arithmetic, runs eagerly with a host synchronization per input feature, many times
+    slower than weight-only ``int8`` (BENCHMARKS.md); and on an x86 CPU without int8
+    dot-product instructions, where PyTorch's integer product runs at about a scalar
+    loop's speed, slower than float32 at every batch size (BENCHMARKS.md). So a model
+    directory set up for one CPU's ``w8a8`` goes to a GPU or to another CPU without an
+    edit.
 ``bitsandbytes8`` / ``bitsandbytes4``
     bitsandbytes' LLM.int8() and 4-bit NF4, djl-serving's own names for them (its
     deprecated ``option.load_in_8bit=true`` / ``option.load_in_4bit=true`` mean the
@@ -104,7 +107,8 @@ def quantize_after_load(model, method: Optional[str], *, on_gpu: bool) -> int:
     (:func:`~djl_stream.runtime.int8.quantize_weights_only`) or ``w8a8``'s
     (:func:`~djl_stream.runtime.int8.quantize_linear_layers`); returns how many
     layers were quantized (0 for every other method, which :func:`quantization_kwargs`
-    hands to ``from_pretrained``).
+    hands to ``from_pretrained``). ``w8a8`` on an x86 CPU without int8 dot-product
+    instructions gets ``int8``'s layers, logged (see the module docstring).
 
     Raises :class:`QuantizationUnavailable` where ``int8`` or ``w8a8`` was asked for and
     no layer could be quantized (the message says why), rather than serve float32
@@ -112,6 +116,13 @@ def quantize_after_load(model, method: Optional[str], *, on_gpu: bool) -> int:
     """
     if on_gpu or method not in ("int8", "w8a8"):
         return 0
+    if method == "w8a8" and lacks_int8_dot_products():
+        logger.warning("option.quantize=w8a8 on a CPU without int8 dot-product instructions "
+                       "(AVX512-VNNI, AVX-VNNI or AMX), where PyTorch's integer products are "
+                       "many times slower than float32's: serving int8 weight-only weights "
+                       "instead (option.quantize=int8: the same int8 weights, float "
+                       "activations)")
+        method = "int8"
     if method == "int8":
         from djl_stream.runtime.int8 import quantize_weights_only
 
@@ -131,11 +142,6 @@ def quantize_after_load(model, method: Optional[str], *, on_gpu: bool) -> int:
             f"{int8_matmul_unavailable() or 'the model has no float32 nn.Linear on the CPU'}")
     logger.info("quantized %d linear layers to int8 weights and activations (w8a8)",
                 quantized)
-    if lacks_int8_dot_products():
-        logger.warning("option.quantize=w8a8 on a CPU without int8 dot-product instructions "
-                       "(AVX512-VNNI, AVX-VNNI or AMX): PyTorch's integer products are slow "
-                       "here, and float32 may decode faster; option.quantize=int8 is the "
-                       "int8 mode for this CPU")
     return quantized
 
 

@@ -134,8 +134,8 @@ class ModelProperties:
         see="performance.md#precision-and-quantization")
     quantize: Optional[str] = _property(
         None, "load the weights quantized: `int8` (weight-only), `w8a8` (int8 weights and "
-              "activations, on a CPU with int8 dot products), `bitsandbytes8`, "
-              "`bitsandbytes4` (CUDA)", shown="unset",
+              "activations on a CPU with int8 dot products; `int8` elsewhere), "
+              "`bitsandbytes8`, `bitsandbytes4` (CUDA)", shown="unset",
         see="performance.md#precision-and-quantization")
     compile: Optional[bool] = _property(
         None, "compile the decode step in the background (a CPU) or replay it from CUDA "
