@@ -123,6 +123,27 @@ def test_w8a8_on_a_cpu_without_int8_dot_products_serves_int8_and_says_why(
     assert warned == (layer == "Int8WeightOnlyLinear")
 
 
+@pytest.mark.parametrize("flags,warned", [("fpu sse2 avx2 fma", True),
+                                          ("fpu avx2 avx512f avx512_bf16", False),
+                                          ("fpu avx2 amx_bf16 amx_tile", False)])
+def test_bf16_on_a_cpu_without_bfloat16_arithmetic_says_float32_serves_many_clients_faster(
+        tiny_model_dir, tmp_path, monkeypatch, caplog, flags, warned):
+    # (a step of sixteen rows took several times float32's on a 2-core AVX2 EPYC)
+    from djl_stream.runtime import cpu_info, loading
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    monkeypatch.setattr(loading, "lacks_x86_flags",
+                        lambda wanted: cpu_info.lacks_x86_flags(wanted, str(cpuinfo)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model = load(tiny_model_dir, dtype="bf16")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert ("without bfloat16 arithmetic" in caplog.text) == warned
+    caplog.clear()
+    load(tiny_model_dir)  # (float32: nothing to say)
+    assert "without bfloat16 arithmetic" not in caplog.text
+
+
 def test_a_cpu_whose_flags_cannot_be_read_is_not_judged(tmp_path):
     from djl_stream.runtime.quantization import lacks_int8_dot_products
 

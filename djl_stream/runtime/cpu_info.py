@@ -1,8 +1,9 @@
 """What ``/proc/cpuinfo`` says of this CPU, read in one place: the compiled decode step's
-cache key names the instruction-set flags (:mod:`~djl_stream.runtime.decode_program`), and
+cache key names the instruction-set flags (:mod:`~djl_stream.runtime.decode_program`),
 ``option.quantize=w8a8`` looks for int8 dot-product instructions among them
-(:mod:`~djl_stream.runtime.quantization`). :func:`usable_cores` counts the cores this
-process may run on.
+(:mod:`~djl_stream.runtime.quantization`) and ``option.dtype=bf16`` for bfloat16
+arithmetic (:mod:`~djl_stream.runtime.loading`), both through :func:`lacks_x86_flags`.
+:func:`usable_cores` counts the cores this process may run on.
 
 Example::
 
@@ -35,6 +36,20 @@ def cpu_fields(wanted: Iterable[str], cpuinfo: str = "/proc/cpuinfo") -> Optiona
             return seen
     except OSError:
         return None
+
+
+def lacks_x86_flags(flags: Iterable[str], cpuinfo: str = "/proc/cpuinfo") -> bool:
+    r"""Whether this is an x86 CPU whose flags name none of ``flags`` (``False`` where
+    ``cpuinfo`` cannot be read or has no x86 flags: another architecture is not judged).
+
+    >>> import tempfile
+    >>> with tempfile.NamedTemporaryFile("w", suffix="cpuinfo") as f:
+    ...     _ = f.write("flags\t\t: fpu sse2 avx2 fma\n"); f.flush()
+    ...     lacks_x86_flags({"avx512_vnni", "avx_vnni"}, f.name), lacks_x86_flags({"fma"}, f.name)
+    (True, False)
+    """
+    present = (cpu_fields(("flags",), cpuinfo) or {}).get("flags")
+    return present is not None and not (set(present.split()) & set(flags))
 
 
 def usable_cores() -> int:

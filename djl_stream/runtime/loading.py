@@ -24,11 +24,16 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Dict, MutableMapping, Optional, Protocol, Tuple, TypeVar
 
+from djl_stream.runtime.cpu_info import lacks_x86_flags
 from djl_stream.runtime.memory import keep_freed_memory
 from djl_stream.runtime.quantization import (QuantizationUnavailable, quantization_kwargs,
                                              quantize_after_load)
 
 logger = logging.getLogger(__name__)
+
+#: x86 flags of the instructions that multiply bfloat16 numbers, which oneDNN's bfloat16
+#: products are fast with; without them a product of several rows converts every weight.
+BFLOAT16_ARITHMETIC_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 T = TypeVar("T")
 
@@ -195,6 +200,11 @@ def _load_model_and_tokenizer(props: LoadOptions) -> Tuple[Any, Any]:
         else:
             logger.info("malloc left as it is: %s", allocator.reason)
     dtype = torch_dtype(props, on_gpu)
+    if not on_gpu and dtype == torch.bfloat16 and lacks_x86_flags(BFLOAT16_ARITHMETIC_FLAGS):
+        logger.warning("option.dtype=bf16 on a CPU without bfloat16 arithmetic (AVX512-BF16 "
+                       "or AMX): one stream reads half of float32's bytes, but products of "
+                       "several rows run many times slower than float32's, so many clients "
+                       "are served faster with option.dtype=fp32")
     try:
         quantization = quantization_kwargs(props.quantize, on_gpu=on_gpu, compute_dtype=dtype)
     except QuantizationUnavailable as error:

@@ -57,6 +57,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, Optional
 
+from djl_stream.runtime.cpu_info import lacks_x86_flags
+
 logger = logging.getLogger(__name__)
 
 #: What ``option.quantize`` accepts.
@@ -151,20 +153,9 @@ INT8_DOT_PRODUCT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
 def lacks_int8_dot_products(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    r"""Whether this is an x86 CPU whose flags name none of
-    :data:`INT8_DOT_PRODUCT_FLAGS` (``False`` where ``cpuinfo`` cannot be read or has no
-    x86 flags: another architecture is not judged).
-
-    >>> import tempfile
-    >>> with tempfile.NamedTemporaryFile("w", suffix="cpuinfo") as f:
-    ...     _ = f.write("flags\t\t: fpu sse2 avx2 fma\n"); f.flush()
-    ...     lacks_int8_dot_products(f.name)
-    True
-    """
-    from djl_stream.runtime.cpu_info import cpu_fields
-
-    flags = (cpu_fields(("flags",), cpuinfo) or {}).get("flags")
-    return flags is not None and not (set(flags.split()) & INT8_DOT_PRODUCT_FLAGS)
+    """Whether this is an x86 CPU whose flags name none of :data:`INT8_DOT_PRODUCT_FLAGS`
+    (:func:`~djl_stream.runtime.cpu_info.lacks_x86_flags`)."""
+    return lacks_x86_flags(INT8_DOT_PRODUCT_FLAGS, cpuinfo)
 
 
 def _torchao(method: str, config_name: str):
