@@ -330,6 +330,7 @@ class ProgramBuilder:
     def __init__(self, model: torch.nn.Module, geometry: CacheGeometry, *,
                  root: Optional[Path] = None, streamed_rows: Optional[int] = None) -> None:
         from djl_stream.runtime.int8 import quantized_method
+        from djl_stream.runtime.linear_layers import linear_layer_names
         from djl_stream.runtime.packed_linear import is_packed, keeps_float_weights
 
         self.model = model
@@ -338,6 +339,8 @@ class ProgramBuilder:
         self.quantize = quantized_method(model)
         self.packed = is_packed(model)
         self.float_weights = keeps_float_weights(model)
+        # (layers no replacement took: the model's code reads their weights itself)
+        self.plain_layers = sorted(linear_layer_names(model).values())
         self.key = program_key(model, geometry, streamed_rows)
         self.folder = (root or cache_root()) / self.key
         self.path = self.folder / "program.pt2"
@@ -428,6 +431,7 @@ class ProgramBuilder:
                 "quantize": self.quantize,
                 "packed": self.packed,
                 "float_weights": self.float_weights,
+                "plain_layers": self.plain_layers,
                 "streamed_rows": self.streamed_rows,
                 "geometry": self.geometry.as_dict(),
                 "target": str(work_dir / "program.pt2"),
@@ -556,11 +560,13 @@ def _stop_builders() -> None:
 
 def structural_twin(config_dict: Dict[str, Any], dtype: str, quantize: Optional[str],
                     buffers: Dict[str, torch.Tensor], packed: bool = False,
-                    float_weights: bool = False) -> torch.nn.Module:
+                    float_weights: bool = False,
+                    plain_layers: Sequence[str] = ()) -> torch.nn.Module:
     """The served model's structure from its config, its weights allocated but never
     written (the program only needs their shapes), its buffers the served model's;
     ``packed``: its linear layers packed as the served model's are (without reordered
-    weights; with float weights where ``float_weights``)."""
+    weights; with float weights where ``float_weights``). The linear layers
+    ``plain_layers`` names stay ``nn.Linear``, as the served model's did."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -578,11 +584,11 @@ def structural_twin(config_dict: Dict[str, Any], dtype: str, quantize: Optional[
     if quantize:
         from djl_stream.runtime.int8 import quantize_structure
 
-        quantize_structure(model, quantize)
+        quantize_structure(model, quantize, leaving_out=plain_layers)
     if packed:
         from djl_stream.runtime.packed_linear import pack_structure
 
-        pack_structure(model, keep_float_weights=float_weights)
+        pack_structure(model, keep_float_weights=float_weights, leaving_out=plain_layers)
     own = dict(model.named_buffers(remove_duplicate=False))
     for name, value in buffers.items():
         if name in own:
@@ -613,7 +619,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     spec = json.loads((work / "spec.json").read_text())
     buffers = torch.load(work / "buffers.pt")
     model = structural_twin(spec["config"], spec["dtype"], spec["quantize"], buffers,
-                            spec.get("packed", False), spec.get("float_weights", False))
+                            spec.get("packed", False), spec.get("float_weights", False),
+                            spec.get("plain_layers", ()))
     use_attention(model)
     export_and_compile(model, CacheGeometry.from_dict(spec["geometry"]), Path(spec["target"]),
                        spec.get("streamed_rows"))

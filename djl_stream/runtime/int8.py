@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from typing import Callable, Optional
+from typing import Callable, Collection, Optional
 
 import torch
 
@@ -301,11 +301,14 @@ class Int8Linear(_Int8Weights):
                 f"bias={self.bias is not None}, int8 weights and per-row int8 activations")
 
 
-def replace_linear_layers(model: torch.nn.Module, make: Callable) -> int:
+def replace_linear_layers(model: torch.nn.Module, make: Callable,
+                          leaving_out: Collection[str] = ()) -> int:
     """Replace each plain ``nn.Linear`` of ``model`` by ``make(layer)`` (``None`` leaves it),
-    one at a time, so that each float weight is let go before the next is made; returns
-    how many were replaced. A weight another module still uses (a tied input embedding)
-    is replaced by a copy that says so (``weight.duplicates_a_weight``).
+    but those ``leaving_out`` names (see
+    :func:`~djl_stream.runtime.linear_layers.linear_layers_read_elsewhere`), one at a time,
+    so that each float weight is let go before the next is made; returns how many were
+    replaced. A weight another module still uses (a tied input embedding) is replaced by a
+    copy that says so (``weight.duplicates_a_weight``).
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     >>> replace_linear_layers(model, Int8WeightOnlyLinear.from_linear)
@@ -313,7 +316,7 @@ def replace_linear_layers(model: torch.nn.Module, make: Callable) -> int:
     """
     kept = weights_used_beyond_linear_layers(model)
     count = 0
-    for parent, name in [(parent, name) for parent, name, _ in linear_layers(model)]:
+    for parent, name in [(parent, name) for parent, name, _ in linear_layers(model, leaving_out)]:
         layer = getattr(parent, name)
         replacement = make(layer)
         if replacement is None:
@@ -334,24 +337,25 @@ def quantized_method(model: torch.nn.Module) -> Optional[str]:
     return next((method for method, layer in LAYERS.items() if layer in kinds), None)
 
 
-def quantize_structure(model: torch.nn.Module, method: str) -> int:
-    """Put ``method``'s layers in place of ``model``'s, their weights unwritten (see
-    :meth:`_Int8Weights.empty_like`)."""
-    return replace_linear_layers(model, LAYERS[method].empty_like)
+def quantize_structure(model: torch.nn.Module, method: str,
+                       leaving_out: Collection[str] = ()) -> int:
+    """Put ``method``'s layers in place of ``model``'s (but those ``leaving_out`` names),
+    their weights unwritten (see :meth:`_Int8Weights.empty_like`)."""
+    return replace_linear_layers(model, LAYERS[method].empty_like, leaving_out)
 
 
-def quantize_weights_only(model: torch.nn.Module) -> int:
-    """``option.quantize=int8`` on a CPU: every plain float ``nn.Linear`` by its
-    :class:`Int8WeightOnlyLinear`; how many were replaced."""
-    return replace_linear_layers(model, Int8WeightOnlyLinear.from_linear)
+def quantize_weights_only(model: torch.nn.Module, leaving_out: Collection[str] = ()) -> int:
+    """``option.quantize=int8`` on a CPU: every plain float ``nn.Linear`` (but those
+    ``leaving_out`` names) by its :class:`Int8WeightOnlyLinear`; how many were replaced."""
+    return replace_linear_layers(model, Int8WeightOnlyLinear.from_linear, leaving_out)
 
 
-def quantize_linear_layers(model: torch.nn.Module) -> int:
-    """``option.quantize=w8a8`` on a CPU: every plain float ``nn.Linear`` by its
-    :class:`Int8Linear`; how many were replaced (none, logged, where this PyTorch cannot
-    multiply int8 on a CPU)."""
+def quantize_linear_layers(model: torch.nn.Module, leaving_out: Collection[str] = ()) -> int:
+    """``option.quantize=w8a8`` on a CPU: every plain float ``nn.Linear`` (but those
+    ``leaving_out`` names) by its :class:`Int8Linear`; how many were replaced (none,
+    logged, where this PyTorch cannot multiply int8 on a CPU)."""
     unavailable = int8_matmul_unavailable()
     if unavailable is not None:
         logger.warning("int8 linear layers unavailable: %s", unavailable)
         return 0
-    return replace_linear_layers(model, Int8Linear.from_linear)
+    return replace_linear_layers(model, Int8Linear.from_linear, leaving_out)

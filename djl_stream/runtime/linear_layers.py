@@ -1,6 +1,13 @@
 """What every replacement of a model's ``nn.Linear`` layers shares: finding the layers, the
-weights they must not take over, and the product a compiled decode step of few rows
-multiplies by.
+weights they must not take over, the layers that must stay as they are, and the product a
+compiled decode step of few rows multiplies by.
+
+A replacement (int8 weights, weights reordered for oneDNN) serves what the layer's own
+forward serves, and nothing else: a model whose code reads a layer's weight itself
+(Mamba's mixer multiplies by ``dt_proj.weight``; some models cast their activations to
+``layer.weight.dtype``) would read int8 numbers or no weight at all. Such layers are found
+by running the model once and watching what reads their weights
+(:func:`linear_layers_read_elsewhere`), and keep their ``nn.Linear``.
 
 A decode step multiplies a few rows (one per running sequence) by every weight of the
 model, so on a CPU its time is the time it takes to read the weights. A matrix library
@@ -25,11 +32,16 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
-from typing import Iterator, Optional
+from typing import Collection, Dict, Iterator, List, Optional
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+logger = logging.getLogger(__name__)
 
 #: The most rows a decode step multiplies through :func:`streamed_product` where a blocked
 #: product is at hand too, for float32 weights. The reduction reads each weight once and
@@ -60,10 +72,108 @@ def streamed_rows(weight_dtype: torch.dtype) -> int:
     return max(1, STREAMED_ROWS * width // 4)
 
 
-def linear_layers(model: torch.nn.Module):
-    """Every ``(parent, name, layer)`` of ``model`` whose layer is a plain ``nn.Linear``."""
-    return [(parent, name, child) for parent in model.modules()
-            for name, child in parent.named_children() if type(child) is torch.nn.Linear]
+def linear_layers(model: torch.nn.Module, leaving_out: Collection[str] = ()):
+    """Every ``(parent, name, layer)`` of ``model`` whose layer is a plain ``nn.Linear``, but
+    those whose qualified names (``model.layers.0.mlp.down_proj``) ``leaving_out`` holds."""
+    skipped = set(leaving_out)
+    return [(parent, name, child) for prefix, parent in model.named_modules()
+            for name, child in parent.named_children()
+            if type(child) is torch.nn.Linear and _qualified(prefix, name) not in skipped]
+
+
+def linear_layer_names(model: torch.nn.Module) -> Dict[int, str]:
+    """The qualified name of each plain ``nn.Linear`` of ``model``, by the layer's ``id``.
+
+    >>> inner = torch.nn.Sequential(torch.nn.Linear(8, 2))
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), inner)
+    >>> sorted(linear_layer_names(model).values())
+    ['0', '1.0']
+    """
+    return {id(child): _qualified(prefix, name) for prefix, parent in model.named_modules()
+            for name, child in parent.named_children() if type(child) is torch.nn.Linear}
+
+
+def _qualified(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+#: What a replacement's weight still says as the float weight did: reading these is no use
+#: of the float numbers (a ``dtype`` read is: the activations would be cast to int8).
+_PROPERTIES_KEPT = frozenset({"shape", "device", "ndim", "layout", "requires_grad", "is_cpu",
+                              "is_cuda", "is_meta"})
+
+
+def linear_layers_read_elsewhere(model: torch.nn.Module) -> List[str]:
+    """The qualified names of ``model``'s plain ``nn.Linear`` layers whose weight or bias its
+    forward uses other than through the module that holds it (see the module docstring):
+    found by running the forward on two tokens while watching every torch function it
+    calls. A linear layer may use its weight in its product only; a module that holds
+    the same weight too (an input embedding tied to the LM head) may use it as it likes.
+    Empty, logged, where the forward fails.
+
+    >>> class ReadsAWeight(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.used, self.read = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    ...     def forward(self, input_ids, **kwargs):
+    ...         x = torch.ones(1, 4, dtype=self.used.weight.dtype)  # (a read too)
+    ...         return self.used(x) + x @ self.read.weight.T
+    >>> linear_layers_read_elsewhere(ReadsAWeight())
+    ['read', 'used']
+    """
+    names = linear_layer_names(model)
+    layer_of = {}  # each watched tensor's linear layer, by the tensor's id
+    for _, _, layer in linear_layers(model):
+        for tensor in (layer.weight, layer.bias):
+            if tensor is not None:
+                layer_of[id(tensor)] = layer
+    if not layer_of:
+        return []
+    holders = [module for module in model.modules()
+               if any(id(p) in layer_of for p in module.parameters(recurse=False))]
+    running: List[torch.nn.Module] = []
+    read = set()
+
+    def held_by_the_running_module(tensor: torch.Tensor, func) -> bool:
+        if not running or not any(p is tensor for p in running[-1].parameters(recurse=False)):
+            return False
+        return type(running[-1]) is not torch.nn.Linear or func is torch.nn.functional.linear
+
+    class WatchWeights(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            for value in tree_flatten((args, kwargs))[0]:
+                layer = layer_of.get(id(value)) if isinstance(value, torch.Tensor) else None
+                if layer is None or held_by_the_running_module(value, func):
+                    continue
+                if getattr(getattr(func, "__self__", None), "__name__", None) \
+                        not in _PROPERTIES_KEPT:
+                    read.add(names[id(layer)])
+            return func(*args, **kwargs)
+
+    def enter(module, _inputs) -> None:
+        running.append(module)
+
+    def leave(*_) -> None:  # (a hook that returned something would replace the output)
+        running.pop()
+
+    hooks = [handle for module in holders for handle in (
+        module.register_forward_pre_hook(enter),
+        module.register_forward_hook(leave, always_call=True))]
+    device = next(model.parameters()).device
+    try:
+        with torch.no_grad(), WatchWeights():
+            model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=device),
+                  use_cache=False)
+    except Exception as error:  # noqa: BLE001 - whatever fails, nothing was learnt
+        logger.warning("could not watch which linear weights the model's code reads (its "
+                       "forward failed: %s: %s); every linear layer may be replaced",
+                       type(error).__name__, error)
+        return []
+    finally:
+        for handle in hooks:
+            handle.remove()
+    return sorted(read)
 
 
 def weights_used_beyond_linear_layers(model: torch.nn.Module) -> set:
@@ -72,6 +182,18 @@ def weights_used_beyond_linear_layers(model: torch.nn.Module) -> set:
     rather than taking it over, and says so."""
     return {id(p) for module in model.modules() if type(module) is not torch.nn.Linear
             for p in module.parameters(recurse=False)}
+
+
+def layers_that_stay_float(model, replacement: str) -> List[str]:
+    """The names of ``model``'s linear layers that keep their float weights because its
+    code reads them beyond the layers' own products (:func:`linear_layers_read_elsewhere`),
+    said once where there are any (``replacement``: what the others get)."""
+    kept = linear_layers_read_elsewhere(model)
+    if kept:
+        logger.info("%d linear layers keep their float weights instead of %s: the model's "
+                    "code reads them beyond the layers' own products (%s)", len(kept),
+                    replacement, ", ".join(kept[:3]) + (", ..." if len(kept) > 3 else ""))
+    return kept
 
 
 def streamed_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ import contextlib
 import functools
 import logging
 import threading
-from typing import Iterator, List, Optional, Sequence
+from typing import Collection, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -221,8 +221,11 @@ def available_memory() -> Optional[int]:
     return None
 
 
-def pack_linear_layers(model: torch.nn.Module, keep_float_weights: bool = False) -> int:
-    """Replace each plain float ``nn.Linear`` of ``model`` on the CPU by its
+def pack_linear_layers(model: torch.nn.Module, keep_float_weights: bool = False,
+                       leaving_out: Collection[str] = ()) -> int:
+    """Replace each plain float ``nn.Linear`` of ``model`` on the CPU (but those
+    ``leaving_out`` names: see
+    :func:`~djl_stream.runtime.linear_layers.linear_layers_read_elsewhere`) by its
     :class:`PackedLinear`, one at a time; returns how many were replaced. Layers already
     packed stay as they are. ``keep_float_weights``: each keeps its float weight too
     (see :func:`float_weights_fit_twice`); otherwise each float weight is let go before
@@ -235,7 +238,8 @@ def pack_linear_layers(model: torch.nn.Module, keep_float_weights: bool = False)
     resident beside the reordered copies, the weights counted twice.
     """
     count = _replace(model, functools.partial(PackedLinear.from_linear,
-                                              keep_float_weight=keep_float_weights))
+                                              keep_float_weight=keep_float_weights),
+                     leaving_out)
     if count and not keep_float_weights:
         with torch.no_grad():
             for tensor in list(model.parameters()) + list(model.buffers()):
@@ -244,12 +248,14 @@ def pack_linear_layers(model: torch.nn.Module, keep_float_weights: bool = False)
     return count
 
 
-def pack_structure(model: torch.nn.Module, keep_float_weights: bool = False) -> int:
+def pack_structure(model: torch.nn.Module, keep_float_weights: bool = False,
+                   leaving_out: Collection[str] = ()) -> int:
     """Put :class:`PackedLinear` layers without reordered weights where
     :func:`pack_linear_layers` puts packed ones, with the same indices (and float weights
     where the served model keeps them): the structure a compiling process exports."""
     return _replace(model, functools.partial(PackedLinear.empty_like,
-                                             keep_float_weight=keep_float_weights))
+                                             keep_float_weight=keep_float_weights),
+                    leaving_out)
 
 
 def is_packed(model: torch.nn.Module) -> bool:
@@ -262,13 +268,13 @@ def keeps_float_weights(model: torch.nn.Module) -> bool:
     return any(isinstance(m, PackedLinear) and m.weight is not None for m in model.modules())
 
 
-def _replace(model: torch.nn.Module, make) -> int:
+def _replace(model: torch.nn.Module, make, leaving_out: Collection[str] = ()) -> int:
     start = sum(1 for m in model.modules() if isinstance(m, PackedLinear))
     # A weight another module still uses is packed as a copy, which says so: the model's
     # weights are not counted twice.
     kept = weights_used_beyond_linear_layers(model)
     count = 0
-    for parent, name, layer in linear_layers(model):
+    for parent, name, layer in linear_layers(model, leaving_out):
         replacement = make(layer, start + count)
         if replacement is None:
             continue

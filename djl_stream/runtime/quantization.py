@@ -58,6 +58,7 @@ import logging
 from typing import Any, Dict, Optional
 
 from djl_stream.runtime.cpu_info import lacks_x86_flags
+from djl_stream.runtime.linear_layers import layers_that_stay_float
 
 logger = logging.getLogger(__name__)
 
@@ -112,12 +113,16 @@ def quantize_after_load(model, method: Optional[str], *, on_gpu: bool) -> int:
     hands to ``from_pretrained``). ``w8a8`` on an x86 CPU without int8 dot-product
     instructions gets ``int8``'s layers, logged (see the module docstring).
 
+    Layers whose weights the model's code reads beyond their own product keep their float
+    weights, logged (:func:`~djl_stream.runtime.linear_layers.linear_layers_read_elsewhere`).
+
     Raises :class:`QuantizationUnavailable` where ``int8`` or ``w8a8`` was asked for and
     no layer could be quantized (the message says why), rather than serve float32
     silently.
     """
     if on_gpu or method not in ("int8", "w8a8"):
         return 0
+    kept = layers_that_stay_float(model, "int8 weights")
     if method == "w8a8" and lacks_int8_dot_products():
         logger.warning("option.quantize=w8a8 on a CPU without int8 dot-product instructions "
                        "(AVX512-VNNI, AVX-VNNI or AMX), where PyTorch's integer products are "
@@ -128,7 +133,7 @@ def quantize_after_load(model, method: Optional[str], *, on_gpu: bool) -> int:
     if method == "int8":
         from djl_stream.runtime.int8 import quantize_weights_only
 
-        quantized = quantize_weights_only(model)
+        quantized = quantize_weights_only(model, leaving_out=kept)
         if not quantized:
             raise QuantizationUnavailable(
                 "option.quantize=int8: no linear layer could be quantized (the model has "
@@ -137,7 +142,7 @@ def quantize_after_load(model, method: Optional[str], *, on_gpu: bool) -> int:
         return quantized
     from djl_stream.runtime.int8 import int8_matmul_unavailable, quantize_linear_layers
 
-    quantized = quantize_linear_layers(model)
+    quantized = quantize_linear_layers(model, leaving_out=kept)
     if not quantized:
         raise QuantizationUnavailable(
             "option.quantize=w8a8: no linear layer could be quantized: "

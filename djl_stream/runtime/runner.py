@@ -645,13 +645,15 @@ def _pack_linear_layers(model) -> None:
     """Lay the weights of the model's linear layers out for oneDNN where they sit on a CPU
     that has it, keeping the float weights too where both fit in memory (see
     :mod:`djl_stream.runtime.packed_linear`); said once per model."""
+    from djl_stream.runtime.linear_layers import layers_that_stay_float
     from djl_stream.runtime.packed_linear import (float_weights_fit_twice, pack_linear_layers,
                                                   packing_unavailable)
 
     if _input_device(model).type != "cpu":
         return
+    kept = layers_that_stay_float(model, "weights reordered for oneDNN")
     keep = float_weights_fit_twice(model)
-    packed = pack_linear_layers(model, keep_float_weights=keep)
+    packed = pack_linear_layers(model, keep_float_weights=keep, leaving_out=kept)
     if packed:
         logger.info("%d linear layers' weights reordered for oneDNN's matrix product%s",
                     packed, "; their float weights kept for decode steps of few rows" if keep
