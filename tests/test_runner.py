@@ -138,6 +138,21 @@ def test_a_hybrid_model_runs_its_forward_and_names_the_layers_that_keep_their_ow
     assert concurrent_streams(model, smollm2_tokenizer) == references
 
 
+def test_a_model_with_a_state_space_mixer_beside_attention_in_every_layer_runs_its_forward():
+    # Falcon-H1's layers each attend and run a state-space mixer too: every layer calls
+    # attention, and a few probe tokens of random weights may not show the state lost, so
+    # the cache transformers lays out for its config says so first
+    config = transformers.FalconH1Config(vocab_size=256, hidden_size=64, intermediate_size=96,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16, mamba_d_ssm=64,
+                                         mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    runner = load_runner(model, SETTINGS)
+    assert runner.path == "forward"
+    assert runner.reason.startswith("2 of its 2 layers (hybrid) keep a state of their own")
+
+
 def test_a_model_whose_logits_differ_through_the_cache_runs_its_forward(monkeypatch):
     from djl_stream.runtime import attention
 

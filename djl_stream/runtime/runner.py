@@ -691,7 +691,32 @@ def _why_not_the_fast_path(model) -> Optional[str]:
         return f"its layers are spread over {len(devices)} devices"
     if not hasattr(model.config, "_attn_implementation"):
         return "its config names no attention implementation"
+    stateful = _layers_keeping_a_state(model.config)
+    if stateful:
+        return _stateful_layers(model.config, len(_cache_layers(model.config)), stateful)
     return None
+
+
+def _cache_layers(config) -> list:
+    try:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=config).layers
+    except Exception:  # noqa: BLE001 - a config transformers cannot lay a cache out for
+        return []
+
+
+def _layers_keeping_a_state(config) -> List[int]:
+    """The layers that keep a recurrent or convolutional state, by the cache transformers
+    lays out for ``config``: Falcon-H1 runs a state-space mixer beside attention in every
+    layer, where the probe's few tokens may not tell (its attention is called by every
+    layer). Empty where this transformers has no such cache layers."""
+    try:
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
+    except ImportError:
+        return []
+    return [index for index, layer in enumerate(_cache_layers(config))
+            if isinstance(layer, LinearAttentionCacheLayerMixin)]
 
 
 def _probed_attention_runner(model, settings: RunnerSettings):
@@ -738,7 +763,8 @@ def _probed_attention_runner(model, settings: RunnerSettings):
         return None, ("no layer of it calls attention through transformers' attention "
                       "interface (attention code of its own, or no attention at all)")
     if layers and set(seen) < set(range(layers)):  # (some layers only: a hybrid)
-        return None, _stateful_layers(model.config, layers, seen)
+        return None, _stateful_layers(model.config, layers,
+                                      [i for i in range(layers) if i not in seen])
     if sorted(seen) != list(range(len(seen))) or (layers and len(seen) != layers):
         return None, (f"its attention was called for layers {sorted(seen)}, not once per "
                       "layer with a layer index")
@@ -766,17 +792,16 @@ def _probed_attention_runner(model, settings: RunnerSettings):
     return runner, None
 
 
-def _stateful_layers(config, layers: int, attending) -> str:
-    """Why a model whose attention runs in some of its layers only (a hybrid: Jamba,
-    Qwen3-Next, LFM2) cannot take the fast path, naming the other layers' kinds where its
-    config lists them."""
-    others = [i for i in range(layers) if i not in attending]
+def _stateful_layers(config, layers: int, stateful: Sequence[int]) -> str:
+    """Why a model some of whose layers keep a state instead of keys and values, or beside
+    them (a hybrid: Jamba, Qwen3-Next, LFM2, Falcon-H1), cannot take the fast path, naming
+    those layers' kinds where its config lists them."""
     types = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
-    kinds = sorted({str(types[i]) for i in others}) if types and len(types) == layers else []
+    kinds = sorted({str(types[i]) for i in stateful}) if types and len(types) == layers else []
     named = f" ({', '.join(kinds)})" if kinds else ""
-    return (f"{len(others)} of its {layers} layers{named} keep a state of their own instead of "
-            "keys and values (recurrent or convolutional), which djl-stream's KV cache does "
-            "not hold")
+    return (f"{len(stateful)} of its {layers} layers{named} keep a state of their own "
+            "(recurrent or convolutional) instead of keys and values or beside them, which "
+            "djl-stream's KV cache does not hold")
 
 
 def _configured_windows(config) -> List[Optional[int]]:
