@@ -80,7 +80,10 @@ def test_the_model_keeps_its_own_generate_after_the_runner_adopted_it(smollm2_to
     transformers.MptConfig(vocab_size=49152, d_model=64, n_layers=2, n_heads=4,
                            max_seq_len=256),
     transformers.BloomConfig(vocab_size=49152, hidden_size=64, n_layer=2, n_head=4),
-], ids=["mpt", "bloom"])
+    # (no attention at all: a recurrent state, which its forward takes as ``state``)
+    transformers.RwkvConfig(vocab_size=49152, hidden_size=64, num_hidden_layers=2,
+                            attention_hidden_size=64, intermediate_size=96, context_length=256),
+], ids=["mpt", "bloom", "rwkv"])
 def test_a_model_whose_attention_skips_the_interface_runs_its_forward_correctly(
         config, smollm2_tokenizer, caplog):
     torch.manual_seed(0)

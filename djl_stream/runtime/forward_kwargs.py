@@ -4,7 +4,8 @@ The djl-serving images carry transformers 4.45 and 4.51, the local server whatev
 newest, and the names of two arguments changed on the way:
 
 * the KV cache is ``past_key_values`` up to 5.23 and ``cache`` from 5.24 (the old name
-  still works there, with a deprecation warning, until 5.40);
+  still works there, with a deprecation warning, until 5.40); RWKV's recurrent state, its
+  cache, has always been ``state``;
 * asking for the last position's logits only is ``num_logits_to_keep`` before 4.50 and
   ``logits_to_keep`` after (models that predate it take neither).
 
@@ -27,10 +28,11 @@ import functools
 import inspect
 from typing import Any, Dict, FrozenSet, Mapping, Optional
 
-#: The KV cache's argument name, newest first.
-CACHE_NAMES = ("cache", "past_key_values")
+#: The cache's argument name, newest first (then RWKV's own).
+CACHE_NAMES = ("cache", "past_key_values", "state")
 #: The "logits of the last positions only" argument's name, newest first.
 LOGITS_TO_KEEP_NAMES = ("logits_to_keep", "num_logits_to_keep")
+
 
 def _parameters(model) -> FrozenSet[str]:
     """The names ``model.forward`` takes: its class's, read once per class."""
