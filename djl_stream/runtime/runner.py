@@ -799,7 +799,8 @@ def _stateful_layers(config, layers: int, stateful: Sequence[int]) -> str:
     types = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
     kinds = sorted({str(types[i]) for i in stateful}) if types and len(types) == layers else []
     named = f" ({', '.join(kinds)})" if kinds else ""
-    return (f"{len(stateful)} of its {layers} layers{named} keep a state of their own "
+    verb = "keeps" if len(stateful) == 1 else "keep"
+    return (f"{len(stateful)} of its {layers} layers{named} {verb} a state of their own "
             "(recurrent or convolutional) instead of keys and values or beside them, which "
             "djl-stream's KV cache does not hold")
 
