@@ -58,7 +58,6 @@ import logging
 from typing import Any, Dict, Optional
 
 from djl_stream.runtime.cpu_info import lacks_x86_flags
-from djl_stream.runtime.linear_layers import layers_that_stay_float
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +121,10 @@ def quantize_after_load(model, method: Optional[str], *, on_gpu: bool) -> int:
     """
     if on_gpu or method not in ("int8", "w8a8"):
         return 0
+    # (imported here: importing model.py must not import torch, and this module's callers
+    # import it at the top)
+    from djl_stream.runtime.linear_layers import layers_that_stay_float
+
     kept = layers_that_stay_float(model, "int8 weights")
     if method == "w8a8" and lacks_int8_dot_products():
         logger.warning("option.quantize=w8a8 on a CPU without int8 dot-product instructions "
