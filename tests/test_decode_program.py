@@ -117,3 +117,41 @@ def test_a_server_answers_at_once_and_switches_to_the_program_when_it_is_ready(
         assert "getting the compiled decode step" in server.logs()
     finally:
         server.stop()
+
+
+def test_a_compiling_process_whose_parent_died_before_it_looked_exits(tmp_path):
+    # A server killed while its compiler is still importing torch has handed the compiler to
+    # another process before the compiler asks who its parent is: the id the server gave
+    # it, not the one it finds, says whom to outlive. (sh stands for the server here: it
+    # names itself, starts the compiler's watch and exits at once.)
+    import os
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "pid"
+    script = (f"import os; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+              "from djl_stream.runtime.decode_program import _end_with_the_parent; "
+              "_end_with_the_parent(); import time; time.sleep(600)")
+    subprocess.run(["sh", "-c", f'{decode_program.PARENT_VARIABLE}=$$ "$1" -c "$2" & exit 0',
+                    "sh", sys.executable, script], check=True)
+
+    def running(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 120
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline, "the compiler never started"
+        time.sleep(0.1)
+    pid = int(pid_file.read_text())
+    try:
+        while running(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not running(pid), "the compiler outlived the process that started it"
+    finally:
+        if running(pid):
+            os.kill(pid, 9)

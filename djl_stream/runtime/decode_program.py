@@ -74,6 +74,8 @@ CACHE_VARIABLE = "DJL_STREAM_CACHE_DIR"
 #: the eager forward goes on serving instead: lines a harness may wait for.
 SWITCHED = "decode steps now run the compiled program"
 NOT_USED = "the eager forward goes on serving"
+#: The compiling process's parent's id, in the compiling process's environment.
+PARENT_VARIABLE = "DJL_STREAM_COMPILING_FOR"
 #: x86 flags that decide which vector code the compiler writes.
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
              "avx512_fp16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
@@ -445,7 +447,7 @@ class ProgramBuilder:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "djl_stream.runtime.decode_program", str(work_dir)],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                env=dict(os.environ, PYTHONUNBUFFERED="1", **{PARENT_VARIABLE: str(os.getpid())}))
             output = []
             for line in self._process.stdout:  # (its stages are the load log's progress)
                 output.append(line.rstrip())
@@ -598,8 +600,10 @@ def structural_twin(config_dict: Dict[str, Any], dtype: str, quantize: Optional[
 
 def _end_with_the_parent() -> None:
     """Exit when the process that started this one is gone: a server that was killed
-    leaves no compiler behind."""
-    parent = os.getppid()
+    leaves no compiler behind. The parent names itself in :data:`PARENT_VARIABLE`: a
+    parent that died while this process was still importing torch has already handed it
+    to another, and its own parent id would look like the one to watch."""
+    parent = int(os.environ.get(PARENT_VARIABLE) or os.getppid())
 
     def watch() -> None:
         while os.getppid() == parent:
