@@ -691,9 +691,10 @@ def _why_not_the_fast_path(model) -> Optional[str]:
         return f"its layers are spread over {len(devices)} devices"
     if not hasattr(model.config, "_attn_implementation"):
         return "its config names no attention implementation"
-    stateful = _layers_keeping_a_state(model.config)
+    cache_layers = _cache_layers(model.config)
+    stateful = _layers_keeping_a_state(cache_layers)
     if stateful:
-        return _stateful_layers(model.config, len(_cache_layers(model.config)), stateful)
+        return _stateful_layers(model.config, len(cache_layers), stateful)
     return None
 
 
@@ -706,16 +707,16 @@ def _cache_layers(config) -> list:
         return []
 
 
-def _layers_keeping_a_state(config) -> List[int]:
+def _layers_keeping_a_state(cache_layers: list) -> List[int]:
     """The layers that keep a recurrent or convolutional state, by the cache transformers
-    lays out for ``config``: Falcon-H1 runs a state-space mixer beside attention in every
+    lays out for the model's config (``cache_layers``): Falcon-H1 runs a state-space mixer beside attention in every
     layer, where the probe's few tokens may not tell (its attention is called by every
     layer). Empty where this transformers has no such cache layers."""
     try:
         from transformers.cache_utils import LinearAttentionCacheLayerMixin
     except ImportError:
         return []
-    return [index for index, layer in enumerate(_cache_layers(config))
+    return [index for index, layer in enumerate(cache_layers)
             if isinstance(layer, LinearAttentionCacheLayerMixin)]
 
 
